@@ -1,0 +1,79 @@
+"""The running trial's context: which device, stream and slot a trial thread owns."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from typing import Any
+
+
+if TYPE_CHECKING:
+    import optuna
+    import torch
+
+
+class NotInTrialError(RuntimeError):
+    """Raised by :func:`current` when no trial run by a :class:`WaterwaveExecutor` is running."""
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What a co-hosted trial owns while it runs.
+
+    Attributes:
+        trial: The Optuna trial being run.
+        trial_number: ``trial.number``.
+        device: The trial's device (``cuda:N`` or ``cpu``). Move the model and data there.
+        stream: The trial's own CUDA stream, already current in the trial's thread;
+            ``None`` on the CPU, where streams do not exist.
+        slot: Index of the trial's slot on its device host, ``0 <= slot < trials_per_device``.
+        attempt: ``0`` on the first run; ``k`` on the ``k``-th re-run after an out-of-memory
+            error (see ``WaterwaveExecutor(on_oom="retry")``).
+        scheduler: The device host's pipeline scheduler that NodeGroup gates ask for memory,
+            or ``None`` when the executor runs without one.
+    """
+
+    trial: optuna.trial.Trial
+    trial_number: int
+    device: torch.device
+    stream: torch.cuda.Stream | None
+    slot: int
+    attempt: int = 0
+    scheduler: Any = None
+
+
+_CURRENT: ContextVar[TrialContext | None] = ContextVar("waterwave_hpo_current_trial", default=None)
+
+
+def current() -> TrialContext:
+    """Return the context of the trial running in this thread.
+
+    Call it inside an objective run by :class:`~waterwave_hpo.WaterwaveExecutor`::
+
+        def objective(trial):
+            device = waterwave_hpo.current().device
+            model = build(trial).to(device)
+
+    Returns:
+        The running trial's :class:`TrialContext`.
+
+    Raises:
+        NotInTrialError: If no trial is running in this thread (a notebook cell, a test, a
+            thread the objective started itself, or ``study.optimize`` without
+            ``executor=``). Use :func:`current_or_none` where that is expected.
+    """
+    context = _CURRENT.get()
+    if context is None:
+        raise NotInTrialError(
+            "waterwave_hpo.current() was called outside a trial run by WaterwaveExecutor. "
+            "Call it inside the objective passed to WaterwaveExecutor().optimize(...) or "
+            "study.optimize(..., executor=WaterwaveExecutor()); outside a trial use "
+            "waterwave_hpo.current_or_none(), which returns None."
+        )
+    return context
+
+
+def current_or_none() -> TrialContext | None:
+    """Return the running trial's context, or ``None`` outside a trial (never raises)."""
+    return _CURRENT.get()
