@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from typing import Any
 
-
 if TYPE_CHECKING:
     import optuna
     import torch

@@ -1,0 +1,161 @@
+"""Optuna studies whose ``optimize`` takes ``executor=``.
+
+``optuna.Study.optimize`` runs trials itself (its ``n_jobs`` is a fixed thread pool) and has no
+executor hook. :class:`Study` is an ``optuna.Study`` whose ``optimize`` also accepts
+``executor=WaterwaveExecutor(...)`` and then hands the work to it; without ``executor`` it is
+Optuna's own ``optimize``, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from waterwave_hpo.executor import WaterwaveExecutor
+
+
+class Study(optuna.Study):
+    """An ``optuna.Study`` whose :meth:`optimize` also takes ``executor=``.
+
+    Create one with :func:`create_study` or :func:`load_study`, or adopt an existing study with
+    :func:`wrap_study`; everything else is ``optuna.Study``.
+    """
+
+    def optimize(  # type: ignore[override]
+        self,
+        func: Callable[[optuna.trial.Trial], Any],
+        n_trials: int | None = None,
+        timeout: float | None = None,
+        n_jobs: int = 1,
+        catch: Iterable[type[Exception]] | type[Exception] = (),
+        callbacks: Iterable[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
+        gc_after_trial: bool = False,
+        show_progress_bar: bool = False,
+        *,
+        executor: WaterwaveExecutor | None = None,
+    ) -> None:
+        """Optimize an objective, as ``optuna.Study.optimize``, optionally with an executor.
+
+        Args:
+            func, n_trials, timeout, n_jobs, catch, callbacks, gc_after_trial,
+                show_progress_bar: As for ``optuna.Study.optimize``.
+            executor: A :class:`~waterwave_hpo.WaterwaveExecutor` that runs the trials
+                concurrently on its devices, or ``None`` for Optuna's own loop.
+
+        Raises:
+            TypeError: If ``executor`` is not a ``WaterwaveExecutor``.
+            ValueError: If both ``executor`` and ``n_jobs != 1`` are given (the executor
+                decides concurrency: use ``trials_per_device``).
+        """
+        if executor is None:
+            super().optimize(
+                func,
+                n_trials=n_trials,
+                timeout=timeout,
+                n_jobs=n_jobs,
+                catch=catch,
+                callbacks=callbacks,
+                gc_after_trial=gc_after_trial,
+                show_progress_bar=show_progress_bar,
+            )
+            return
+        if not isinstance(executor, WaterwaveExecutor):
+            raise TypeError(
+                f"executor must be a waterwave_hpo.WaterwaveExecutor, got "
+                f"{type(executor).__name__!r}."
+            )
+        if n_jobs != 1:
+            raise ValueError(
+                f"n_jobs={n_jobs} cannot be combined with executor=: the executor runs "
+                "trials_per_device trials on each device. Drop n_jobs, or set "
+                "WaterwaveExecutor(trials_per_device=...)."
+            )
+        executor.optimize(
+            self,
+            func,
+            n_trials=n_trials,
+            timeout=timeout,
+            catch=catch,
+            callbacks=callbacks,
+            gc_after_trial=gc_after_trial,
+            show_progress_bar=show_progress_bar,
+        )
+
+
+def wrap_study(study: optuna.Study) -> Study:
+    """Return ``study`` as a :class:`Study` (the same object, same storage, sampler and pruner).
+
+    Raises:
+        TypeError: If ``study`` is not an ``optuna.Study``.
+    """
+    if not isinstance(study, optuna.Study):
+        raise TypeError(f"study must be an optuna.Study, got {type(study).__name__!r}.")
+    if type(study) is optuna.Study:
+        # Study adds a method and no state, so the object can take the subclass as it is.
+        study.__class__ = Study
+    elif not isinstance(study, Study):
+        raise TypeError(
+            f"Cannot adopt a study of type {type(study).__name__!r}; pass an optuna.Study, or "
+            "call WaterwaveExecutor().optimize(study, ...) with it directly."
+        )
+    return study  # type: ignore[return-value]
+
+
+def create_study(
+    *,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+    study_name: str | None = None,
+    direction: str | optuna.study.StudyDirection | None = None,
+    load_if_exists: bool = False,
+    directions: Sequence[str | optuna.study.StudyDirection] | None = None,
+) -> Study:
+    """Create a study, as ``optuna.create_study`` with the same arguments.
+
+    Returns:
+        A :class:`Study` whose ``optimize`` also takes ``executor=``.
+
+    Raises:
+        Whatever ``optuna.create_study`` raises for the same arguments.
+    """
+    study = optuna.create_study(
+        storage=storage,
+        sampler=sampler,
+        pruner=pruner,
+        study_name=study_name,
+        direction=direction,  # type: ignore[arg-type]
+        load_if_exists=load_if_exists,
+        directions=directions,  # type: ignore[arg-type]
+    )
+    return wrap_study(study)
+
+
+def load_study(
+    *,
+    study_name: str | None,
+    storage: str | optuna.storages.BaseStorage,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+) -> Study:
+    """Load a study, as ``optuna.load_study`` with the same arguments.
+
+    Returns:
+        A :class:`Study` whose ``optimize`` also takes ``executor=``.
+
+    Raises:
+        Whatever ``optuna.load_study`` raises for the same arguments (``KeyError`` if no study
+        of that name exists).
+    """
+    study = optuna.load_study(
+        study_name=study_name, storage=storage, sampler=sampler, pruner=pruner
+    )
+    return wrap_study(study)
+
+
+__all__ = ["Study", "create_study", "load_study", "wrap_study"]

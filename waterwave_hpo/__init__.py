@@ -1,0 +1,35 @@
+"""waterwave-hpo: many Optuna trials on one GPU at once.
+
+Trials are co-hosted in one process, each on its own CUDA stream (Waterwave, IEEE Trans.
+Computers 72(10), 2023). This module only re-exports the public API.
+"""
+
+import logging as _logging
+
+from waterwave_hpo._version import __version__
+from waterwave_hpo.executor import NotInTrialError
+from waterwave_hpo.executor import OnOOM
+from waterwave_hpo.executor import TrialContext
+from waterwave_hpo.executor import WaterwaveExecutor
+from waterwave_hpo.executor import current
+from waterwave_hpo.executor import current_or_none
+from waterwave_hpo.integrations.optuna import Study
+from waterwave_hpo.integrations.optuna import create_study
+from waterwave_hpo.integrations.optuna import load_study
+from waterwave_hpo.integrations.optuna import wrap_study
+
+_logging.getLogger("waterwave_hpo").addHandler(_logging.NullHandler())
+
+__all__ = [
+    "NotInTrialError",
+    "OnOOM",
+    "Study",
+    "TrialContext",
+    "WaterwaveExecutor",
+    "__version__",
+    "create_study",
+    "current",
+    "current_or_none",
+    "load_study",
+    "wrap_study",
+]

@@ -1,0 +1,3 @@
+from waterwave_hpo.cli import main
+
+raise SystemExit(main())

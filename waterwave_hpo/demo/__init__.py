@@ -1,0 +1,22 @@
+"""The demo: a NAS + HPO search of small CNNs on scikit-learn's handwritten digits.
+
+``waterwave-hpo demo`` runs it from the command line; :func:`run_demo` from Python.
+"""
+
+from waterwave_hpo.demo._data import Digits
+from waterwave_hpo.demo._data import load_digits
+from waterwave_hpo.demo._model import build_model
+from waterwave_hpo.demo._objective import make_objective
+from waterwave_hpo.demo._run import DemoConfig
+from waterwave_hpo.demo._run import DemoResult
+from waterwave_hpo.demo._run import run_demo
+
+__all__ = [
+    "DemoConfig",
+    "DemoResult",
+    "Digits",
+    "build_model",
+    "load_digits",
+    "make_objective",
+    "run_demo",
+]

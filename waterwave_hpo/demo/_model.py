@@ -1,0 +1,81 @@
+"""The demo's search space: a small CNN whose architecture and training the trial chooses."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import torch
+from torch import nn
+
+
+def build_model(trial: optuna.trial.Trial, generator: torch.Generator | None = None) -> nn.Module:
+    """Build the CNN the trial's parameters describe.
+
+    Architecture parameters (NAS): ``n_conv`` (1-3 conv blocks), ``channels_i`` (8-64),
+    ``kernel_i`` (3 or 5), ``hidden`` (width of the fully connected layer) and ``dropout``.
+    Each conv block is conv (same padding) -> batch norm -> ReLU, followed by 2x2 max pooling in
+    the first two blocks, so the 8x8 input shrinks to at most 2x2.
+
+    Args:
+        trial: The Optuna trial whose ``suggest_*`` calls choose the architecture.
+        generator: Seeds the weight initialization, so that a trial's model does not depend on
+            what co-hosted trials drew from torch's global generator. ``None``: torch's default
+            initialization.
+
+    Returns:
+        A module mapping ``[B, 1, 8, 8]`` images to ``[B, 10]`` logits, on the CPU.
+    """
+    n_conv = trial.suggest_int("n_conv", 1, 3)
+    layers: list[nn.Module] = []
+    in_channels, size = 1, 8
+    for i in range(n_conv):
+        out_channels = trial.suggest_categorical(f"channels_{i}", [8, 16, 32, 64])
+        kernel = trial.suggest_categorical(f"kernel_{i}", [3, 5])
+        layers += [
+            nn.Conv2d(in_channels, out_channels, kernel, padding=kernel // 2),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(),
+        ]
+        if i < 2:
+            layers.append(nn.MaxPool2d(2))
+            size //= 2
+        in_channels = out_channels
+    hidden = trial.suggest_categorical("hidden", [32, 64, 128])
+    dropout = trial.suggest_float("dropout", 0.0, 0.5)
+    layers += [
+        nn.Flatten(),
+        nn.Linear(in_channels * size * size, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, 10),
+    ]
+    model = nn.Sequential(*layers)
+    if generator is not None:
+        _init_(model, generator)
+    return model
+
+
+def _init_(model: nn.Module, generator: torch.Generator) -> None:
+    # torch's default initialization of Conv2d/Linear, drawn from `generator`.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5), generator=generator)
+                if module.bias is not None:
+                    fan_in = module.weight[0].numel()
+                    bound = 1.0 / math.sqrt(fan_in)
+                    module.bias.uniform_(-bound, bound, generator=generator)
+
+
+def build_optimizer(
+    trial: optuna.trial.Trial, parameters: list[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The optimizer the trial chooses: ``optimizer`` (adam, adamw, sgd) and ``lr`` (log scale)."""
+    name = trial.suggest_categorical("optimizer", ["adam", "adamw", "sgd"])
+    lr = trial.suggest_float("lr", 1e-4, 3e-2, log=True)
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr)
+    return torch.optim.Adam(parameters, lr=lr)

@@ -1,0 +1,21 @@
+"""The executor: co-hosted trials, one thread and one CUDA stream each, on every device."""
+
+from waterwave_hpo.executor._context import NotInTrialError
+from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor._context import current
+from waterwave_hpo.executor._context import current_or_none
+from waterwave_hpo.executor._executor import WaterwaveExecutor
+from waterwave_hpo.executor._host import TrialInterrupted
+from waterwave_hpo.executor._oom import is_out_of_memory
+from waterwave_hpo.executor._outcome import OnOOM
+
+__all__ = [
+    "NotInTrialError",
+    "OnOOM",
+    "TrialContext",
+    "TrialInterrupted",
+    "WaterwaveExecutor",
+    "current",
+    "current_or_none",
+    "is_out_of_memory",
+]

@@ -1,0 +1,12 @@
+"""Trial user attributes the executor writes, so a study records where and how a trial ran."""
+
+ATTR_DEVICE = "waterwave:device"
+"""The device the trial ran on, e.g. ``"cuda:0"`` or ``"cpu"``."""
+ATTR_SLOT = "waterwave:slot"
+"""The slot (0 .. trials_per_device - 1) of the device host that ran it."""
+ATTR_ATTEMPT = "waterwave:attempt"
+"""``k`` for the ``k``-th re-run of a parameter set after an out-of-memory error."""
+ATTR_RETRY_OF = "waterwave:retry_of"
+"""The number of the trial whose parameters this re-run repeats."""
+ATTR_FAIL_REASON = "waterwave:fail_reason"
+"""Why a FAIL trial failed: the exception, or out of memory with how many neighbours."""

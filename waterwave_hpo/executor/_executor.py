@@ -1,0 +1,460 @@
+"""``WaterwaveExecutor``: run an Optuna study's trials several at a time on each device."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+import contextlib
+from dataclasses import dataclass
+import logging
+import queue
+import time
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState
+import torch
+from tqdm.auto import tqdm
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._devices import DeviceSpec
+from waterwave_hpo.executor._devices import resolve_devices
+from waterwave_hpo.executor._host import DeviceHost
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+
+_logger = logging.getLogger("waterwave_hpo")
+
+ObjectiveFunc = Callable[[optuna.trial.Trial], Any]
+Callback = Callable[[optuna.Study, FrozenTrial], None]
+
+_POLL_S = 0.05
+_SHUTDOWN_GRACE_S = 5.0
+
+
+class WaterwaveExecutor:
+    """Run an Optuna study's trials concurrently, several per device, in one process.
+
+    Each device gets a host with ``trials_per_device`` slots; each slot is a thread with its own
+    CUDA stream (current in that thread), so co-hosted trials overlap on the GPU as in Waterwave
+    (IEEE TC 2023, Sec. 3). On a CPU-only machine the same code runs trials concurrently on the
+    CPU. Trials are driven with ``study.ask()``/``study.tell()``, so any ``optuna.Study`` works:
+    its sampler, pruner and storage are used as they are.
+
+    Every trial it asks for ends in the study as COMPLETE, PRUNED or FAIL, whatever happens to
+    its neighbours: ``optuna.TrialPruned`` prunes it; an exception listed in ``catch`` fails it
+    alone; any other exception fails it, lets the running trials finish and be told, then
+    propagates from :meth:`optimize` (Optuna's semantics); running out of device memory fails
+    it alone or re-queues its parameters (``on_oom``); Ctrl+C tells every running trial FAIL
+    before ``KeyboardInterrupt`` propagates.
+
+    Args:
+        devices: ``"auto"`` (every visible CUDA device, else the CPU), ``"cpu"``, ``"cuda"``
+            (every visible CUDA device), ``"cuda:N"``, an int ``N``, a ``torch.device``, or a
+            list of them.
+        trials_per_device: How many trials run at once on each device (>= 1).
+        on_oom: ``"retry"`` (default): a trial that runs out of device memory while it had
+            neighbours is told FAIL and its parameters are enqueued again
+            (``study.enqueue_trial``), to run once fewer trials share its device; at most
+            ``max_oom_retries`` times. ``"fail"``: it is told FAIL. Either way the others go on.
+        max_oom_retries: How many times one set of parameters is re-queued after OOM (>= 0).
+
+    Raises:
+        ValueError: For an argument out of range or a device that does not exist; the message
+            names the argument, the value and the fix.
+        TypeError: For an argument of the wrong type.
+
+    Example::
+
+        import waterwave_hpo as ww
+
+        study = ww.create_study(direction="maximize")
+        study.optimize(objective, n_trials=64, executor=ww.WaterwaveExecutor(trials_per_device=4))
+    """
+
+    def __init__(
+        self,
+        devices: DeviceSpec | Sequence[DeviceSpec] = "auto",
+        trials_per_device: int = 4,
+        *,
+        on_oom: OnOOM | str = OnOOM.RETRY,
+        max_oom_retries: int = 2,
+    ) -> None:
+        self.devices: list[torch.device] = resolve_devices(devices)
+        self.trials_per_device = _check_positive_int("trials_per_device", trials_per_device, 1)
+        self.on_oom = _check_on_oom(on_oom)
+        self.max_oom_retries = _check_positive_int("max_oom_retries", max_oom_retries, 0)
+
+    def __repr__(self) -> str:
+        devices = ", ".join(str(device) for device in self.devices)
+        return (
+            f"WaterwaveExecutor(devices=[{devices}], trials_per_device={self.trials_per_device}, "
+            f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries})"
+        )
+
+    def optimize(
+        self,
+        study: optuna.Study,
+        func: ObjectiveFunc,
+        n_trials: int | None = None,
+        timeout: float | None = None,
+        catch: Iterable[type[Exception]] | type[Exception] = (),
+        callbacks: Iterable[Callback] | None = None,
+        gc_after_trial: bool = False,
+        show_progress_bar: bool = False,
+    ) -> None:
+        """Optimize ``func`` on ``study``, running trials concurrently on the devices.
+
+        The arguments mean what they mean for ``optuna.Study.optimize``.
+
+        Args:
+            study: Any ``optuna.Study``.
+            func: The objective: takes an ``optuna.trial.Trial``, returns a float (or a sequence
+                of floats for a multi-objective study). Inside it, :func:`waterwave_hpo.current`
+                gives the trial's device and stream.
+            n_trials: How many new trials to run (>= 0); ``None`` for no limit. Re-runs of
+                parameters after an out-of-memory error do not count.
+            timeout: Stop starting trials after this many seconds (> 0); running trials finish.
+                ``None`` for no limit.
+            catch: Exception types that fail only their trial; the study goes on.
+            callbacks: Called as ``callback(study, frozen_trial)`` after each trial is told, in
+                the thread that called ``optimize``, one at a time. ``study.stop()`` works there
+                and in objectives.
+            gc_after_trial: Run ``gc.collect()`` after each trial.
+            show_progress_bar: Show a tqdm progress bar of finished trials.
+
+        Raises:
+            TypeError: If ``study``, ``func``, ``catch`` or ``callbacks`` has the wrong type.
+            ValueError: If ``n_trials`` or ``timeout`` is out of range.
+            RuntimeError: If called inside another ``optimize`` of the same study.
+            Exception: The first exception an objective raised that is not in ``catch``, after
+                the other running trials have finished and been told.
+            KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
+        """
+        if not isinstance(study, optuna.Study):
+            raise TypeError(
+                f"study must be an optuna.Study, got {type(study).__name__!r}. Create one with "
+                "waterwave_hpo.create_study(...) or optuna.create_study(...)."
+            )
+        if not callable(func):
+            raise TypeError(f"func must be callable (the objective), got {func!r}.")
+        if n_trials is not None:
+            n_trials = _check_positive_int("n_trials", n_trials, 0)
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout={timeout!r} must be a number of seconds or None.")
+            if not timeout > 0:
+                raise ValueError(
+                    f"timeout={timeout!r} must be > 0 seconds; pass None for no time limit."
+                )
+        catch_tuple = _check_catch(catch)
+        callback_list = _check_callbacks(callbacks)
+        if _optuna_compat.in_optimize_loop(study):
+            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
+
+        run = _OptimizeRun(
+            executor=self,
+            settings=RunSettings(
+                study=study,
+                func=func,
+                catch=catch_tuple,
+                on_oom=self.on_oom,
+                max_oom_retries=self.max_oom_retries,
+                gc_after_trial=bool(gc_after_trial),
+                outcomes=queue.SimpleQueue(),
+            ),
+            n_trials=n_trials,
+            timeout_s=None if timeout is None else float(timeout),
+            callbacks=callback_list,
+            show_progress_bar=bool(show_progress_bar),
+        )
+        run.execute()
+
+
+@dataclass
+class _RetryRequest:
+    params: dict[str, Any]
+    retry_of: int
+    attempt: int
+    max_running: int
+    """Run only on a host with at most this many trials running (fewer neighbours than at OOM)."""
+
+
+class _OptimizeRun:
+    """The state of one ``optimize`` call; lives in the calling thread."""
+
+    def __init__(
+        self,
+        executor: WaterwaveExecutor,
+        settings: RunSettings,
+        n_trials: int | None,
+        timeout_s: float | None,
+        callbacks: list[Callback],
+        show_progress_bar: bool,
+    ) -> None:
+        self.settings = settings
+        self.study = settings.study
+        self.n_trials = n_trials
+        self.timeout_s = timeout_s
+        self.callbacks = callbacks
+        self.hosts = [
+            DeviceHost(device, executor.trials_per_device, settings) for device in executor.devices
+        ]
+        self.n_started = 0  # new trials started (not counting OOM re-runs)
+        self.retries: deque[_RetryRequest] = deque()
+        self.error: BaseException | None = None  # first fatal error, re-raised at the end
+        self.stopping = False
+        self.progress = tqdm(
+            total=n_trials, disable=not show_progress_bar, unit="trial", dynamic_ncols=True
+        )
+        self.time_start = 0.0
+        self.asked: optuna.trial.Trial | None = None  # asked, not yet handed to a slot
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def execute(self) -> None:
+        study = self.study
+        _optuna_compat.reset_stop(study)
+        _optuna_compat.set_in_optimize_loop(study, True)
+        self.time_start = time.monotonic()
+        try:
+            while True:
+                self._dispatch()
+                if not self._running() and not self._may_start():
+                    break
+                try:
+                    outcome = self.settings.outcomes.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                self._handle(outcome)
+        except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
+            self._abort(interrupt)
+            raise
+        finally:
+            self.progress.close()
+            for host in self.hosts:
+                host.shutdown(timeout_s=_SHUTDOWN_GRACE_S)
+            _optuna_compat.set_in_optimize_loop(study, False)
+        if self.error is not None:
+            raise self.error
+
+    def _running(self) -> int:
+        return sum(host.n_running for host in self.hosts)
+
+    def _may_start(self) -> bool:
+        if self.stopping or self.error is not None:
+            return False
+        if _optuna_compat.stop_requested(self.study):
+            return False
+        if self.timeout_s is not None and time.monotonic() - self.time_start >= self.timeout_s:
+            return False
+        if self.retries:
+            return True
+        return self.n_trials is None or self.n_started < self.n_trials
+
+    def _dispatch(self) -> None:
+        while self._may_start():
+            if self.retries:
+                # A pending re-run goes first, on a host with few enough trials running; fresh
+                # trials wait behind it so it cannot starve.
+                request = self.retries[0]
+                host = self._host_for(max_running=request.max_running)
+                if host is None:
+                    return
+                self.retries.popleft()
+                self.study.enqueue_trial(
+                    request.params,
+                    user_attrs={ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
+                    skip_if_exists=False,
+                )
+            else:
+                host = self._host_for(max_running=None)
+                if host is None:
+                    return
+            self.asked = trial = self.study.ask()
+            attempt = int(trial.user_attrs.get(ATTR_ATTEMPT, 0))
+            retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
+            if attempt == 0:
+                self.n_started += 1
+            slot = host.idle_slot()
+            assert slot is not None
+            host.submit(slot, TrialJob(trial, attempt, retry_of))
+            self.asked = None
+
+    def _host_for(self, max_running: int | None) -> DeviceHost | None:
+        # The host with the most room: fewest running trials among those with an idle slot.
+        candidates = [
+            host
+            for host in self.hosts
+            if host.idle_slot() is not None
+            and (max_running is None or host.n_running <= max_running)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda host: host.n_running)
+
+    def _handle(self, outcome: TrialOutcome) -> None:
+        for host in self.hosts:
+            for slot in host.slots:
+                if slot.job is outcome.job:
+                    slot.job = None
+        frozen = outcome.frozen_trial
+        kind = outcome.kind
+        number = outcome.job.trial.number
+        if kind is OutcomeKind.INTERRUPTED:
+            return
+        if kind is OutcomeKind.OOM_RETRY:
+            request = _RetryRequest(
+                params=dict(outcome.job.trial.params),
+                retry_of=number if outcome.job.retry_of is None else int(outcome.job.retry_of),
+                attempt=outcome.job.attempt + 1,
+                max_running=max(0, outcome.neighbours - 1),
+            )
+            self.retries.append(request)
+            _logger.warning(
+                "Trial %d ran out of device memory beside %d other trial(s); its parameters "
+                "are re-queued (attempt %d of %d) to run with at most %d neighbour(s).",
+                number,
+                outcome.neighbours,
+                request.attempt,
+                self.settings.max_oom_retries,
+                request.max_running,
+            )
+        else:
+            self.progress.update(1)
+            self._log(outcome)
+        if kind is OutcomeKind.FATAL and self.error is None:
+            self.error = outcome.error
+        if frozen is not None:
+            for callback in self.callbacks:
+                try:
+                    callback(self.study, frozen)
+                except BaseException as error:
+                    if self.error is None:
+                        self.error = error
+                    self.stopping = True
+                    break
+        if frozen is not None:
+            self._show_best()
+
+    def _abort(self, interrupt: BaseException) -> None:
+        # Tell every running trial FAIL first (nothing may be left RUNNING), then stop threads.
+        self.stopping = True
+        reason = f"optimize() was interrupted: {type(interrupt).__name__}"
+        if self.asked is not None:
+            _fail_quietly(self.study, self.asked, reason)
+        for host in self.hosts:
+            for slot, job in host.running_jobs():
+                _fail_quietly(self.study, job.trial, reason)
+                slot.interrupt()
+        # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
+        # drain what has already been reported, without waiting for the rest.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.settings.outcomes.get_nowait()
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def _log(self, outcome: TrialOutcome) -> None:
+        frozen = outcome.frozen_trial
+        number = outcome.job.trial.number
+        if frozen is None:
+            return
+        if frozen.state is TrialState.COMPLETE:
+            _logger.info(
+                "Trial %d finished with value %s and parameters %s.",
+                number,
+                frozen.values if len(frozen.values or []) > 1 else frozen.value,
+                frozen.params,
+            )
+        elif frozen.state is TrialState.PRUNED:
+            _logger.info("Trial %d pruned.", number)
+        else:
+            _logger.warning(
+                "Trial %d failed with parameters %s: %s",
+                number,
+                frozen.params,
+                frozen.user_attrs.get(ATTR_FAIL_REASON, "invalid return value"),
+            )
+
+    def _show_best(self) -> None:
+        if self.progress.disable or len(self.study.directions) != 1:
+            return
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no COMPLETE trial yet
+            return
+        self.progress.set_postfix_str(f"best trial {best.number}: {best.value:.6g}")
+
+
+def _fail_quietly(study: optuna.Study, trial: optuna.trial.Trial, reason: str) -> None:
+    with contextlib.suppress(Exception):
+        trial.set_user_attr(ATTR_FAIL_REASON, reason)
+    with contextlib.suppress(Exception):
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def _check_positive_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name}={value!r} must be an int >= {minimum}, not {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}. Pass an int >= {minimum}.")
+    return value
+
+
+def _check_on_oom(value: object) -> OnOOM:
+    try:
+        return OnOOM(value)
+    except ValueError:
+        raise ValueError(
+            f"on_oom={value!r} is not one of 'retry', 'fail'. Pass on_oom='retry' to re-run "
+            "the trial's parameters with fewer neighbours, or on_oom='fail' to fail it."
+        ) from None
+
+
+def _check_catch(catch: object) -> tuple[type[Exception], ...]:
+    if isinstance(catch, type):
+        items: list[object] = [catch]
+    elif isinstance(catch, Iterable) and not isinstance(catch, (str, bytes)):
+        items = list(catch)
+    else:
+        raise TypeError(
+            f"catch={catch!r} must be an exception type or a tuple of exception types, e.g. "
+            "catch=(ValueError,)."
+        )
+    for item in items:
+        if not (isinstance(item, type) and issubclass(item, BaseException)):
+            raise TypeError(
+                f"catch contains {item!r}, which is not an exception type; pass exception "
+                "classes such as catch=(ValueError, RuntimeError)."
+            )
+    return tuple(items)  # type: ignore[arg-type]
+
+
+def _check_callbacks(callbacks: object) -> list[Callback]:
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, Iterable) or callable(callbacks):
+        raise TypeError(
+            f"callbacks={callbacks!r} must be a list of callables taking (study, frozen_trial); "
+            "wrap a single callback in a list."
+        )
+    result = list(callbacks)
+    for callback in result:
+        if not callable(callback):
+            raise TypeError(
+                f"callbacks contains {callback!r}, which is not callable; each callback takes "
+                "(study, frozen_trial)."
+            )
+    return result

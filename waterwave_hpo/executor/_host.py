@@ -1,0 +1,317 @@
+"""A device host: slots (threads, each with its own CUDA stream) that run trials on one device.
+
+Waterwave (IEEE TC 2023, Sec. 3) co-hosts training jobs in one process, each on its own stream.
+A host has ``trials_per_device`` slots; a slot is a long-lived thread that owns one stream for its
+whole life and runs one trial at a time, so at most ``trials_per_device`` trials run on the device
+at once. Every attempt ends with the study told COMPLETE, PRUNED or FAIL from the slot's thread,
+and a :class:`TrialOutcome` put on the executor's queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
+import ctypes
+from dataclasses import dataclass
+import gc
+import queue
+import threading
+import traceback
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+import torch
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor import _streams
+from waterwave_hpo.executor._attrs import ATTR_DEVICE
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._context import _CURRENT
+from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor._oom import is_out_of_memory
+from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+
+_REASON_MAX_CHARS = 500
+
+
+class TrialInterrupted(BaseException):
+    """Raised inside a trial's thread when the executor stops it (Ctrl+C on the main thread).
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that ``except Exception`` in an objective
+    does not swallow it.
+    """
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every slot of one ``optimize`` call needs to run and tell trials."""
+
+    study: optuna.Study
+    func: Callable[[optuna.trial.Trial], Any]
+    catch: tuple[type[BaseException], ...]
+    on_oom: OnOOM
+    max_oom_retries: int
+    gc_after_trial: bool
+    outcomes: queue.SimpleQueue[TrialOutcome]
+
+
+class DeviceHost:
+    """The slots of one device for one ``optimize`` call.
+
+    Only the executor's thread calls :meth:`submit`, :meth:`idle_slot`, :meth:`mark_idle`
+    and :meth:`shutdown`; slot threads only run trials and report outcomes.
+
+    Args:
+        device: The device its trials run on.
+        n_slots: How many trials may run at once (``trials_per_device``).
+        settings: The ``optimize`` call's settings.
+        scheduler: The device's pipeline scheduler, handed to trials through
+            :class:`TrialContext`, or ``None``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        n_slots: int,
+        settings: RunSettings,
+        scheduler: Any = None,
+    ) -> None:
+        self.device = device
+        self.settings = settings
+        self.scheduler = scheduler
+        self.slots = [_Slot(self, index) for index in range(n_slots)]
+
+    @property
+    def n_running(self) -> int:
+        """Trials handed to this host whose outcome the executor has not handled yet."""
+        return sum(1 for slot in self.slots if slot.job is not None)
+
+    def idle_slot(self) -> _Slot | None:
+        """A slot with no trial, or ``None`` when all are taken."""
+        for slot in self.slots:
+            if slot.job is None:
+                return slot
+        return None
+
+    def submit(self, slot: _Slot, job: TrialJob) -> None:
+        """Hand ``job`` to the idle ``slot``; starts the slot's thread on first use."""
+        assert slot.job is None, "submit() to a busy slot"
+        slot.job = job
+        slot.start()
+        slot.inbox.put(job)
+
+    def running_jobs(self) -> list[tuple[_Slot, TrialJob]]:
+        """The (slot, job) pairs running now."""
+        return [(slot, slot.job) for slot in self.slots if slot.job is not None]
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop the slot threads; wait up to ``timeout_s`` seconds in all for them to end."""
+        for slot in self.slots:
+            if slot.thread is not None:
+                slot.inbox.put(None)
+        deadline = timeout_s
+        for slot in self.slots:
+            if slot.thread is not None:
+                slot.thread.join(timeout=max(0.0, deadline))
+
+
+class _Slot:
+    """One trial at a time, in its own thread, on its own stream."""
+
+    def __init__(self, host: DeviceHost, index: int) -> None:
+        self.host = host
+        self.index = index
+        self.inbox: queue.SimpleQueue[TrialJob | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.job: TrialJob | None = None  # owned by the executor's thread
+        self.busy = False  # owned by the slot's thread: inside an objective now
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._loop,
+                name=f"waterwave-{self.host.device}-slot{self.index}",
+                daemon=True,
+            )
+            self.thread.start()
+
+    def interrupt(self) -> None:
+        """Raise :class:`TrialInterrupted` in this slot's thread if it is inside an objective.
+
+        The exception arrives at the thread's next Python bytecode; a long native call (a CUDA
+        kernel launch, a big matmul on the CPU) finishes first.
+        """
+        if self.thread is not None and self.thread.ident is not None and self.busy:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.thread.ident), ctypes.py_object(TrialInterrupted)
+            )
+
+    def neighbours(self) -> int:
+        """How many other slots of this host are inside an objective now."""
+        return sum(1 for slot in self.host.slots if slot is not self and slot.busy)
+
+    def _loop(self) -> None:
+        device = self.host.device
+        stream: torch.cuda.Stream | None = None
+        setup_error: BaseException | None = None
+        if device.type == "cuda":
+            try:
+                torch.cuda.set_device(device)
+                stream = _streams.acquire_stream(device)
+            except BaseException as error:  # reported with the first job, then the slot exits
+                setup_error = error
+        try:
+            while True:
+                job = self.inbox.get()
+                if job is None:
+                    return
+                if setup_error is not None:
+                    outcome = _fail_without_running(self.host.settings, job, setup_error)
+                else:
+                    try:
+                        outcome = _run_trial(self, job, stream)
+                    except TrialInterrupted:
+                        outcome = TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
+                    except BaseException as error:  # the study's storage failed, not the trial
+                        outcome = _fail_without_running(self.host.settings, job, error)
+                self.host.settings.outcomes.put(outcome)
+                if setup_error is not None:
+                    return
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    _streams.release_stream(stream)
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
+def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> TrialOutcome:
+    settings = slot.host.settings
+    study, trial = settings.study, job.trial
+    device = slot.host.device
+    context = TrialContext(
+        trial=trial,
+        trial_number=trial.number,
+        device=device,
+        stream=stream,
+        slot=slot.index,
+        attempt=job.attempt,
+        scheduler=slot.host.scheduler,
+    )
+    _optuna_compat.set_in_optimize_loop(study, True)
+    token = _CURRENT.set(context)
+    scheduler = slot.host.scheduler
+    value: Any = None
+    pruned = False
+    error: BaseException | None = None
+    slot.busy = True
+    try:
+        trial.set_user_attr(ATTR_DEVICE, str(device))
+        trial.set_user_attr(ATTR_SLOT, slot.index)
+        if scheduler is not None:
+            scheduler.trial_started(trial.number, trial)
+        with _on_stream(device, stream):
+            value = settings.func(trial)
+    except optuna.TrialPruned:
+        pruned = True
+    except BaseException as caught:  # classified below; KeyboardInterrupt included
+        error = caught
+    finally:
+        neighbours = slot.neighbours()
+        slot.busy = False
+        _CURRENT.reset(token)
+        if scheduler is not None:
+            with contextlib.suppress(Exception):
+                scheduler.trial_finished(trial.number)
+
+    if isinstance(error, TrialInterrupted):
+        # The executor has told the study FAIL already; make sure, without raising.
+        with contextlib.suppress(Exception):
+            settings.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None, error)
+
+    if pruned:
+        frozen = _tell(settings.study, trial, state=TrialState.PRUNED)
+        kind = OutcomeKind.PRUNED
+    elif error is None:
+        frozen = _tell(settings.study, trial, values=value)
+        kind = OutcomeKind.COMPLETE
+    else:
+        kind = _classify(settings, job, error, neighbours)
+        if kind in (OutcomeKind.OOM_FAILED, OutcomeKind.OOM_RETRY):
+            reason = f"out of device memory with {neighbours} neighbour(s): {error}"
+            _release_memory(error, device)
+        else:
+            reason = "".join(traceback.format_exception_only(type(error), error)).strip()
+        with contextlib.suppress(Exception):
+            trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        frozen = _tell(settings.study, trial, state=TrialState.FAIL)
+    if settings.gc_after_trial:
+        gc.collect()
+    return TrialOutcome(job, kind, frozen, error, neighbours)
+
+
+def _classify(
+    settings: RunSettings, job: TrialJob, error: BaseException, neighbours: int
+) -> OutcomeKind:
+    if isinstance(error, Exception) and is_out_of_memory(error):
+        if (
+            settings.on_oom is OnOOM.RETRY
+            and job.attempt < settings.max_oom_retries
+            and neighbours > 0
+        ):
+            return OutcomeKind.OOM_RETRY
+        return OutcomeKind.OOM_FAILED
+    if isinstance(error, settings.catch):
+        return OutcomeKind.FAILED
+    return OutcomeKind.FATAL
+
+
+def _release_memory(error: BaseException, device: torch.device) -> None:
+    # The traceback's frames hold the failed trial's tensors; free them before anyone retries.
+    tb = error.__traceback__
+    if tb is not None:
+        traceback.clear_frames(tb)
+    gc.collect()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
+def _tell(
+    study: optuna.Study,
+    trial: optuna.trial.Trial,
+    values: Any = None,
+    state: TrialState | None = None,
+) -> optuna.trial.FrozenTrial:
+    # skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the objective may
+    # have told the study itself.
+    if state is None:
+        return study.tell(trial, values, skip_if_finished=True)
+    return study.tell(trial, state=state, skip_if_finished=True)
+
+
+def _fail_without_running(
+    settings: RunSettings, job: TrialJob, error: BaseException
+) -> TrialOutcome:
+    """Tell FAIL for a trial the executor itself could not run or tell; never raises."""
+    reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
+    frozen = None
+    with contextlib.suppress(Exception):
+        job.trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+    with contextlib.suppress(Exception):
+        frozen = _tell(settings.study, job.trial, state=TrialState.FAIL)
+    return TrialOutcome(job, OutcomeKind.FATAL, frozen, error)

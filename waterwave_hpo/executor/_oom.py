@@ -1,0 +1,35 @@
+"""Recognising out-of-memory errors, whoever raised them."""
+
+from __future__ import annotations
+
+import torch
+
+_OOM_MESSAGES = ("cuda out of memory", "cuda error: out of memory", "out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) is a device out-of-memory error.
+
+    Recognises ``torch.cuda.OutOfMemoryError`` (raised by PyTorch's allocators, including a
+    pluggable allocator returning null), a ``RuntimeError`` whose message says CUDA ran out of
+    memory (older code paths and some extensions), and
+    :class:`waterwave_hpo.scheduler.BudgetExceededError` (the NodeGroup scheduler evicting a
+    trial). The ``__cause__``/``__context__`` chain is followed, so an objective that wraps the
+    error in its own exception is still recognised.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, torch.cuda.OutOfMemoryError):
+            return True
+        if type(current).__name__ == "BudgetExceededError":
+            return True
+        if isinstance(current, RuntimeError):
+            message = str(current).lower()
+            if any(text in message for text in _OOM_MESSAGES) and (
+                "cuda" in message or "hip" in message or "device" in message
+            ):
+                return True
+        current = current.__cause__ or current.__context__
+    return False

@@ -1,0 +1,87 @@
+"""One row per trial, as a pandas DataFrame (written to ``trials.csv`` by the demo)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import optuna
+import pandas as pd
+
+from waterwave_hpo.executor._attrs import ATTR_DEVICE
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._attrs import ATTR_SLOT
+
+_COLUMNS = [
+    "number",
+    "state",
+    "value",
+    "params",
+    "datetime_start",
+    "datetime_complete",
+    "duration_s",
+    "device",
+    "slot",
+    "retry_of",
+    "fail_reason",
+]
+
+
+def trials_table(study: optuna.Study) -> pd.DataFrame:
+    """The study's trials, one row each, in trial-number order.
+
+    Columns: ``number``; ``state`` (COMPLETE, PRUNED, FAIL, RUNNING, WAITING); ``value`` (the
+    objective value, or the last reported intermediate value of a pruned trial); ``params`` (a
+    JSON object); ``datetime_start`` and ``datetime_complete`` (ISO 8601, local time);
+    ``duration_s`` (seconds); ``device`` and ``slot`` (where ``WaterwaveExecutor`` ran it);
+    ``retry_of`` (the trial whose parameters it re-ran after an out-of-memory error);
+    ``fail_reason``; then one ``param_<name>`` column per parameter. Multi-objective studies get
+    ``value_0``, ``value_1``, ... instead of ``value``.
+    """
+    rows: list[dict[str, Any]] = []
+    n_objectives = len(study.directions)
+    param_names: list[str] = []
+    for trial in study.get_trials(deepcopy=False):
+        duration = (
+            (trial.datetime_complete - trial.datetime_start).total_seconds()
+            if trial.datetime_start is not None and trial.datetime_complete is not None
+            else None
+        )
+        row: dict[str, Any] = {
+            "number": trial.number,
+            "state": trial.state.name,
+            "params": json.dumps(trial.params, sort_keys=True),
+            "datetime_start": _iso(trial.datetime_start),
+            "datetime_complete": _iso(trial.datetime_complete),
+            "duration_s": duration,
+            "device": trial.user_attrs.get(ATTR_DEVICE),
+            "slot": trial.user_attrs.get(ATTR_SLOT),
+            "retry_of": trial.user_attrs.get(ATTR_RETRY_OF),
+            "fail_reason": trial.user_attrs.get(ATTR_FAIL_REASON),
+        }
+        if n_objectives == 1:
+            row["value"] = trial.value if trial.values is not None else _last_reported(trial)
+        else:
+            for i in range(n_objectives):
+                row[f"value_{i}"] = trial.values[i] if trial.values is not None else None
+        for name, value in trial.params.items():
+            if name not in param_names:
+                param_names.append(name)
+            row[f"param_{name}"] = value
+        rows.append(row)
+    value_columns = ["value"] if n_objectives == 1 else [f"value_{i}" for i in range(n_objectives)]
+    columns = [c for c in _COLUMNS if c != "value"]
+    columns[2:2] = value_columns
+    columns += [f"param_{name}" for name in param_names]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _iso(moment: Any) -> str | None:
+    return None if moment is None else moment.isoformat()
+
+
+def _last_reported(trial: optuna.trial.FrozenTrial) -> float | None:
+    if not trial.intermediate_values:
+        return None
+    return trial.intermediate_values[max(trial.intermediate_values)]

@@ -1,0 +1,105 @@
+"""A Gantt chart of trials over time, one row per device slot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState
+
+from waterwave_hpo.executor._attrs import ATTR_DEVICE
+from waterwave_hpo.executor._attrs import ATTR_SLOT
+
+_COLOURS = {
+    TrialState.COMPLETE: "#2e7d32",
+    TrialState.PRUNED: "#f9a825",
+    TrialState.FAIL: "#c62828",
+}
+
+
+def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = "") -> Path:
+    """Draw each finished trial as a bar from its start to its end, on its device slot's row.
+
+    Rows are labelled ``<device> / slot <k>`` from the ``waterwave:device`` and ``waterwave:slot``
+    user attributes that :class:`~waterwave_hpo.WaterwaveExecutor` sets; trials without them
+    (run by plain ``study.optimize``) share one row. Bars are coloured by state (complete,
+    pruned, failed) and labelled with the trial number. Time is in seconds from the first start.
+
+    Args:
+        trials: The trials to draw; those not finished are skipped.
+        path: Where to write the PNG.
+        title: The figure's title.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    finished = [
+        t
+        for t in trials
+        if t.datetime_start is not None
+        and t.datetime_complete is not None
+        and t.state.is_finished()
+    ]
+    rows = sorted(
+        {_row(t) for t in finished}, key=lambda row: (row[0], -1 if row[1] is None else row[1])
+    )
+    index = {row: i for i, row in enumerate(rows)}
+    t0 = min((t.datetime_start.timestamp() for t in finished), default=0.0)  # type: ignore[union-attr]
+
+    figure = Figure(figsize=(10, 1.2 + 0.45 * max(1, len(rows))), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for trial in finished:
+        start = trial.datetime_start.timestamp() - t0  # type: ignore[union-attr]
+        width = max(trial.datetime_complete.timestamp() - t0 - start, 1e-3)  # type: ignore[union-attr]
+        y = index[_row(trial)]
+        axes.barh(
+            y,
+            width,
+            left=start,
+            height=0.7,
+            color=_COLOURS.get(trial.state, "#757575"),
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        axes.text(
+            start + width / 2,
+            y,
+            str(trial.number),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+            clip_on=True,
+        )
+    axes.set_yticks(range(len(rows)), [_label(row) for row in rows])
+    axes.invert_yaxis()
+    axes.set_xlabel("seconds since the first trial started")
+    axes.set_title(title or f"{len(finished)} trials")
+    axes.grid(axis="x", alpha=0.3)
+    axes.legend(
+        handles=[Patch(color=c, label=s.name.lower()) for s, c in _COLOURS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _row(trial: FrozenTrial) -> tuple[str, int | None]:
+    device = str(trial.user_attrs.get(ATTR_DEVICE, "trials"))
+    slot = trial.user_attrs.get(ATTR_SLOT)
+    return device, None if slot is None else int(slot)
+
+
+def _label(row: tuple[str, int | None]) -> str:
+    device, slot = row
+    return device if slot is None else f"{device} / slot {slot}"
