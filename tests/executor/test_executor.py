@@ -1,0 +1,386 @@
+"""WaterwaveExecutor against Optuna's optimize semantics, on the CPU."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import optuna
+from optuna.trial import TrialState
+import pytest
+import torch
+
+import waterwave_hpo as ww
+from waterwave_hpo.report import max_concurrent_trials
+
+
+def _states(study: optuna.Study) -> list[TrialState]:
+    return [t.state for t in study.get_trials(deepcopy=False)]
+
+
+def _cpu(k: int = 4, **kwargs: object) -> ww.WaterwaveExecutor:
+    return ww.WaterwaveExecutor(devices="cpu", trials_per_device=k, **kwargs)  # type: ignore[arg-type]
+
+
+def test_runs_exactly_n_trials_all_complete() -> None:
+    study = optuna.create_study()
+    _cpu(3).optimize(study, lambda t: t.suggest_float("x", -1, 1) ** 2, n_trials=10)
+    assert _states(study) == [TrialState.COMPLETE] * 10
+
+
+def test_trials_really_overlap_in_time() -> None:
+    k = 4
+    barrier = threading.Barrier(k, timeout=20)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        barrier.wait()  # breaks (and fails the trial) unless k trials are inside at once
+        time.sleep(0.05)
+        return 1.0
+
+    study = optuna.create_study()
+    _cpu(k).optimize(study, objective, n_trials=k)
+    assert _states(study) == [TrialState.COMPLETE] * k
+    assert max_concurrent_trials(study.trials) == k
+
+
+def test_never_more_than_trials_per_device_at_once() -> None:
+    lock = threading.Lock()
+    running = {"now": 0, "peak": 0}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        with lock:
+            running["now"] += 1
+            running["peak"] = max(running["peak"], running["now"])
+        time.sleep(0.02)
+        with lock:
+            running["now"] -= 1
+        return 0.0
+
+    study = optuna.create_study()
+    _cpu(3).optimize(study, objective, n_trials=15)
+    assert running["peak"] == 3
+    assert len(study.trials) == 15
+
+
+def test_current_gives_the_trials_context_and_raises_outside() -> None:
+    seen: dict[int, ww.TrialContext] = {}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        seen[trial.number] = ww.current()
+        return 0.0
+
+    _cpu(2).optimize(optuna.create_study(), objective, n_trials=4)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for number, context in seen.items():
+        assert context.trial_number == number
+        assert context.trial.number == number
+        assert context.device == torch.device("cpu")
+        assert context.stream is None
+        assert 0 <= context.slot < 2
+    with pytest.raises(ww.NotInTrialError, match="outside a trial"):
+        ww.current()
+    assert ww.current_or_none() is None
+
+
+def test_trial_user_attrs_record_device_and_slot() -> None:
+    study = optuna.create_study()
+    _cpu(2).optimize(study, lambda t: 0.0, n_trials=4)
+    for trial in study.trials:
+        assert trial.user_attrs["waterwave:device"] == "cpu"
+        assert trial.user_attrs["waterwave:slot"] in (0, 1)
+
+
+def test_timeout_stops_starting_trials_and_lets_running_ones_finish() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        time.sleep(0.3)
+        return 0.0
+
+    study = optuna.create_study()
+    started = time.monotonic()
+    _cpu(2).optimize(study, objective, timeout=0.5)
+    elapsed = time.monotonic() - started
+    states = _states(study)
+    assert 2 <= len(states) <= 6
+    assert all(state is TrialState.COMPLETE for state in states)
+    assert elapsed < 3.0
+
+
+def test_callbacks_see_every_finished_trial_in_the_calling_thread() -> None:
+    calls: list[tuple[int, TrialState, str]] = []
+
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        calls.append((trial.number, trial.state, threading.current_thread().name))
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number % 3 == 0:
+            raise optuna.TrialPruned()
+        return 1.0
+
+    study = optuna.create_study()
+    _cpu(2).optimize(study, objective, n_trials=6, callbacks=[callback])
+    assert sorted(number for number, _, _ in calls) == list(range(6))
+    assert {thread for _, _, thread in calls} == {threading.current_thread().name}
+    for number, state, _ in calls:
+        assert state is (TrialState.PRUNED if number % 3 == 0 else TrialState.COMPLETE)
+
+
+def test_study_stop_in_callback_stops_the_study() -> None:
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if trial.number >= 2:
+            study.stop()
+
+    study = optuna.create_study()
+    _cpu(1).optimize(study, lambda t: 0.0, n_trials=50, callbacks=[callback])
+    assert len(study.trials) == 3
+    assert all(state is TrialState.COMPLETE for state in _states(study))
+
+
+def test_study_stop_in_objective_stops_the_study() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 1:
+            trial.study.stop()
+        return 0.0
+
+    study = optuna.create_study()
+    _cpu(1).optimize(study, objective, n_trials=50)
+    assert len(study.trials) == 2
+
+
+def test_pruned_trials_end_pruned_with_their_last_report() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        trial.report(0.5, step=0)
+        raise optuna.TrialPruned()
+
+    study = optuna.create_study()
+    _cpu(2).optimize(study, objective, n_trials=4)
+    assert _states(study) == [TrialState.PRUNED] * 4
+    assert [t.value for t in study.trials] == [0.5] * 4
+
+
+def test_caught_exception_fails_only_its_trial() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 1:
+            raise ValueError("bad hyperparameters")
+        time.sleep(0.02)
+        return 1.0
+
+    study = optuna.create_study()
+    _cpu(2).optimize(study, objective, n_trials=6, catch=(ValueError,))
+    states = _states(study)
+    assert states[1] is TrialState.FAIL
+    assert states.count(TrialState.COMPLETE) == 5
+    assert "ValueError: bad hyperparameters" in study.trials[1].user_attrs["waterwave:fail_reason"]
+
+
+def test_catch_accepts_a_single_type_and_a_list_like_optuna() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        raise KeyError("x")
+
+    for catch in (KeyError, [KeyError]):
+        study = optuna.create_study()
+        _cpu(2).optimize(study, objective, n_trials=2, catch=catch)  # type: ignore[arg-type]
+        assert _states(study) == [TrialState.FAIL] * 2
+
+
+def test_uncaught_exception_propagates_after_neighbours_finish_and_are_told() -> None:
+    neighbours_inside = threading.Barrier(3, timeout=20)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number < 3:
+            neighbours_inside.wait()
+        if trial.number == 0:
+            raise RuntimeError("objective bug")
+        time.sleep(0.3)  # still running when trial 0 fails
+        return 1.0
+
+    study = optuna.create_study()
+    with pytest.raises(RuntimeError, match="objective bug"):
+        _cpu(3).optimize(study, objective, n_trials=20)
+    trials = study.get_trials(deepcopy=False)
+    assert trials[0].state is TrialState.FAIL
+    assert [t.state for t in trials[1:3]] == [TrialState.COMPLETE] * 2
+    assert TrialState.RUNNING not in _states(study)
+    assert len(trials) <= 4  # no trial is started after the failure is seen
+
+
+@pytest.mark.filterwarnings("ignore:The value None could not be cast to float")
+def test_invalid_return_value_fails_the_trial_without_raising() -> None:
+    study = optuna.create_study()
+    _cpu(2).optimize(study, lambda t: None, n_trials=2)  # type: ignore[arg-type,return-value]
+    assert _states(study) == [TrialState.FAIL] * 2
+
+
+def test_out_of_memory_fails_only_its_trial_with_on_oom_fail() -> None:
+    inside = threading.Barrier(3, timeout=20)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number < 3:
+            inside.wait()
+        if trial.number == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        time.sleep(0.1)
+        return 1.0
+
+    study = optuna.create_study()
+    _cpu(3, on_oom="fail").optimize(study, objective, n_trials=6)
+    states = _states(study)
+    assert len(states) == 6
+    assert states[1] is TrialState.FAIL
+    assert states.count(TrialState.COMPLETE) == 5
+    assert "out of device memory" in study.trials[1].user_attrs["waterwave:fail_reason"]
+
+
+def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours() -> None:
+    inside = threading.Barrier(3, timeout=20)
+    lock = threading.Lock()
+    running = {"now": 0}
+    concurrency_at_start: dict[int, int] = {}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0, 1)
+        with lock:
+            running["now"] += 1
+            concurrency_at_start[trial.number] = running["now"]
+        try:
+            if trial.number < 3:
+                inside.wait()
+            if trial.number == 0:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+            time.sleep(0.2)
+            return x
+        finally:
+            with lock:
+                running["now"] -= 1
+
+    study = optuna.create_study()
+    _cpu(3).optimize(study, objective, n_trials=3)
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 4  # three configurations, one re-run
+    retry = trials[3]
+    assert trials[0].state is TrialState.FAIL
+    assert retry.state is TrialState.COMPLETE
+    assert retry.params == trials[0].params
+    assert retry.user_attrs["waterwave:retry_of"] == 0
+    assert retry.user_attrs["waterwave:attempt"] == 1
+    # It failed beside two neighbours; its re-run may have at most one.
+    assert concurrency_at_start[3] <= 2
+
+
+def test_out_of_memory_alone_is_not_retried() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    study = optuna.create_study()
+    _cpu(1).optimize(study, objective, n_trials=2)
+    assert _states(study) == [TrialState.FAIL] * 2
+
+
+def test_keyboard_interrupt_tells_every_running_trial_fail() -> None:
+    inside = threading.Barrier(3, timeout=20)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        inside.wait()
+        if trial.number == 0:
+            _thread.interrupt_main()
+        for step in range(200):  # a long training loop
+            time.sleep(0.02)
+            trial.report(float(step), step)
+        return 1.0
+
+    study = optuna.create_study()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _cpu(3).optimize(study, objective, n_trials=10)
+    assert time.monotonic() - started < 3.0
+    states = _states(study)
+    assert len(states) == 3
+    assert states == [TrialState.FAIL] * 3
+    assert "interrupted" in study.trials[0].user_attrs["waterwave:fail_reason"]
+
+
+def test_multi_objective_study() -> None:
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    _cpu(2).optimize(study, lambda t: (t.suggest_float("x", 0, 1), 1.0), n_trials=4)
+    assert _states(study) == [TrialState.COMPLETE] * 4
+    assert all(len(t.values) == 2 for t in study.trials)
+
+
+def test_nested_optimize_is_refused() -> None:
+    study = optuna.create_study()
+    executor = _cpu(1)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        executor.optimize(study, lambda t: 0.0, n_trials=1)
+        return 0.0
+
+    # The inner call raises in the trial's thread; that exception is not caught, so it
+    # propagates from the outer call.
+    with pytest.raises(RuntimeError, match="Nested"):
+        executor.optimize(study, objective, n_trials=1)
+    assert _states(study) == [TrialState.FAIL]
+
+
+def test_executor_can_be_reused_for_several_studies() -> None:
+    executor = _cpu(2)
+    for _ in range(2):
+        study = optuna.create_study()
+        executor.optimize(study, lambda t: 0.0, n_trials=3)
+        assert _states(study) == [TrialState.COMPLETE] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"trials_per_device": 0}, ValueError, "trials_per_device=0 must be >= 1"),
+        ({"trials_per_device": -2}, ValueError, "trials_per_device=-2"),
+        ({"trials_per_device": "4"}, TypeError, "trials_per_device='4' must be an int"),
+        ({"trials_per_device": True}, TypeError, "trials_per_device=True"),
+        ({"devices": "cuda:99"}, ValueError, "cuda:99"),
+        ({"devices": "tpu"}, ValueError, "'tpu'"),
+        ({"devices": []}, ValueError, "names no device"),
+        ({"devices": 3.5}, TypeError, "devices=3.5"),
+        ({"on_oom": "explode"}, ValueError, "on_oom='explode'"),
+        ({"max_oom_retries": -1}, ValueError, "max_oom_retries=-1"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ww.WaterwaveExecutor(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"n_trials": -1}, ValueError, "n_trials=-1 must be >= 0"),
+        ({"n_trials": 2.5}, TypeError, "n_trials=2.5"),
+        ({"timeout": 0}, ValueError, "timeout=0 must be > 0"),
+        ({"timeout": "1"}, TypeError, "timeout='1'"),
+        ({"catch": "ValueError"}, TypeError, "catch"),
+        ({"catch": (ValueError, 3)}, TypeError, "catch contains 3"),
+        ({"callbacks": lambda s, t: None}, TypeError, "callbacks"),
+        ({"callbacks": [3]}, TypeError, "callbacks contains 3"),
+    ],
+)
+def test_bad_optimize_arguments_fail_before_any_trial(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    study = optuna.create_study()
+    with pytest.raises(error, match=match):
+        _cpu(2).optimize(study, lambda t: 0.0, **kwargs)  # type: ignore[arg-type]
+    assert study.trials == []
+
+
+def test_bad_study_and_func_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"study must be an optuna\.Study"):
+        _cpu().optimize("study", lambda t: 0.0, n_trials=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="func must be callable"):
+        _cpu().optimize(optuna.create_study(), 3, n_trials=1)  # type: ignore[arg-type]
+
+
+def test_n_trials_zero_runs_nothing() -> None:
+    study = optuna.create_study()
+    _cpu().optimize(study, lambda t: 0.0, n_trials=0)
+    assert study.trials == []

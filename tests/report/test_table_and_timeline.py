@@ -1,0 +1,58 @@
+"""trials_table and plot_timeline on a study run by the executor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+
+import waterwave_hpo as ww
+from waterwave_hpo.report import plot_timeline
+from waterwave_hpo.report import trials_table
+
+
+@pytest.fixture(scope="module")
+def study() -> optuna.Study:
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0, 1)
+        trial.report(x, 0)
+        if trial.number == 1:
+            raise optuna.TrialPruned()
+        if trial.number == 2:
+            raise ValueError("no good")
+        return x
+
+    study = optuna.create_study()
+    ww.WaterwaveExecutor("cpu", 2).optimize(study, objective, n_trials=5, catch=(ValueError,))
+    return study
+
+
+def test_one_row_per_trial_with_the_documented_columns(study: optuna.Study) -> None:
+    table = trials_table(study)
+    assert list(table["number"]) == [0, 1, 2, 3, 4]
+    assert list(table["state"]) == ["COMPLETE", "PRUNED", "FAIL", "COMPLETE", "COMPLETE"]
+    for column in (
+        "value",
+        "params",
+        "datetime_start",
+        "datetime_complete",
+        "duration_s",
+        "device",
+        "slot",
+        "fail_reason",
+        "param_x",
+    ):
+        assert column in table.columns
+    assert (table["device"] == "cpu").all()
+    assert (table["duration_s"] >= 0).all()
+    assert json.loads(table["params"][0]) == study.trials[0].params
+    assert table["value"][1] == study.trials[1].intermediate_values[0]  # pruned: last report
+    assert "ValueError: no good" in table["fail_reason"][2]
+
+
+def test_timeline_is_a_png(study: optuna.Study, tmp_path: Path) -> None:
+    path = plot_timeline(study.trials, tmp_path / "timeline.png", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000
