@@ -227,15 +227,7 @@ class _OptimizeRun:
         _optuna_compat.set_in_optimize_loop(study, True)
         self.time_start = time.monotonic()
         try:
-            while True:
-                self._dispatch()
-                if not self._running() and not self._may_start():
-                    break
-                try:
-                    outcome = self.settings.outcomes.get(timeout=_POLL_S)
-                except queue.Empty:
-                    continue
-                self._handle(outcome)
+            self._loop()
         except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
             self._abort(interrupt)
             raise
@@ -246,6 +238,20 @@ class _OptimizeRun:
             _optuna_compat.set_in_optimize_loop(study, False)
         if self.error is not None:
             raise self.error
+
+    def _loop(self) -> None:
+        # In a function of its own: CPython 3.11 can raise a pending KeyboardInterrupt on a loop's
+        # backward jump outside the enclosing try block of the same frame, escaping the handler.
+        while True:
+            self._dispatch()
+            if not self._running() and not self._may_start():
+                return
+            try:
+                outcome = self.settings.outcomes.get(timeout=_POLL_S)
+            except queue.Empty:
+                outcome = None
+            if outcome is not None:
+                self._handle(outcome)
 
     def _running(self) -> int:
         return sum(host.n_running for host in self.hosts)
