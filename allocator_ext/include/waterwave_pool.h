@@ -1,0 +1,163 @@
+/*
+ * waterwave_pool.h: the C API of the stream-aware memory pool (libwaterwave_pool.so).
+ *
+ * One pool serves every co-hosted trial on one GPU. Free blocks remember the stream that freed them
+ * and an event recorded there, and an allocation for stream S takes, in this order (Waterwave,
+ * IEEE TC 72(10) 2023, "prioritized allocation"):
+ *   1. a free block last used by S (no synchronization),
+ *   2. a free block from another stream whose event has completed,
+ *   3. a free block from another stream whose event is pending, after cuStreamWaitEvent(S, event)
+ *      (a GPU-side wait; the CPU never blocks),
+ *   4. a new segment from the upstream, within the pool's capacity,
+ *   5. coalesce and release wholly free cached segments, retry; then fail.
+ *
+ * All sizes are bytes. Streams are opaque 64-bit handles (CUstream == cudaStream_t; for the sim
+ * backend any integer, 0 being the default stream). Every function is thread-safe.
+ * Loaded from Python with ctypes (waterwave_hpo/memory/_lib.py mirrors these declarations).
+ */
+#ifndef WATERWAVE_POOL_H_
+#define WATERWAVE_POOL_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define WW_API __attribute__((visibility("default")))
+#else
+#define WW_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where segments come from. */
+enum ww_backend {
+  WW_BACKEND_SIM = 0,          /* host memory, virtual streams and events (tests, CPU-only machines) */
+  WW_BACKEND_CUDA = 1,         /* the CUDA driver (libcuda.so.1, dlopen'ed) */
+  WW_BACKEND_EXTERNAL = 2,     /* segments from callbacks (CuPy), events from the CUDA driver */
+  WW_BACKEND_SIM_EXTERNAL = 3, /* segments from callbacks, simulated events (tests the callback path) */
+};
+
+/* Result of ww_pool_allocate. */
+enum ww_status {
+  WW_OK = 0,
+  WW_OOM_CAPACITY = 1, /* the pool's capacity_bytes would be exceeded */
+  WW_OOM_QUOTA = 2,    /* the stream's account quota would be exceeded */
+  WW_OOM_UPSTREAM = 3, /* the upstream (device) refused a new segment */
+  WW_INVALID = 4,      /* bad argument (unknown pointer, unknown account, ...) */
+  WW_BACKEND_ERROR = 5 /* the backend could not start (no driver, no device) */
+};
+
+/* Where an allocation was served from (the priority order above). */
+enum ww_source {
+  WW_SOURCE_NONE = 0,
+  WW_SOURCE_SAME_STREAM = 1,
+  WW_SOURCE_COMPLETED_EVENT = 2,
+  WW_SOURCE_STREAM_WAIT = 3,
+  WW_SOURCE_NEW_SEGMENT = 4
+};
+
+enum ww_trace_kind {
+  WW_TRACE_ALLOC = 1,
+  WW_TRACE_FREE = 2,
+  WW_TRACE_STREAM_WAIT = 3,
+  WW_TRACE_OOM = 4,
+  WW_TRACE_SUBMIT = 5,
+  WW_TRACE_FINISH = 6,
+  WW_TRACE_SEGMENT_NEW = 7,
+  WW_TRACE_SEGMENT_RELEASE = 8
+};
+
+/* Counters of the whole pool, of one stream, or of one account. */
+typedef struct ww_counters {
+  uint64_t allocated_bytes;      /* bytes in live blocks (rounded sizes) */
+  uint64_t requested_bytes;      /* bytes asked for by live allocations (before rounding) */
+  uint64_t reserved_bytes;       /* bytes of live segments (for a stream/account: segments it caused) */
+  uint64_t peak_allocated_bytes;
+  uint64_t peak_reserved_bytes;
+  uint64_t num_allocs;
+  uint64_t num_frees;
+  uint64_t num_same_stream;
+  uint64_t num_completed_event;
+  uint64_t num_stream_wait;
+  uint64_t num_new_segment;
+  uint64_t num_stream_waits_issued;
+  uint64_t num_ooms;
+  uint64_t num_segments;         /* live segments (pool) / segments caused (stream, account) */
+  uint64_t quota_bytes;          /* accounts only; 0 = none */
+  uint64_t capacity_bytes;       /* pool only */
+} ww_counters;
+
+typedef struct ww_trace_entry {
+  int32_t kind;          /* ww_trace_kind */
+  int32_t source;        /* ww_source (ALLOC) or ww_status (OOM) */
+  uint64_t ptr;
+  uint64_t size;         /* rounded block size, or segment size */
+  uint64_t requested;    /* bytes asked for (ALLOC, OOM) */
+  uint64_t stream;       /* allocating / freeing / waiting / submitting stream */
+  uint64_t other_stream; /* STREAM_WAIT: the stream whose event was waited on */
+  uint64_t seq;          /* sim event sequence: FREE, STREAM_WAIT: event's seq; SUBMIT/FINISH: count */
+  int64_t account;       /* -1 = none */
+} ww_trace_entry;
+
+typedef struct ww_block_info {
+  uint64_t ptr;
+  uint64_t size;
+  uint64_t segment_ptr;
+  uint64_t segment_size;
+  uint64_t stream;        /* allocating stream (live) or freeing stream (free) */
+  uint64_t requested;     /* live blocks */
+  int64_t account;        /* live blocks; -1 = none */
+  int32_t allocated;      /* 1 live, 0 free */
+  int32_t event_pending;  /* free blocks: 1 if the freeing stream's event has not completed */
+} ww_block_info;
+
+/* Segment upstream callbacks (backends EXTERNAL and SIM_EXTERNAL). Called without the pool's lock. */
+typedef uint64_t (*ww_segment_alloc_fn)(void* ctx, uint64_t nbytes, uint64_t stream); /* 0 = fail */
+typedef void (*ww_segment_free_fn)(void* ctx, uint64_t ptr, uint64_t nbytes);
+
+WW_API const char* ww_last_error(void); /* this thread's last error message */
+WW_API uint64_t ww_round_size(uint64_t nbytes);
+
+WW_API void* ww_pool_create(int backend, int device, uint64_t capacity_bytes, ww_segment_alloc_fn seg_alloc,
+                     ww_segment_free_fn seg_free, void* ctx);
+WW_API void ww_pool_destroy(void* pool);
+WW_API int ww_pool_allocate(void* pool, uint64_t nbytes, uint64_t stream, uint64_t* out_ptr, int* out_source);
+WW_API int ww_pool_free(void* pool, uint64_t ptr, uint64_t stream, int has_stream);
+WW_API int ww_pool_record_stream(void* pool, uint64_t ptr, uint64_t stream);
+WW_API uint64_t ww_pool_release_cached(void* pool);
+WW_API void ww_pool_stats(void* pool, ww_counters* out);
+WW_API void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out);
+WW_API void ww_pool_reset_peaks(void* pool);
+WW_API uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries);
+
+WW_API int64_t ww_account_open(void* pool);
+WW_API int ww_account_close(void* pool, int64_t account);
+WW_API int ww_account_bind(void* pool, int64_t account, uint64_t stream);
+WW_API int ww_account_unbind(void* pool, int64_t account, uint64_t stream);
+WW_API int ww_account_set_quota(void* pool, int64_t account, uint64_t quota_bytes);
+WW_API int ww_account_stats(void* pool, int64_t account, ww_counters* out);
+WW_API int64_t ww_stream_account(void* pool, uint64_t stream);
+
+WW_API void ww_pool_set_tracing(void* pool, int enabled);
+WW_API uint64_t ww_trace_count(void* pool);
+WW_API uint64_t ww_trace_read(void* pool, uint64_t first, ww_trace_entry* out, uint64_t max_entries);
+WW_API void ww_trace_clear(void* pool);
+
+/* sim backends only; return -1 when the pool has no simulated device. */
+WW_API int64_t ww_sim_submit(void* pool, uint64_t stream);
+WW_API int ww_sim_finish(void* pool, uint64_t stream, int all_streams);
+
+/* PyTorch bridge: torch.cuda.memory.CUDAPluggableAllocator(path, "waterwave_torch_malloc",
+ * "waterwave_torch_free"); signatures match torch/csrc/cuda/CUDAPluggableAllocator.h
+ * (std::function<void*(size_t, int, cudaStream_t)>, std::function<void(void*, size_t, int, cudaStream_t)>). */
+WW_API int ww_torch_set_pool(int device, void* pool);
+WW_API void* waterwave_torch_malloc(size_t size, int device, void* stream);
+WW_API void waterwave_torch_free(void* ptr, size_t size, int device, void* stream);
+WW_API void waterwave_torch_record_stream(void* ptr, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* WATERWAVE_POOL_H_ */

@@ -1,0 +1,219 @@
+// The extern "C" surface of libwaterwave_pool.so (declared in include/waterwave_pool.h), loaded from
+// Python with ctypes, and the PyTorch pluggable-allocator entry points.
+#include <array>
+#include <atomic>
+#include <exception>
+#include <new>
+#include <string>
+
+#include "pool.hpp"
+#include "upstream.hpp"
+#include "waterwave_pool.h"
+
+namespace ww {
+
+namespace {
+thread_local std::string g_last_error;
+}  // namespace
+
+void set_last_error(const std::string& msg) { g_last_error = msg; }
+
+namespace {
+
+Pool* as_pool(void* p) { return static_cast<Pool*>(p); }
+
+constexpr int kMaxDevices = 64;
+std::array<std::atomic<Pool*>, kMaxDevices> g_torch_pools{};
+
+// Thrown by waterwave_torch_malloc when the pool is exhausted. PyTorch's pluggable allocator does
+// not check for nullptr (torch/csrc/cuda/CUDAPluggableAllocator.cpp, malloc) and turns C++
+// exceptions from alloc_fn into RuntimeError carrying what(); waterwave_hpo.memory recognises the
+// marker below and re-raises torch.cuda.OutOfMemoryError (pytorch/pytorch issue 133280).
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string msg) : msg_(std::move(msg)) {}
+  const char* what() const noexcept override { return msg_.c_str(); }
+
+ private:
+  std::string msg_;
+};
+
+}  // namespace
+
+}  // namespace ww
+
+using ww::as_pool;
+
+extern "C" {
+
+const char* ww_last_error(void) { return ww::g_last_error.c_str(); }
+
+uint64_t ww_round_size(uint64_t nbytes) { return ww::round_size(nbytes); }
+
+void* ww_pool_create(int backend, int device, uint64_t capacity_bytes, ww_segment_alloc_fn seg_alloc,
+                     ww_segment_free_fn seg_free, void* ctx) {
+  try {
+    auto trace = std::make_unique<ww::Trace>();
+    std::unique_ptr<ww::Upstream> up;
+    switch (backend) {
+      case WW_BACKEND_SIM:
+        up = ww::make_sim_upstream(trace.get(), nullptr, nullptr, nullptr);
+        trace->set_enabled(true);
+        break;
+      case WW_BACKEND_SIM_EXTERNAL:
+        if (seg_alloc == nullptr || seg_free == nullptr) {
+          ww::set_last_error("backend sim_external needs segment callbacks");
+          return nullptr;
+        }
+        up = ww::make_sim_upstream(trace.get(), seg_alloc, seg_free, ctx);
+        trace->set_enabled(true);
+        break;
+      case WW_BACKEND_CUDA:
+        up = ww::make_cuda_upstream(device, nullptr, nullptr, nullptr);
+        break;
+      case WW_BACKEND_EXTERNAL:
+        if (seg_alloc == nullptr || seg_free == nullptr) {
+          ww::set_last_error("backend external needs segment callbacks");
+          return nullptr;
+        }
+        up = ww::make_cuda_upstream(device, seg_alloc, seg_free, ctx);
+        break;
+      default:
+        ww::set_last_error("unknown backend " + std::to_string(backend));
+        return nullptr;
+    }
+    return new ww::Pool(std::move(up), std::move(trace), capacity_bytes);
+  } catch (const std::exception& e) {
+    ww::set_last_error(e.what());
+    return nullptr;
+  }
+}
+
+void ww_pool_destroy(void* pool) {
+  for (auto& slot : ww::g_torch_pools) {
+    ww::Pool* expected = as_pool(pool);
+    slot.compare_exchange_strong(expected, nullptr);
+  }
+  delete as_pool(pool);
+}
+
+int ww_pool_allocate(void* pool, uint64_t nbytes, uint64_t stream, uint64_t* out_ptr,
+                     int* out_source) {
+  std::uintptr_t p = 0;
+  int src = 0;
+  int r = as_pool(pool)->allocate(nbytes, stream, &p, &src);
+  *out_ptr = p;
+  *out_source = src;
+  return r;
+}
+
+int ww_pool_free(void* pool, uint64_t ptr, uint64_t stream, int has_stream) {
+  return as_pool(pool)->free(ptr, stream, has_stream != 0);
+}
+
+int ww_pool_record_stream(void* pool, uint64_t ptr, uint64_t stream) {
+  return as_pool(pool)->record_stream(ptr, stream);
+}
+
+uint64_t ww_pool_release_cached(void* pool) { return as_pool(pool)->release_cached(); }
+
+void ww_pool_stats(void* pool, ww_counters* out) { as_pool(pool)->stats(out); }
+
+void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out) {
+  as_pool(pool)->stream_stats(stream, out);
+}
+
+void ww_pool_reset_peaks(void* pool) { as_pool(pool)->reset_peaks(); }
+
+uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries) {
+  return as_pool(pool)->snapshot(out, max_entries);
+}
+
+int64_t ww_account_open(void* pool) { return as_pool(pool)->account_open(); }
+int ww_account_close(void* pool, int64_t account) { return as_pool(pool)->account_close(account); }
+int ww_account_bind(void* pool, int64_t account, uint64_t stream) {
+  return as_pool(pool)->account_bind(account, stream);
+}
+int ww_account_unbind(void* pool, int64_t account, uint64_t stream) {
+  return as_pool(pool)->account_unbind(account, stream);
+}
+int ww_account_set_quota(void* pool, int64_t account, uint64_t quota_bytes) {
+  return as_pool(pool)->account_set_quota(account, quota_bytes);
+}
+int ww_account_stats(void* pool, int64_t account, ww_counters* out) {
+  return as_pool(pool)->account_stats(account, out);
+}
+int64_t ww_stream_account(void* pool, uint64_t stream) {
+  return as_pool(pool)->stream_account(stream);
+}
+
+void ww_pool_set_tracing(void* pool, int enabled) { as_pool(pool)->trace()->set_enabled(enabled != 0); }
+uint64_t ww_trace_count(void* pool) { return as_pool(pool)->trace()->count(); }
+uint64_t ww_trace_read(void* pool, uint64_t first, ww_trace_entry* out, uint64_t max_entries) {
+  return as_pool(pool)->trace()->read(first, out, max_entries);
+}
+void ww_trace_clear(void* pool) { as_pool(pool)->trace()->clear(); }
+
+int64_t ww_sim_submit(void* pool, uint64_t stream) {
+  return ww::sim_submit(as_pool(pool)->upstream(), stream);
+}
+
+int ww_sim_finish(void* pool, uint64_t stream, int all_streams) {
+  return ww::sim_finish(as_pool(pool)->upstream(), stream, all_streams != 0) ? 0 : -1;
+}
+
+int ww_torch_set_pool(int device, void* pool) {
+  if (device < 0 || device >= ww::kMaxDevices) {
+    ww::set_last_error("device " + std::to_string(device) + " out of range");
+    return WW_INVALID;
+  }
+  ww::g_torch_pools[device].store(as_pool(pool));
+  return WW_OK;
+}
+
+// Matches torch/csrc/cuda/CUDAPluggableAllocator.h: alloc_fn is
+// std::function<void*(size_t size, int device, cudaStream_t stream)>.
+void* waterwave_torch_malloc(size_t size, int device, void* stream) {
+  if (size == 0) return nullptr;  // as PyTorch's own caching allocator
+  ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
+                                                              : nullptr;
+  if (pool == nullptr) {
+    throw ww::OutOfMemory("WATERWAVE_POOL_OOM: no waterwave pool is installed for CUDA device " +
+                          std::to_string(device) + " (call waterwave_hpo.memory.use_pool)");
+  }
+  std::uintptr_t p = 0;
+  int src = 0;
+  int r = pool->allocate(size, reinterpret_cast<std::uintptr_t>(stream), &p, &src);
+  if (r != WW_OK) {
+    throw ww::OutOfMemory("WATERWAVE_POOL_OOM: CUDA out of memory on device " +
+                          std::to_string(device) + ": " + ww::g_last_error);
+  }
+  return reinterpret_cast<void*>(p);
+}
+
+// Matches torch/csrc/cuda/CUDAPluggableAllocator.h: free_fn is
+// std::function<void(void* ptr, size_t size, int device, cudaStream_t stream)>; PyTorch passes the
+// stream the block was allocated on. Never throws (called from destructors).
+void waterwave_torch_free(void* ptr, size_t size, int device, void* stream) {
+  (void)size;
+  if (ptr == nullptr) return;
+  ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
+                                                              : nullptr;
+  if (pool == nullptr) return;
+  pool->free(reinterpret_cast<std::uintptr_t>(ptr), reinterpret_cast<std::uintptr_t>(stream), true);
+}
+
+// For CUDAPluggableAllocator's record_stream hook (set_record_stream_fn(void*, cudaStream_t)),
+// where the PyTorch build exposes it; otherwise called from Python via ww_pool_record_stream.
+void waterwave_torch_record_stream(void* ptr, void* stream) {
+  for (auto& slot : ww::g_torch_pools) {
+    ww::Pool* pool = slot.load();
+    if (pool != nullptr &&
+        pool->record_stream(reinterpret_cast<std::uintptr_t>(ptr),
+                            reinterpret_cast<std::uintptr_t>(stream)) == WW_OK) {
+      return;
+    }
+  }
+}
+
+}  // extern "C"

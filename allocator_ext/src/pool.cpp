@@ -1,0 +1,695 @@
+// The block-level hot path of the stream-aware pool; the same code for the sim, cuda and external
+// (CuPy) upstreams. Source of the allocation order: Waterwave (IEEE TC 72(10), 2023), "prioritized
+// allocation by synchronization attributes"; cross-stream reuse after a GPU-side wait as in RMM's
+// stream_ordered_memory_resource.
+#include "pool.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+namespace ww {
+
+void set_last_error(const std::string& msg);  // c_api.cpp
+
+namespace {
+
+constexpr std::size_t kEventCacheMax = 4096;
+constexpr int kCrossStreamProbe = 8;  // candidates examined per other stream
+
+std::size_t next_pow2(std::size_t n) {
+  std::size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1) / g * g; }
+
+std::size_t segment_size_for(std::size_t size) {
+  if (size <= kSmallSize) return kSmallSegment;
+  if (size < kMidSize) return kMidSegment;
+  return round_up(size, kLargeGranularity);
+}
+
+}  // namespace
+
+// Size classes: multiples of 512 bytes up to 1 MiB; above, multiples of 1/16 of the next power of
+// two (at most 6.25% rounding waste, a bounded number of classes per octave).
+std::size_t round_size(std::size_t nbytes) {
+  if (nbytes == 0) return kMinBlock;
+  if (nbytes <= kSmallSize) return round_up(nbytes, kMinBlock);
+  std::size_t g = std::max<std::size_t>(kMinBlock, next_pow2(nbytes) / 16);
+  return round_up(nbytes, g);
+}
+
+void Counters::on_alloc(std::size_t size, std::size_t requested, int source) {
+  c.allocated_bytes += size;
+  c.requested_bytes += requested;
+  c.peak_allocated_bytes = std::max(c.peak_allocated_bytes, c.allocated_bytes);
+  c.num_allocs += 1;
+  switch (source) {
+    case WW_SOURCE_SAME_STREAM: c.num_same_stream += 1; break;
+    case WW_SOURCE_COMPLETED_EVENT: c.num_completed_event += 1; break;
+    case WW_SOURCE_STREAM_WAIT: c.num_stream_wait += 1; break;
+    case WW_SOURCE_NEW_SEGMENT: c.num_new_segment += 1; break;
+    default: break;
+  }
+}
+
+void Counters::on_free(std::size_t size, std::size_t requested) {
+  c.allocated_bytes -= size;
+  c.requested_bytes -= requested;
+  c.num_frees += 1;
+}
+
+void Counters::on_reserve(std::size_t size) {
+  c.reserved_bytes += size;
+  c.peak_reserved_bytes = std::max(c.peak_reserved_bytes, c.reserved_bytes);
+  c.num_segments += 1;
+}
+
+void Counters::on_unreserve(std::size_t size) {
+  c.reserved_bytes -= size;
+  c.num_segments -= 1;
+}
+
+Pool::Pool(std::unique_ptr<Upstream> upstream, std::unique_ptr<Trace> trace, std::uint64_t capacity)
+    : trace_(std::move(trace)), upstream_(std::move(upstream)), capacity_(capacity) {
+  total_.c.capacity_bytes = capacity;
+}
+
+Pool::~Pool() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& kv : segments_) {
+    Segment* seg = kv.second;
+    bool idle = seg->live_blocks == 0;
+    Block* b = seg->first;
+    while (b != nullptr) {
+      Block* n = b->next;
+      for (Event e : b->extra_events) upstream_->destroy_event(e);
+      if (b->event != 0) upstream_->destroy_event(b->event);
+      delete b;
+      b = n;
+    }
+    // Segments with live blocks are leaked on purpose: someone still holds pointers into them.
+    if (idle) upstream_->free_segment(reinterpret_cast<void*>(seg->addr), seg->size);
+    delete seg;
+  }
+  for (Event e : event_cache_) upstream_->destroy_event(e);
+}
+
+Event Pool::get_event_locked() {
+  if (!event_cache_.empty()) {
+    Event e = event_cache_.back();
+    event_cache_.pop_back();
+    return e;
+  }
+  return upstream_->create_event();
+}
+
+void Pool::put_event_locked(Event ev) {
+  if (ev == 0) return;
+  if (event_cache_.size() < kEventCacheMax) {
+    event_cache_.push_back(ev);
+  } else {
+    upstream_->destroy_event(ev);
+  }
+}
+
+void Pool::insert_free_locked(Block* b) { free_[b->stream].insert(b); }
+
+void Pool::erase_free_locked(Block* b) {
+  auto it = free_.find(b->stream);
+  if (it != free_.end()) it->second.erase(b);
+}
+
+bool Pool::event_done_locked(Block* b) {
+  if (b->event == 0) return true;
+  if (!upstream_->event_completed(b->event)) return false;
+  put_event_locked(b->event);
+  b->event = 0;
+  return true;
+}
+
+Account* Pool::account_locked(std::int64_t id) {
+  auto it = accounts_.find(id);
+  return it == accounts_.end() ? nullptr : &it->second;
+}
+
+Block* Pool::find_free_locked(std::size_t size, Stream stream, int* source) {
+  Block probe;
+  probe.size = size;
+  probe.addr = 0;
+  // 1. a free block last used by this stream: stream order makes it safe.
+  auto own = free_.find(stream);
+  if (own != free_.end()) {
+    auto it = own->second.lower_bound(&probe);
+    if (it != own->second.end()) {
+      *source = WW_SOURCE_SAME_STREAM;
+      return *it;
+    }
+  }
+  // 2./3. other streams: best fit among completed events, else best fit among pending ones.
+  Block* done = nullptr;
+  Block* pending = nullptr;
+  for (auto& kv : free_) {
+    if (kv.first == stream) continue;
+    int k = 0;
+    for (auto it = kv.second.lower_bound(&probe); it != kv.second.end() && k < kCrossStreamProbe;
+         ++it, ++k) {
+      Block* b = *it;
+      if (done != nullptr && b->size >= done->size) break;
+      if (event_done_locked(b)) {
+        done = b;
+        break;
+      }
+      if (pending == nullptr || b->size < pending->size) pending = b;
+    }
+  }
+  if (done != nullptr) {
+    *source = WW_SOURCE_COMPLETED_EVENT;
+    return done;
+  }
+  if (pending != nullptr) {
+    if (upstream_->stream_wait_event(stream, pending->event)) {
+      *source = WW_SOURCE_STREAM_WAIT;
+      return pending;
+    }
+  }
+  return nullptr;
+}
+
+Block* Pool::take_locked(Block* b, std::size_t size, Stream stream, int source,
+                         std::size_t requested, std::int64_t account) {
+  erase_free_locked(b);
+  if (b->size - size >= kMinBlock) {
+    Block* r = new Block;
+    r->addr = b->addr + size;
+    r->size = b->size - size;
+    r->seg = b->seg;
+    r->prev = b;
+    r->next = b->next;
+    if (b->next != nullptr) b->next->prev = r;
+    b->next = r;
+    r->stream = b->stream;  // the remainder keeps the freeing stream and its pending event
+    r->event = b->event;
+    r->free_order = b->free_order;
+    b->event = 0;
+    b->size = size;
+    insert_free_locked(r);
+  } else {
+    put_event_locked(b->event);
+    b->event = 0;
+  }
+  b->allocated = true;
+  b->stream = stream;
+  b->account = account;
+  b->requested = requested;
+  b->seg->live_blocks += 1;
+  live_[b->addr] = b;
+  total_.on_alloc(b->size, requested, source);
+  stream_counters_locked(stream).on_alloc(b->size, requested, source);
+  if (Account* a = account_locked(account)) a->counters.on_alloc(b->size, requested, source);
+  if (source == WW_SOURCE_STREAM_WAIT) {
+    total_.c.num_stream_waits_issued += 1;
+    stream_counters_locked(stream).c.num_stream_waits_issued += 1;
+    if (Account* a = account_locked(account)) a->counters.c.num_stream_waits_issued += 1;
+  }
+  ww_trace_entry t{};
+  t.kind = WW_TRACE_ALLOC;
+  t.source = source;
+  t.ptr = b->addr;
+  t.size = b->size;
+  t.requested = requested;
+  t.stream = stream;
+  t.account = account;
+  trace_->add(t);
+  return b;
+}
+
+void Pool::trace_oom_locked(std::size_t nbytes, Stream s, int status, std::int64_t account) {
+  total_.c.num_ooms += 1;
+  stream_counters_locked(s).c.num_ooms += 1;
+  if (Account* a = account_locked(account)) a->counters.c.num_ooms += 1;
+  ww_trace_entry t{};
+  t.kind = WW_TRACE_OOM;
+  t.source = status;
+  t.requested = nbytes;
+  t.size = round_size(nbytes);
+  t.stream = s;
+  t.account = account;
+  trace_->add(t);
+}
+
+int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* source) {
+  *out = 0;
+  *source = WW_SOURCE_NONE;
+  std::unique_lock<std::mutex> lk(mu_);
+  std::int64_t account = -1;
+  auto ai = stream_to_account_.find(stream);
+  if (ai != stream_to_account_.end()) account = ai->second;
+  if (nbytes > (std::numeric_limits<std::size_t>::max() >> 2)) {
+    trace_oom_locked(nbytes, stream, WW_OOM_CAPACITY, account);
+    set_last_error("out of memory: " + std::to_string(nbytes) + " bytes exceeds any capacity");
+    return WW_OOM_CAPACITY;
+  }
+  const std::size_t size = round_size(nbytes);
+  auto over_quota = [&]() {
+    Account* a = account_locked(account);
+    return a != nullptr && a->counters.c.quota_bytes != 0 &&
+           a->counters.c.allocated_bytes + size > a->counters.c.quota_bytes;
+  };
+  auto quota_oom = [&]() {
+    Account* a = account_locked(account);
+    trace_oom_locked(nbytes, stream, WW_OOM_QUOTA, account);
+    set_last_error("out of memory: account " + std::to_string(account) + " quota of " +
+                   std::to_string(a->counters.c.quota_bytes) + " bytes, " +
+                   std::to_string(a->counters.c.allocated_bytes) + " allocated, " +
+                   std::to_string(size) + " more requested");
+    return WW_OOM_QUOTA;
+  };
+  if (over_quota()) return quota_oom();
+
+  int status = WW_OOM_CAPACITY;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (!deferred_.empty()) process_deferred_locked();
+    int src = WW_SOURCE_NONE;
+    Block* b = find_free_locked(size, stream, &src);
+    if (b == nullptr && dirty_) {
+      // Merge neighbours whose events completed since they were freed, then look again.
+      coalesce_all_locked();
+      b = find_free_locked(size, stream, &src);
+    }
+    if (b != nullptr) {
+      take_locked(b, size, stream, src, nbytes, account);
+      *out = b->addr;
+      *source = src;
+      return WW_OK;
+    }
+    // 4. a new segment, within capacity.
+    std::uint64_t used = total_.c.reserved_bytes + pending_reserve_ + pending_release_;
+    std::uint64_t avail = capacity_ > used ? capacity_ - used : 0;
+    std::size_t seg_size = segment_size_for(size);
+    if (seg_size > avail) seg_size = size <= avail ? size : 0;
+    if (seg_size != 0) {
+      pending_reserve_ += seg_size;
+      lk.unlock();
+      void* p = upstream_->alloc_segment(seg_size, stream);
+      lk.lock();
+      pending_reserve_ -= seg_size;
+      if (p != nullptr) {
+        Segment* seg = new Segment;
+        seg->addr = reinterpret_cast<std::uintptr_t>(p);
+        seg->size = seg_size;
+        seg->creator_stream = stream;
+        seg->creator_account = account;
+        Block* b = new Block;
+        b->addr = seg->addr;
+        b->size = seg_size;
+        b->seg = seg;
+        b->stream = stream;
+        seg->first = b;
+        segments_[seg->addr] = seg;
+        total_.on_reserve(seg_size);
+        stream_counters_locked(stream).on_reserve(seg_size);
+        if (Account* a = account_locked(account)) a->counters.on_reserve(seg_size);
+        ww_trace_entry t{};
+        t.kind = WW_TRACE_SEGMENT_NEW;
+        t.ptr = seg->addr;
+        t.size = seg_size;
+        t.stream = stream;
+        t.account = account;
+        trace_->add(t);
+        if (over_quota()) {  // another thread of this account won the race while unlocked
+          insert_free_locked(b);
+          return quota_oom();
+        }
+        take_locked(b, size, stream, WW_SOURCE_NEW_SEGMENT, nbytes, account);
+        *out = b->addr;
+        *source = WW_SOURCE_NEW_SEGMENT;
+        return WW_OK;
+      }
+      status = WW_OOM_UPSTREAM;
+    } else {
+      status = WW_OOM_CAPACITY;
+    }
+    // 5. coalesce what completed, release wholly free segments, retry once.
+    if (attempt == 0) {
+      coalesce_all_locked();
+      std::vector<Segment*> segs = collect_releasable_locked();
+      release_segments_unlocked(lk, segs);
+    }
+  }
+  trace_oom_locked(nbytes, stream, status, account);
+  set_last_error(std::string("out of memory: ") + std::to_string(nbytes) + " bytes (" +
+                 std::to_string(size) + " rounded) on stream " + std::to_string(stream) + "; " +
+                 (status == WW_OOM_UPSTREAM ? "the device refused a new segment"
+                                            : "the pool's capacity of " + std::to_string(capacity_) +
+                                                  " bytes is reached") +
+                 " (" + std::to_string(total_.c.allocated_bytes) + " allocated, " +
+                 std::to_string(total_.c.reserved_bytes) + " reserved)");
+  return status;
+}
+
+bool Pool::try_merge_locked(Block* left, Block* right) {
+  if (left->allocated || right->allocated || left->deferred || right->deferred) return false;
+  Stream st;
+  Event ev;
+  std::uint64_t order;
+  Event drop = 0;
+  Block* newer = left->free_order >= right->free_order ? left : right;
+  Block* older = newer == left ? right : left;
+  const bool ld = event_done_locked(left);
+  const bool rd = event_done_locked(right);
+  if (ld && rd) {
+    // Both synchronized: the merged block is free for every stream.
+    st = newer->stream;
+    ev = 0;
+    order = newer->free_order;
+  } else if (!ld && !rd && left->stream == right->stream) {
+    // Both pending on one stream: events there are ordered, the later one covers both.
+    st = left->stream;
+    ev = newer->event;
+    drop = older->event;
+    order = newer->free_order;
+  } else {
+    // A completed block is never tied to a pending one: it would make other streams wait on
+    // the GPU for nothing (a false dependency between trials). Merged later, once both complete.
+    return false;
+  }
+  erase_free_locked(left);
+  erase_free_locked(right);
+  left->size += right->size;
+  left->next = right->next;
+  if (right->next != nullptr) right->next->prev = left;
+  left->stream = st;
+  left->event = ev;
+  left->free_order = order;
+  if (drop != 0 && drop != ev) put_event_locked(drop);
+  delete right;
+  insert_free_locked(left);
+  return true;
+}
+
+Block* Pool::coalesce_locked(Block* b) {
+  Block* prev = b->prev;  // try_merge deletes b when it merges it into prev
+  if (prev != nullptr && try_merge_locked(prev, b)) b = prev;
+  if (b->next != nullptr) try_merge_locked(b, b->next);
+  return b;
+}
+
+void Pool::coalesce_all_locked() {
+  dirty_ = false;
+  for (auto& kv : segments_) {
+    Block* b = kv.second->first;
+    while (b != nullptr && b->next != nullptr) {
+      if (!try_merge_locked(b, b->next)) b = b->next;
+    }
+  }
+}
+
+void Pool::process_deferred_locked() {
+  std::vector<Block*> still;
+  std::vector<Block*> ready;
+  for (Block* b : deferred_) {
+    bool all = true;
+    for (Event e : b->extra_events) all = all && upstream_->event_completed(e);
+    (all ? ready : still).push_back(b);
+  }
+  deferred_ = std::move(still);
+  for (Block* b : ready) {
+    for (Event e : b->extra_events) put_event_locked(e);
+    b->extra_events.clear();
+    b->deferred = false;
+    insert_free_locked(b);
+    coalesce_locked(b);
+  }
+}
+
+std::vector<Segment*> Pool::collect_releasable_locked() {
+  std::vector<Segment*> out;
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    Segment* seg = it->second;
+    bool ok = seg->live_blocks == 0;
+    for (Block* b = seg->first; ok && b != nullptr; b = b->next) {
+      ok = !b->deferred && event_done_locked(b);
+    }
+    if (!ok) {
+      ++it;
+      continue;
+    }
+    Block* b = seg->first;
+    while (b != nullptr) {
+      Block* n = b->next;
+      erase_free_locked(b);
+      delete b;
+      b = n;
+    }
+    seg->first = nullptr;
+    total_.on_unreserve(seg->size);
+    stream_counters_locked(seg->creator_stream).on_unreserve(seg->size);
+    if (Account* a = account_locked(seg->creator_account)) a->counters.on_unreserve(seg->size);
+    ww_trace_entry t{};
+    t.kind = WW_TRACE_SEGMENT_RELEASE;
+    t.ptr = seg->addr;
+    t.size = seg->size;
+    t.stream = seg->creator_stream;
+    t.account = seg->creator_account;
+    trace_->add(t);
+    out.push_back(seg);
+    it = segments_.erase(it);
+  }
+  return out;
+}
+
+void Pool::release_segments_unlocked(std::unique_lock<std::mutex>& lk,
+                                     std::vector<Segment*>& segs) {
+  if (segs.empty()) return;
+  std::uint64_t bytes = 0;
+  for (Segment* s : segs) bytes += s->size;
+  pending_release_ += bytes;
+  lk.unlock();
+  for (Segment* s : segs) {
+    upstream_->free_segment(reinterpret_cast<void*>(s->addr), s->size);
+    delete s;
+  }
+  lk.lock();
+  pending_release_ -= bytes;
+  segs.clear();
+}
+
+std::uint64_t Pool::release_cached() {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!deferred_.empty()) process_deferred_locked();
+  coalesce_all_locked();
+  std::vector<Segment*> segs = collect_releasable_locked();
+  std::uint64_t bytes = 0;
+  for (Segment* s : segs) bytes += s->size;
+  release_segments_unlocked(lk, segs);
+  return bytes;
+}
+
+int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    set_last_error("free: pointer " + std::to_string(ptr) +
+                   " was not allocated by this pool or was already freed");
+    return WW_INVALID;
+  }
+  Block* b = it->second;
+  live_.erase(it);
+  const Stream s = has_stream ? stream : b->stream;
+  total_.on_free(b->size, b->requested);
+  stream_counters_locked(b->stream).on_free(b->size, b->requested);
+  if (Account* a = account_locked(b->account)) a->counters.on_free(b->size, b->requested);
+  b->seg->live_blocks -= 1;
+  b->allocated = false;
+  const std::int64_t account = b->account;
+  b->account = -1;
+  b->requested = 0;
+  Event ev = get_event_locked();
+  if (ev != 0 && upstream_->record_event(ev, s)) {
+    b->event = ev;
+  } else {
+    // No event could be recorded: fall back to a CPU-side wait (an error path, never taken by sim).
+    put_event_locked(ev);
+    upstream_->synchronize_stream(s);
+    b->event = 0;
+  }
+  b->stream = s;
+  b->free_order = ++free_counter_;
+  ww_trace_entry t{};
+  t.kind = WW_TRACE_FREE;
+  t.ptr = b->addr;
+  t.size = b->size;
+  t.stream = s;
+  t.seq = b->event != 0 ? upstream_->event_seq(b->event) : 0;
+  t.account = account;
+  trace_->add(t);
+  if (!b->extra_streams.empty()) {
+    for (Stream x : b->extra_streams) {
+      if (x == s) continue;
+      Event e = get_event_locked();
+      if (e != 0 && upstream_->record_event(e, x)) {
+        b->extra_events.push_back(e);
+      } else {
+        put_event_locked(e);
+        upstream_->synchronize_stream(x);
+      }
+    }
+    b->extra_streams.clear();
+    if (!b->extra_events.empty()) {
+      b->deferred = true;
+      deferred_.push_back(b);
+      return WW_OK;
+    }
+  }
+  insert_free_locked(b);
+  coalesce_locked(b);
+  dirty_ = true;
+  return WW_OK;
+}
+
+int Pool::record_stream(std::uintptr_t ptr, Stream stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    set_last_error("record_stream: pointer " + std::to_string(ptr) + " is not live in this pool");
+    return WW_INVALID;
+  }
+  Block* b = it->second;
+  if (stream != b->stream &&
+      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end()) {
+    b->extra_streams.push_back(stream);
+  }
+  return WW_OK;
+}
+
+void Pool::stats(ww_counters* out) {
+  std::lock_guard<std::mutex> g(mu_);
+  *out = total_.c;
+}
+
+void Pool::stream_stats(Stream s, ww_counters* out) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = streams_.find(s);
+  *out = it == streams_.end() ? ww_counters{} : it->second.c;
+}
+
+void Pool::reset_peaks() {
+  std::lock_guard<std::mutex> g(mu_);
+  auto reset = [](Counters& c) {
+    c.c.peak_allocated_bytes = c.c.allocated_bytes;
+    c.c.peak_reserved_bytes = c.c.reserved_bytes;
+  };
+  reset(total_);
+  for (auto& kv : streams_) reset(kv.second);
+  for (auto& kv : accounts_) reset(kv.second.counters);
+}
+
+std::uint64_t Pool::snapshot(ww_block_info* out, std::uint64_t max) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::uint64_t n = 0;
+  for (auto& kv : segments_) {
+    Segment* seg = kv.second;
+    for (Block* b = seg->first; b != nullptr; b = b->next) {
+      if (n < max && out != nullptr) {
+        ww_block_info& i = out[n];
+        i.ptr = b->addr;
+        i.size = b->size;
+        i.segment_ptr = seg->addr;
+        i.segment_size = seg->size;
+        i.stream = b->stream;
+        i.requested = b->requested;
+        i.account = b->allocated ? b->account : -1;
+        i.allocated = b->allocated ? 1 : 0;
+        i.event_pending = (!b->allocated && (b->deferred || !event_done_locked(b))) ? 1 : 0;
+      }
+      ++n;
+    }
+  }
+  return n;
+}
+
+std::int64_t Pool::account_open() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::int64_t id = next_account_++;
+  accounts_[id] = Account{};
+  return id;
+}
+
+int Pool::account_close(std::int64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = accounts_.find(id);
+  if (it == accounts_.end()) {
+    set_last_error("account " + std::to_string(id) + " is not open");
+    return WW_INVALID;
+  }
+  for (Stream s : it->second.streams) stream_to_account_.erase(s);
+  accounts_.erase(it);
+  return WW_OK;
+}
+
+int Pool::account_bind(std::int64_t id, Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  Account* a = account_locked(id);
+  if (a == nullptr) {
+    set_last_error("account " + std::to_string(id) + " is not open");
+    return WW_INVALID;
+  }
+  auto it = stream_to_account_.find(s);
+  if (it != stream_to_account_.end()) {
+    if (it->second == id) return WW_OK;
+    set_last_error("stream " + std::to_string(s) + " is already bound to account " +
+                   std::to_string(it->second) + "; unbind it there first");
+    return WW_INVALID;
+  }
+  stream_to_account_[s] = id;
+  a->streams.push_back(s);
+  return WW_OK;
+}
+
+int Pool::account_unbind(std::int64_t id, Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  Account* a = account_locked(id);
+  auto it = stream_to_account_.find(s);
+  if (a == nullptr || it == stream_to_account_.end() || it->second != id) {
+    set_last_error("stream " + std::to_string(s) + " is not bound to account " +
+                   std::to_string(id));
+    return WW_INVALID;
+  }
+  stream_to_account_.erase(it);
+  a->streams.erase(std::remove(a->streams.begin(), a->streams.end(), s), a->streams.end());
+  return WW_OK;
+}
+
+int Pool::account_set_quota(std::int64_t id, std::uint64_t quota) {
+  std::lock_guard<std::mutex> g(mu_);
+  Account* a = account_locked(id);
+  if (a == nullptr) {
+    set_last_error("account " + std::to_string(id) + " is not open");
+    return WW_INVALID;
+  }
+  a->counters.c.quota_bytes = quota;
+  return WW_OK;
+}
+
+int Pool::account_stats(std::int64_t id, ww_counters* out) {
+  std::lock_guard<std::mutex> g(mu_);
+  Account* a = account_locked(id);
+  if (a == nullptr) {
+    set_last_error("account " + std::to_string(id) + " is not open");
+    return WW_INVALID;
+  }
+  *out = a->counters.c;
+  return WW_OK;
+}
+
+std::int64_t Pool::stream_account(Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = stream_to_account_.find(s);
+  return it == stream_to_account_.end() ? -1 : it->second;
+}
+
+}  // namespace ww

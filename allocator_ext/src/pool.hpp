@@ -1,0 +1,145 @@
+// The stream-aware pool: segments split into blocks, coalesced on free, rounded to size classes;
+// free blocks remember the stream that freed them and an event recorded there; allocation follows
+// the prioritized order of Waterwave (IEEE TC 2023), see waterwave_pool.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "upstream.hpp"
+#include "waterwave_pool.h"
+
+namespace ww {
+
+constexpr std::size_t kMinBlock = 512;                  // allocation granularity, bytes
+constexpr std::size_t kSmallSize = 1 << 20;             // <= 1 MiB: "small" requests
+constexpr std::size_t kSmallSegment = 2 << 20;          // small requests share 2 MiB segments
+constexpr std::size_t kMidSize = 10 << 20;              // < 10 MiB: share 20 MiB segments
+constexpr std::size_t kMidSegment = 20 << 20;
+constexpr std::size_t kLargeGranularity = 2 << 20;      // larger segments: multiples of 2 MiB
+
+std::size_t round_size(std::size_t nbytes);
+
+struct Segment;
+
+struct Block {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  Segment* seg = nullptr;
+  Block* prev = nullptr;  // address order inside the segment
+  Block* next = nullptr;
+  bool allocated = false;
+  bool deferred = false;  // freed, waiting for record_stream events before it can be reused
+  Stream stream = 0;      // live: allocating stream; free: the stream that freed it
+  Event event = 0;        // free: event recorded on `stream` at free; 0 = known complete
+  std::uint64_t free_order = 0;
+  std::int64_t account = -1;
+  std::size_t requested = 0;
+  std::vector<Stream> extra_streams;  // record_stream
+  std::vector<Event> extra_events;    // deferred: events on extra_streams
+};
+
+struct Segment {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  std::size_t live_blocks = 0;
+  Stream creator_stream = 0;
+  std::int64_t creator_account = -1;
+  Block* first = nullptr;
+};
+
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->size != b->size) return a->size < b->size;
+    return a->addr < b->addr;
+  }
+};
+
+struct Counters {
+  ww_counters c{};
+  void on_alloc(std::size_t size, std::size_t requested, int source);
+  void on_free(std::size_t size, std::size_t requested);
+  void on_reserve(std::size_t size);
+  void on_unreserve(std::size_t size);
+};
+
+struct Account {
+  Counters counters;
+  std::vector<Stream> streams;
+};
+
+class Pool {
+ public:
+  Pool(std::unique_ptr<Upstream> upstream, std::unique_ptr<Trace> trace, std::uint64_t capacity);
+  ~Pool();
+
+  int allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* source);
+  int free(std::uintptr_t ptr, Stream stream, bool has_stream);
+  int record_stream(std::uintptr_t ptr, Stream stream);
+  std::uint64_t release_cached();
+
+  void stats(ww_counters* out);
+  void stream_stats(Stream s, ww_counters* out);
+  void reset_peaks();
+  std::uint64_t snapshot(ww_block_info* out, std::uint64_t max);
+
+  std::int64_t account_open();
+  int account_close(std::int64_t id);
+  int account_bind(std::int64_t id, Stream s);
+  int account_unbind(std::int64_t id, Stream s);
+  int account_set_quota(std::int64_t id, std::uint64_t quota);
+  int account_stats(std::int64_t id, ww_counters* out);
+  std::int64_t stream_account(Stream s);
+
+  Trace* trace() { return trace_.get(); }
+  Upstream* upstream() { return upstream_.get(); }
+
+ private:
+  using FreeSet = std::set<Block*, BlockOrder>;
+
+  // All *_locked functions require mu_.
+  Block* find_free_locked(std::size_t size, Stream stream, int* source);
+  Block* take_locked(Block* b, std::size_t size, Stream stream, int source, std::size_t requested,
+                     std::int64_t account);
+  void insert_free_locked(Block* b);
+  void erase_free_locked(Block* b);
+  bool event_done_locked(Block* b);  // queries and drops the event when complete
+  Block* coalesce_locked(Block* b);
+  bool try_merge_locked(Block* left, Block* right);
+  void coalesce_all_locked();
+  void process_deferred_locked();
+  std::vector<Segment*> collect_releasable_locked();
+  void release_segments_unlocked(std::unique_lock<std::mutex>& lk, std::vector<Segment*>& segs);
+  Event get_event_locked();
+  void put_event_locked(Event ev);
+  void trace_oom_locked(std::size_t nbytes, Stream s, int status, std::int64_t account);
+  Counters& stream_counters_locked(Stream s) { return streams_[s]; }
+  Account* account_locked(std::int64_t id);
+
+  std::unique_ptr<Trace> trace_;
+  std::unique_ptr<Upstream> upstream_;
+  std::uint64_t capacity_;
+  std::mutex mu_;
+  std::uint64_t pending_reserve_ = 0;  // capacity promised to in-flight segment requests
+  std::uint64_t pending_release_ = 0;  // segments being handed back (not yet freed upstream)
+  std::uint64_t free_counter_ = 0;
+  bool dirty_ = false;  // frees since the last full coalescing pass
+  std::map<Stream, FreeSet> free_;  // free blocks by the stream that freed them
+  std::unordered_map<std::uintptr_t, Block*> live_;
+  std::map<std::uintptr_t, Segment*> segments_;
+  std::vector<Block*> deferred_;
+  std::vector<Event> event_cache_;
+  Counters total_;
+  std::map<Stream, Counters> streams_;
+  std::map<std::int64_t, Account> accounts_;
+  std::unordered_map<Stream, std::int64_t> stream_to_account_;
+  std::int64_t next_account_ = 1;
+};
+
+}  // namespace ww

@@ -1,0 +1,211 @@
+// The CUDA upstream: the driver API (libcuda.so.1), dlopen'ed at run time so that the library builds
+// with a plain C++ compiler and no CUDA toolkit. CUstream and cudaStream_t are the same handle.
+// Segments come from cuMemAlloc (backend "cuda") or from callbacks (backend "external": CuPy's
+// allocator); events and stream waits always come from the driver.
+//
+// Every driver call runs with the device's primary context current (the one the CUDA runtime, and
+// so PyTorch and CuPy, use): if the calling thread has another or none, it is pushed and popped.
+#include <dlfcn.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "upstream.hpp"
+
+namespace ww {
+
+namespace {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUstream = void*;
+using CUevent = void*;
+using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's definition
+
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kNotReady = 600;          // CUDA_ERROR_NOT_READY
+constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+
+struct Driver {
+  void* handle = nullptr;
+  CUresult (*cuInit)(unsigned) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuMemAlloc)(CUdeviceptr*, std::size_t) = nullptr;
+  CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventQuery)(CUevent) = nullptr;
+  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
+  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+};
+
+template <typename F>
+void load(Driver& d, F& fn, const char* name) {
+  fn = reinterpret_cast<F>(dlsym(d.handle, name));
+  if (fn == nullptr) throw std::runtime_error(std::string("libcuda.so.1 has no symbol ") + name);
+}
+
+// Loaded once per process; never unloaded.
+Driver& driver() {
+  static Driver* d = [] {
+    auto* drv = new Driver;
+    drv->handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (drv->handle == nullptr) {
+      const char* err = dlerror();
+      delete drv;
+      throw std::runtime_error(std::string("cannot load the CUDA driver libcuda.so.1: ") +
+                               (err != nullptr ? err : "unknown error") +
+                               " (is an NVIDIA driver installed?)");
+    }
+    load(*drv, drv->cuInit, "cuInit");
+    load(*drv, drv->cuDeviceGet, "cuDeviceGet");
+    load(*drv, drv->cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    load(*drv, drv->cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    load(*drv, drv->cuCtxGetCurrent, "cuCtxGetCurrent");
+    load(*drv, drv->cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+    load(*drv, drv->cuCtxPopCurrent, "cuCtxPopCurrent_v2");
+    load(*drv, drv->cuMemAlloc, "cuMemAlloc_v2");
+    load(*drv, drv->cuMemFree, "cuMemFree_v2");
+    load(*drv, drv->cuEventCreate, "cuEventCreate");
+    load(*drv, drv->cuEventDestroy, "cuEventDestroy_v2");
+    load(*drv, drv->cuEventRecord, "cuEventRecord");
+    load(*drv, drv->cuEventQuery, "cuEventQuery");
+    load(*drv, drv->cuStreamWaitEvent, "cuStreamWaitEvent");
+    load(*drv, drv->cuStreamSynchronize, "cuStreamSynchronize");
+    load(*drv, drv->cuGetErrorString, "cuGetErrorString");
+    return drv;
+  }();
+  return *d;
+}
+
+std::string error_string(Driver& d, CUresult r) {
+  const char* s = nullptr;
+  if (d.cuGetErrorString(r, &s) != kSuccess || s == nullptr) return "CUDA error " + std::to_string(r);
+  return std::string(s) + " (" + std::to_string(r) + ")";
+}
+
+// Makes `ctx` current in this thread for the guard's lifetime if it is not already.
+class ContextGuard {
+ public:
+  ContextGuard(Driver& d, CUcontext ctx) : d_(d) {
+    CUcontext cur = nullptr;
+    if (d_.cuCtxGetCurrent(&cur) != kSuccess || cur != ctx) {
+      pushed_ = d_.cuCtxPushCurrent(ctx) == kSuccess;
+    }
+  }
+  ~ContextGuard() {
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      d_.cuCtxPopCurrent(&popped);
+    }
+  }
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+
+ private:
+  Driver& d_;
+  bool pushed_ = false;
+};
+
+class CudaUpstream final : public Upstream {
+ public:
+  CudaUpstream(int device, SegmentAllocFn a, SegmentFreeFn f, void* ctx)
+      : d_(driver()), seg_alloc_(a), seg_free_(f), cb_ctx_(ctx) {
+    CUresult r = d_.cuInit(0);
+    if (r != kSuccess) throw std::runtime_error("cuInit failed: " + error_string(d_, r));
+    r = d_.cuDeviceGet(&device_, device);
+    if (r != kSuccess) {
+      throw std::runtime_error("no CUDA device " + std::to_string(device) + ": " +
+                               error_string(d_, r));
+    }
+    r = d_.cuDevicePrimaryCtxRetain(&ctx_, device_);
+    if (r != kSuccess) {
+      throw std::runtime_error("cannot retain the primary context of device " +
+                               std::to_string(device) + ": " + error_string(d_, r));
+    }
+  }
+
+  ~CudaUpstream() override { d_.cuDevicePrimaryCtxRelease(device_); }
+
+  void* alloc_segment(std::size_t nbytes, Stream stream) override {
+    if (seg_alloc_ != nullptr) {
+      return reinterpret_cast<void*>(static_cast<std::uintptr_t>(seg_alloc_(cb_ctx_, nbytes, stream)));
+    }
+    ContextGuard g(d_, ctx_);
+    CUdeviceptr p = 0;
+    if (d_.cuMemAlloc(&p, nbytes) != kSuccess) return nullptr;
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+  }
+
+  void free_segment(void* ptr, std::size_t nbytes) override {
+    if (seg_free_ != nullptr) {
+      seg_free_(cb_ctx_, reinterpret_cast<std::uintptr_t>(ptr), nbytes);
+      return;
+    }
+    ContextGuard g(d_, ctx_);
+    d_.cuMemFree(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
+  }
+
+  Event create_event() override {
+    ContextGuard g(d_, ctx_);
+    CUevent e = nullptr;
+    if (d_.cuEventCreate(&e, kEventDisableTiming) != kSuccess) return 0;
+    return reinterpret_cast<Event>(e);
+  }
+
+  void destroy_event(Event ev) override {
+    ContextGuard g(d_, ctx_);
+    d_.cuEventDestroy(reinterpret_cast<CUevent>(ev));
+  }
+
+  bool record_event(Event ev, Stream stream) override {
+    ContextGuard g(d_, ctx_);
+    return d_.cuEventRecord(reinterpret_cast<CUevent>(ev), reinterpret_cast<CUstream>(stream)) ==
+           kSuccess;
+  }
+
+  bool event_completed(Event ev) override {
+    ContextGuard g(d_, ctx_);
+    CUresult r = d_.cuEventQuery(reinterpret_cast<CUevent>(ev));
+    // NOT_READY: pending. Any other error: treat as pending (never hand out memory on doubt).
+    return r == kSuccess;
+  }
+
+  bool stream_wait_event(Stream waiter, Event ev) override {
+    ContextGuard g(d_, ctx_);
+    return d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(waiter), reinterpret_cast<CUevent>(ev),
+                                0) == kSuccess;
+  }
+
+  bool synchronize_stream(Stream stream) override {
+    ContextGuard g(d_, ctx_);
+    return d_.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)) == kSuccess;
+  }
+
+ private:
+  Driver& d_;
+  SegmentAllocFn seg_alloc_;
+  SegmentFreeFn seg_free_;
+  void* cb_ctx_;
+  CUdevice device_ = 0;
+  CUcontext ctx_ = nullptr;
+};
+
+static_assert(kNotReady == 600, "CUDA_ERROR_NOT_READY");
+
+}  // namespace
+
+std::unique_ptr<Upstream> make_cuda_upstream(int device, SegmentAllocFn seg_alloc,
+                                             SegmentFreeFn seg_free, void* ctx) {
+  return std::make_unique<CudaUpstream>(device, seg_alloc, seg_free, ctx);
+}
+
+}  // namespace ww

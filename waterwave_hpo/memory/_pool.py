@@ -1,0 +1,536 @@
+"""The stream-aware memory pool: one pool for all co-hosted trials on a GPU.
+
+Source: Waterwave (IEEE TC 72(10), 2023), the first mechanism, "stream-aware allocation": memory
+one trial frees is usable by another as soon as it is *scheduled* safe, not when the GPU drained.
+The hot path is C++ (``allocator_ext/``); this module is its ctypes facade.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from typing import TYPE_CHECKING
+from typing import Any
+
+from waterwave_hpo.memory._errors import OOMReason
+from waterwave_hpo.memory._errors import PoolOutOfMemoryError
+from waterwave_hpo.memory._lib import SEGMENT_ALLOC_FN
+from waterwave_hpo.memory._lib import SEGMENT_FREE_FN
+from waterwave_hpo.memory._lib import BlockInfoStruct
+from waterwave_hpo.memory._lib import Counters
+from waterwave_hpo.memory._lib import last_error
+from waterwave_hpo.memory._lib import load_library
+from waterwave_hpo.memory._sim import SimDevice
+from waterwave_hpo.memory._stats import AllocationSource
+from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import PoolStats
+from waterwave_hpo.memory._stats import UsageStats
+from waterwave_hpo.memory._streams import StreamLike
+from waterwave_hpo.memory._streams import stream_handle
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+_WW_OK = 0
+_WW_INVALID = 4
+
+#: Capacity of a ``sim`` pool created with ``capacity_bytes=None``: a simulated 1 GiB device.
+SIM_DEFAULT_CAPACITY_BYTES = 1 << 30
+_UNLIMITED = 2**64 - 1
+
+
+class Backend(enum.Enum):
+    """Where a pool's segments come from (its upstream, as in RMM)."""
+
+    #: The CUDA driver (``libcuda.so.1``, loaded at run time): ``cuMemAlloc``/``cuMemFree``.
+    CUDA = "cuda"
+    #: CuPy's allocator (``cupy.cuda.alloc``), so the pool shares CuPy's accounting of the device.
+    CUPY = "cupy"
+    #: A simulated device: host memory, virtual streams and events the caller completes.
+    SIM = "sim"
+
+
+_BACKEND_CODES = {Backend.SIM: 0, Backend.CUDA: 1, Backend.CUPY: 2}
+_SIM_EXTERNAL_CODE = 3
+
+
+def round_size(nbytes: int) -> int:
+    """The size class (block size, bytes) the pool uses for a request of ``nbytes``.
+
+    Multiples of 512 bytes up to 1 MiB; above, multiples of 1/16 of the next power of two.
+    """
+    if nbytes < 0:
+        raise ValueError(f"The nbytes argument is {nbytes}; it must be >= 0.")
+    return int(load_library().ww_round_size(nbytes))
+
+
+class Account:
+    """The memory account of one trial, charged for what its bound streams allocate.
+
+    Get one with :meth:`StreamAwarePool.open_account`. Every allocation on a bound stream counts
+    towards the account's stats and quota. Thread-safe.
+    """
+
+    def __init__(self, pool: StreamAwarePool, account_id: int, name: str) -> None:
+        self._pool = pool
+        self._id = account_id
+        self._name = name
+        self._closed = False
+
+    @property
+    def id(self) -> int:
+        """The account's id in its pool (the ``account_id`` of trace records and snapshots)."""
+        return self._id
+
+    @property
+    def name(self) -> str:
+        """The name given at :meth:`StreamAwarePool.open_account` (e.g. the trial number)."""
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Account {self._name!r} is closed; open a new one.")
+
+    def bind(self, stream: StreamLike) -> None:
+        """Charges every later allocation on ``stream`` to this account.
+
+        Args:
+            stream: A stream handle (see :func:`stream_handle`); one stream belongs to at most one
+                account at a time.
+
+        Raises:
+            ValueError: ``stream`` is already bound to another account.
+            RuntimeError: The account is closed.
+        """
+        self._check_open()
+        handle = stream_handle(stream)
+        rc = self._pool._lib.ww_account_bind(self._pool._handle(), self._id, handle)
+        if rc != _WW_OK:
+            raise ValueError(
+                f"Cannot bind stream {handle} to account {self._name!r}: {last_error()}."
+            )
+
+    def unbind(self, stream: StreamLike) -> None:
+        """Stops charging ``stream``'s allocations to this account.
+
+        Raises:
+            ValueError: ``stream`` is not bound to this account.
+        """
+        self._check_open()
+        handle = stream_handle(stream)
+        rc = self._pool._lib.ww_account_unbind(self._pool._handle(), self._id, handle)
+        if rc != _WW_OK:
+            raise ValueError(f"Cannot unbind stream {handle}: {last_error()}.")
+
+    def set_quota(self, quota_bytes: int | None) -> None:
+        """Limits the account's allocated bytes; an allocation beyond it fails as out of memory.
+
+        Args:
+            quota_bytes: The limit in bytes (> 0), or None for no limit.
+
+        Raises:
+            ValueError: ``quota_bytes`` is not a positive int or None.
+        """
+        self._check_open()
+        self._pool.set_quota(self, quota_bytes)
+
+    def stats(self) -> UsageStats:
+        """The account's counters (allocated bytes, peak bytes, counts by source, quota).
+
+        Raises:
+            RuntimeError: The account is closed.
+        """
+        self._check_open()
+        c = Counters()
+        rc = self._pool._lib.ww_account_stats(self._pool._handle(), self._id, ctypes.byref(c))
+        if rc != _WW_OK:
+            raise RuntimeError(last_error())
+        return UsageStats._from_counters(c)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """The account's peak allocated bytes (the trial's peak memory)."""
+        return self.stats().peak_allocated_bytes
+
+    def close(self) -> None:
+        """Unbinds all the account's streams and forgets it. Idempotent.
+
+        Blocks it still holds stay valid; freeing them later charges no account.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool._ptr is not None:
+            self._pool._lib.ww_account_close(self._pool._handle(), self._id)
+
+    def __enter__(self) -> Account:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Account(name={self._name!r}, id={self._id}, closed={self._closed})"
+
+
+class StreamAwarePool:
+    """One memory pool for all co-hosted trials on a device, aware of CUDA streams.
+
+    Free blocks remember the stream that freed them and an event recorded there. An allocation
+    for stream S takes, in this order: (1) a free block last used by S; (2) a free block of
+    another stream whose event has completed; (3) a free block of another stream whose event is
+    pending, after making S wait on it on the GPU (never a CPU wait); (4) a new segment, within
+    ``capacity_bytes``; (5) after coalescing and releasing wholly free cached segments, a retry;
+    then it fails. Blocks are rounded to size classes (:func:`round_size`), split from segments and
+    coalesced on free. Source: Waterwave (IEEE TC 72(10), 2023), prioritized allocation.
+
+    Every method is thread-safe and releases the GIL while in C++.
+
+    Args:
+        capacity_bytes: Most bytes of segments the pool may hold. None: no limit beyond the
+            device's for ``cuda``/``cupy``; a simulated 1 GiB device for ``sim``.
+        backend: ``"cuda"`` (the CUDA driver), ``"cupy"`` (segments from CuPy's allocator) or
+            ``"sim"`` (a simulated device; see :attr:`sim`), or a :class:`Backend`.
+        device: CUDA device ordinal (``cuda``/``cupy``); ignored by ``sim``.
+
+    Raises:
+        ValueError: ``capacity_bytes``, ``backend`` or ``device`` is invalid.
+        RuntimeError: The backend cannot start (no CUDA driver, no such device, CuPy missing).
+        ImportError: The C++ library is not built (reinstall with ``pip install .``).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        backend: str | Backend = "cuda",
+        device: int = 0,
+        _segment_source: tuple[Callable[[int, int], int], Callable[[int, int], None]] | None = None,
+    ) -> None:
+        self._ptr: int | None = None
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+        ):
+            raise ValueError(
+                f"The capacity_bytes argument is {capacity_bytes!r} (type "
+                f"{type(capacity_bytes).__name__}) but must be a positive int or None."
+            )
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(
+                f"The capacity_bytes argument is {capacity_bytes} but must be a positive number of "
+                "bytes, or None for the device's memory."
+            )
+        try:
+            self._backend = Backend(backend)
+        except ValueError:
+            raise ValueError(
+                f"The backend argument is {backend!r} but must be one of "
+                f"{[b.value for b in Backend]}."
+            ) from None
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 64:
+            raise ValueError(
+                f"The device argument is {device!r} but must be a CUDA device ordinal in [0, 64)."
+            )
+        self._device = device
+        self._lib = load_library()
+        self._lock = threading.Lock()
+        self._cupy_upstream: Any = None
+        if capacity_bytes is None:
+            capacity = SIM_DEFAULT_CAPACITY_BYTES if self._backend is Backend.SIM else _UNLIMITED
+        else:
+            capacity = capacity_bytes
+        self._capacity = capacity
+        alloc_cb = SEGMENT_ALLOC_FN()
+        free_cb = SEGMENT_FREE_FN()
+        code = _BACKEND_CODES[self._backend]
+        if self._backend is Backend.CUPY:
+            from waterwave_hpo.memory._cupy import CupySegmentSource
+
+            self._cupy_upstream = CupySegmentSource(device)
+            _segment_source = (self._cupy_upstream.allocate, self._cupy_upstream.free)
+        if _segment_source is not None:
+            seg_alloc, seg_free = _segment_source
+
+            def _alloc(_ctx: int | None, nbytes: int, stream: int) -> int:
+                try:
+                    return int(seg_alloc(nbytes, stream))
+                except Exception:  # an upstream failure is an OOM for the pool, never a crash
+                    return 0
+
+            def _free(_ctx: int | None, ptr: int, nbytes: int) -> None:
+                try:
+                    seg_free(ptr, nbytes)
+                except Exception:
+                    pass
+
+            alloc_cb = SEGMENT_ALLOC_FN(_alloc)
+            free_cb = SEGMENT_FREE_FN(_free)
+            if self._backend is Backend.SIM:
+                code = _SIM_EXTERNAL_CODE
+        # The callbacks must outlive the C++ pool.
+        self._callbacks = (alloc_cb, free_cb)
+        ptr = self._lib.ww_pool_create(code, device, capacity, alloc_cb, free_cb, None)
+        if not ptr:
+            raise RuntimeError(
+                f"Cannot create a {self._backend.value!r} pool on device {device}: {last_error()}"
+            )
+        self._ptr = int(ptr)
+        self._sim = SimDevice(self) if self._backend is Backend.SIM else None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _handle(self) -> int:
+        ptr = self._ptr
+        if ptr is None:
+            raise RuntimeError("This StreamAwarePool is closed.")
+        return ptr
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> Backend:
+        """Where the pool's segments come from."""
+        return self._backend
+
+    @property
+    def device(self) -> int:
+        """The CUDA device ordinal (0 for ``sim``)."""
+        return self._device
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """Most bytes of segments the pool may hold; None when only the device limits it."""
+        return None if self._capacity == _UNLIMITED else self._capacity
+
+    @property
+    def sim(self) -> SimDevice:
+        """The simulated device of a ``sim`` pool: ``submit``, ``finish``, ``trace``.
+
+        Raises:
+            AttributeError: The pool's backend is not ``sim``.
+        """
+        if self._sim is None:
+            raise AttributeError(
+                f"pool.sim exists only for backend='sim'; this pool's backend is "
+                f"{self._backend.value!r}."
+            )
+        return self._sim
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate(self, nbytes: int, stream: StreamLike = None) -> int:
+        """Allocates ``nbytes`` bytes for use on ``stream``.
+
+        The block may come from another stream's free memory; if so, the pool has already made
+        ``stream`` wait (on the GPU) for that memory's last use, so it is safe for work enqueued
+        on ``stream`` from now on.
+
+        Args:
+            nbytes: Bytes wanted (>= 0; rounded up to a size class, at least 512).
+            stream: The stream the memory is used on (None: the default stream).
+
+        Returns:
+            The device pointer (for ``sim``, a host address), 512-byte aligned.
+
+        Raises:
+            ValueError: ``nbytes`` is negative or not an int.
+            PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
+        """
+        return self.allocate_with_source(nbytes, stream)[0]
+
+    def allocate_with_source(
+        self, nbytes: int, stream: StreamLike = None
+    ) -> tuple[int, AllocationSource]:
+        """Like :meth:`allocate`, also saying where the block came from (priority step).
+
+        Returns:
+            ``(pointer, source)``.
+
+        Raises:
+            ValueError: ``nbytes`` is negative or not an int.
+            PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"The nbytes argument is {nbytes!r} but must be an int >= 0.")
+        handle = stream_handle(stream)
+        out = ctypes.c_uint64(0)
+        src = ctypes.c_int(0)
+        rc = self._lib.ww_pool_allocate(
+            self._handle(), nbytes, handle, ctypes.byref(out), ctypes.byref(src)
+        )
+        if rc != _WW_OK:
+            reason = OOMReason(rc) if rc in (1, 2, 3) else OOMReason.UPSTREAM
+            raise PoolOutOfMemoryError(last_error(), nbytes=nbytes, stream=handle, reason=reason)
+        return int(out.value), AllocationSource(src.value)
+
+    def free(self, ptr: int, stream: StreamLike = None) -> None:
+        """Returns a block to the pool, in ``stream``'s order.
+
+        The pool records an event on ``stream``; until it completes, another stream gets the
+        block only after waiting on it on the GPU.
+
+        Args:
+            ptr: A pointer returned by :meth:`allocate` and not freed since.
+            stream: The stream whose queued work is the block's last use. None: the stream it was
+                allocated on.
+
+        Raises:
+            ValueError: ``ptr`` is not a live allocation of this pool (double free, foreign
+                pointer).
+        """
+        handle = 0 if stream is None else stream_handle(stream)
+        rc = self._lib.ww_pool_free(self._handle(), ptr, handle, 0 if stream is None else 1)
+        if rc != _WW_OK:
+            raise ValueError(f"The ptr argument {ptr:#x} cannot be freed: {last_error()}.")
+
+    def record_stream(self, ptr: int, stream: StreamLike) -> None:
+        """Marks a live block as also used on ``stream`` (``Tensor.record_stream`` semantics).
+
+        When the block is freed, it is reused only after the work queued on ``stream`` at that
+        time has completed, in addition to the freeing stream's rule.
+
+        Raises:
+            ValueError: ``ptr`` is not a live allocation of this pool.
+        """
+        rc = self._lib.ww_pool_record_stream(self._handle(), ptr, stream_handle(stream))
+        if rc != _WW_OK:
+            raise ValueError(f"The ptr argument {ptr:#x}: {last_error()}.")
+
+    def release_cached(self) -> int:
+        """Gives wholly free segments whose last uses completed back to the upstream.
+
+        Returns:
+            Bytes released.
+        """
+        return int(self._lib.ww_pool_release_cached(self._handle()))
+
+    # -- accounts ------------------------------------------------------------------------------
+
+    def open_account(self, name: str = "", *, streams: tuple[StreamLike, ...] = ()) -> Account:
+        """Opens an account (one per trial) and binds ``streams`` to it.
+
+        Args:
+            name: A label (e.g. the trial number), for messages and repr.
+            streams: Streams to bind now (more with :meth:`Account.bind`).
+
+        Returns:
+            The account; close it when the trial ends.
+
+        Raises:
+            ValueError: One of ``streams`` is already bound to another account.
+        """
+        account_id = int(self._lib.ww_account_open(self._handle()))
+        account = Account(self, account_id, name)
+        try:
+            for s in streams:
+                account.bind(s)
+        except Exception:
+            account.close()
+            raise
+        return account
+
+    def set_quota(self, account: Account, quota_bytes: int | None) -> None:
+        """Limits ``account``'s allocated bytes; beyond it, its allocations fail as out of memory.
+
+        Args:
+            account: An open account of this pool.
+            quota_bytes: The limit in bytes (> 0), or None to remove it.
+
+        Raises:
+            ValueError: ``quota_bytes`` is not a positive int or None, or ``account`` belongs to
+                another pool.
+        """
+        if account._pool is not self:
+            raise ValueError(f"The account argument {account!r} belongs to another pool.")
+        if quota_bytes is not None and (
+            isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes <= 0
+        ):
+            raise ValueError(
+                f"The quota_bytes argument is {quota_bytes!r} but must be a positive int, or None "
+                "for no quota."
+            )
+        rc = self._lib.ww_account_set_quota(self._handle(), account.id, quota_bytes or 0)
+        if rc != _WW_OK:
+            raise ValueError(f"Cannot set the quota of {account!r}: {last_error()}.")
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        """A consistent snapshot of the pool's counters (bytes, peaks, counts by source)."""
+        c = Counters()
+        self._lib.ww_pool_stats(self._handle(), ctypes.byref(c))
+        return PoolStats._from_counters(c)
+
+    def stream_stats(self, stream: StreamLike) -> UsageStats:
+        """The counters of one stream (zeros for a stream the pool never saw)."""
+        c = Counters()
+        self._lib.ww_pool_stream_stats(self._handle(), stream_handle(stream), ctypes.byref(c))
+        return UsageStats._from_counters(c)
+
+    def reset_peaks(self) -> None:
+        """Sets every peak (pool, streams, accounts) to its current value."""
+        self._lib.ww_pool_reset_peaks(self._handle())
+
+    def snapshot(self) -> list[BlockInfo]:
+        """Every block of every segment, in address order (what PyTorch's snapshot gives back)."""
+        handle = self._handle()
+        while True:
+            n = int(self._lib.ww_pool_snapshot(handle, None, 0))
+            buf = (BlockInfoStruct * max(n, 1))()
+            m = int(self._lib.ww_pool_snapshot(handle, buf, n))
+            if m <= n:
+                return [
+                    BlockInfo(
+                        ptr=b.ptr,
+                        size_bytes=b.size,
+                        segment_ptr=b.segment_ptr,
+                        segment_size_bytes=b.segment_size,
+                        allocated=bool(b.allocated),
+                        stream=b.stream,
+                        requested_bytes=b.requested,
+                        account_id=None if b.account < 0 else b.account,
+                        event_pending=bool(b.event_pending),
+                    )
+                    for b in buf[:m]
+                ]
+
+    # -- integrations --------------------------------------------------------------------------
+
+    def cupy_allocator(self) -> Callable[[int], Any]:
+        """An allocator for ``cupy.cuda.set_allocator`` / ``cupy.cuda.using_allocator``.
+
+        CuPy arrays then take memory from this pool on CuPy's current stream, so a trial's CuPy
+        arrays and PyTorch tensors share one pool and one account.
+
+        Raises:
+            RuntimeError: CuPy is not installed, or the pool's backend is ``sim``.
+        """
+        from waterwave_hpo.memory._cupy import make_cupy_allocator
+
+        return make_cupy_allocator(self)
+
+    def close(self) -> None:
+        """Destroys the pool. Segments with live blocks are leaked, not freed. Idempotent."""
+        with self._lock:
+            ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            self._lib.ww_pool_destroy(ptr)
+
+    def __del__(self) -> None:
+        # A pool installed as PyTorch's allocator is kept alive by _torch's registry.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamAwarePool(backend={self._backend.value!r}, device={self._device}, "
+            f"capacity_bytes={self.capacity_bytes})"
+        )

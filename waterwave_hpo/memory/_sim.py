@@ -1,0 +1,204 @@
+"""The simulated device of the ``sim`` backend: virtual streams and events, and the pool's trace.
+
+Stream ``s`` has ``submitted`` units of work of which ``completed`` are done. An event recorded on
+``s`` (the pool records one at every free) captures ``seq = submitted``; it has completed once
+``completed >= seq``. A stream wait of W on such an event orders W's later work after those ``seq``
+units: finishing W finishes them first. So what the pool may do (hand a block to another stream
+only after the freeing stream's event completed or after a wait on it) can be checked from
+:meth:`SimDevice.trace` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+from waterwave_hpo.memory._errors import OOMReason
+from waterwave_hpo.memory._lib import TraceEntryStruct
+from waterwave_hpo.memory._stats import AllocationSource
+from waterwave_hpo.memory._streams import StreamLike
+from waterwave_hpo.memory._streams import stream_handle
+
+if TYPE_CHECKING:
+    from waterwave_hpo.memory._pool import StreamAwarePool
+
+
+class TraceKind(enum.IntEnum):
+    """Kinds of trace records (values of ``ww_trace_kind``)."""
+
+    ALLOC = 1
+    FREE = 2
+    STREAM_WAIT = 3
+    OOM = 4
+    SUBMIT = 5
+    FINISH = 6
+    SEGMENT_NEW = 7
+    SEGMENT_RELEASE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocRecord:
+    """The pool handed ``[ptr, ptr + size_bytes)`` to ``stream``."""
+
+    ptr: int
+    size_bytes: int
+    requested_bytes: int
+    stream: int
+    source: AllocationSource
+    account_id: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeRecord:
+    """``[ptr, ptr + size_bytes)`` was freed on ``stream``; its event captured ``event_seq``."""
+
+    ptr: int
+    size_bytes: int
+    stream: int
+    event_seq: int
+    account_id: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamWaitRecord:
+    """``stream`` waited on the GPU for ``waited_stream``'s first ``event_seq`` units."""
+
+    stream: int
+    waited_stream: int
+    event_seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OOMRecord:
+    """An allocation of ``requested_bytes`` on ``stream`` failed."""
+
+    requested_bytes: int
+    size_bytes: int
+    stream: int
+    reason: OOMReason
+    account_id: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitRecord:
+    """A unit of work was enqueued on ``stream``; it now has ``submitted`` units."""
+
+    stream: int
+    submitted: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishRecord:
+    """``stream``'s first ``completed`` units of work have completed."""
+
+    stream: int
+    completed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRecord:
+    """A segment was taken from (``released=False``) or given back to the upstream."""
+
+    ptr: int
+    size_bytes: int
+    released: bool
+    stream: int
+    account_id: int | None
+
+
+TraceRecord = (
+    AllocRecord
+    | FreeRecord
+    | StreamWaitRecord
+    | OOMRecord
+    | SubmitRecord
+    | FinishRecord
+    | SegmentRecord
+)
+
+
+def _account(raw: int) -> int | None:
+    return None if raw < 0 else raw
+
+
+def _convert(e: TraceEntryStruct) -> TraceRecord:
+    kind = TraceKind(e.kind)
+    if kind is TraceKind.ALLOC:
+        return AllocRecord(
+            e.ptr, e.size, e.requested, e.stream, AllocationSource(e.source), _account(e.account)
+        )
+    if kind is TraceKind.FREE:
+        return FreeRecord(e.ptr, e.size, e.stream, e.seq, _account(e.account))
+    if kind is TraceKind.STREAM_WAIT:
+        return StreamWaitRecord(e.stream, e.other_stream, e.seq)
+    if kind is TraceKind.OOM:
+        return OOMRecord(e.requested, e.size, e.stream, OOMReason(e.source), _account(e.account))
+    if kind is TraceKind.SUBMIT:
+        return SubmitRecord(e.stream, e.seq)
+    if kind is TraceKind.FINISH:
+        return FinishRecord(e.stream, e.seq)
+    return SegmentRecord(
+        e.ptr, e.size, kind is TraceKind.SEGMENT_RELEASE, e.stream, _account(e.account)
+    )
+
+
+class SimDevice:
+    """Control of a ``sim`` pool's simulated GPU, and the pool's trace. Get it as ``pool.sim``.
+
+    Thread-safe; any integer is a stream handle (0 is the default stream).
+    """
+
+    def __init__(self, pool: StreamAwarePool) -> None:
+        self._pool = pool
+
+    def submit(self, stream: StreamLike = None) -> int:
+        """Enqueues one unit of GPU work on ``stream``.
+
+        Returns:
+            The number of units submitted to ``stream`` so far.
+        """
+        return int(self._pool._lib.ww_sim_submit(self._pool._handle(), stream_handle(stream)))
+
+    def finish(self, stream: StreamLike = None, *, all_streams: bool = False) -> None:
+        """Completes all work submitted so far on ``stream`` (and what it waits on).
+
+        Args:
+            stream: The stream; ``None`` with ``all_streams=False`` means the default stream 0.
+            all_streams: Complete the work of every stream instead.
+        """
+        self._pool._lib.ww_sim_finish(
+            self._pool._handle(), stream_handle(stream), 1 if all_streams else 0
+        )
+
+    def finish_all(self) -> None:
+        """Completes all work submitted on every stream."""
+        self.finish(all_streams=True)
+
+    def trace(self, start: int = 0) -> list[TraceRecord]:
+        """What the pool and the simulated device did, in order, from record ``start`` on.
+
+        Returns:
+            Allocations (pointer, size, stream, source), frees, stream waits (which stream waited
+            on which stream's event), OOMs, submits, finishes and segment moves.
+        """
+        lib = self._pool._lib
+        handle = self._pool._handle()
+        out: list[TraceRecord] = []
+        chunk = 4096
+        buf = (TraceEntryStruct * chunk)()
+        pos = start
+        while True:
+            n = int(lib.ww_trace_read(handle, pos, buf, chunk))
+            out.extend(_convert(buf[i]) for i in range(n))
+            pos += n
+            if n < chunk:
+                return out
+
+    def trace_length(self) -> int:
+        """The number of trace records so far."""
+        return int(self._pool._lib.ww_trace_count(self._pool._handle()))
+
+    def clear_trace(self) -> None:
+        """Drops the trace recorded so far (long runs)."""
+        self._pool._lib.ww_trace_clear(self._pool._handle())

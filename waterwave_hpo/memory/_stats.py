@@ -1,0 +1,188 @@
+"""Statistics of the stream-aware pool: whole pool, per stream, per account (trial)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from waterwave_hpo.memory._lib import Counters
+
+
+class AllocationSource(enum.IntEnum):
+    """Where an allocation for stream S was served from, in the pool's priority order.
+
+    Source: Waterwave (IEEE TC 72(10), 2023), prioritized allocation by the synchronization
+    attributes of free chunks.
+    """
+
+    #: A free block last used by S: stream order makes it safe, no synchronization.
+    SAME_STREAM = 1
+    #: A free block freed on another stream whose event has completed.
+    COMPLETED_EVENT = 2
+    #: A free block freed on another stream whose event is pending; S was made to wait on that
+    #: event on the GPU (``cuStreamWaitEvent``), the CPU did not block.
+    STREAM_WAIT = 3
+    #: A new segment from the upstream (device, CuPy, or simulated device).
+    NEW_SEGMENT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A consistent snapshot of a pool's counters. All sizes are bytes.
+
+    Attributes:
+        allocated_bytes: Bytes in live blocks (sizes rounded to the pool's size classes).
+        requested_bytes: Bytes asked for by live allocations, before rounding.
+        reserved_bytes: Bytes of segments the pool holds (live blocks plus cache).
+        peak_allocated_bytes: Highest ``allocated_bytes`` since creation or ``reset_peaks()``.
+        peak_reserved_bytes: Highest ``reserved_bytes`` since creation or ``reset_peaks()``.
+        num_allocs: Successful allocations.
+        num_frees: Frees.
+        same_stream: Allocations served from a block last used by the same stream.
+        completed_event: Allocations served from another stream's block whose event completed.
+        stream_wait: Allocations served from another stream's block after a GPU-side wait.
+        new_segment: Allocations that took a new segment.
+        stream_waits_issued: Stream waits (``cuStreamWaitEvent``) the pool issued.
+        ooms: Failed allocations (capacity, quota or device exhausted).
+        num_segments: Segments held.
+        capacity_bytes: The pool's capacity.
+    """
+
+    allocated_bytes: int
+    requested_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    num_allocs: int
+    num_frees: int
+    same_stream: int
+    completed_event: int
+    stream_wait: int
+    new_segment: int
+    stream_waits_issued: int
+    ooms: int
+    num_segments: int
+    capacity_bytes: int
+
+    def count(self, source: AllocationSource) -> int:
+        """The number of allocations served from ``source``."""
+        return int(getattr(self, source.name.lower()))
+
+    @classmethod
+    def _from_counters(cls, c: Counters) -> PoolStats:
+        return cls(
+            allocated_bytes=c.allocated_bytes,
+            requested_bytes=c.requested_bytes,
+            reserved_bytes=c.reserved_bytes,
+            peak_allocated_bytes=c.peak_allocated_bytes,
+            peak_reserved_bytes=c.peak_reserved_bytes,
+            num_allocs=c.num_allocs,
+            num_frees=c.num_frees,
+            same_stream=c.num_same_stream,
+            completed_event=c.num_completed_event,
+            stream_wait=c.num_stream_wait,
+            new_segment=c.num_new_segment,
+            stream_waits_issued=c.num_stream_waits_issued,
+            ooms=c.num_ooms,
+            num_segments=c.num_segments,
+            capacity_bytes=c.capacity_bytes,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class UsageStats:
+    """Counters of one stream or one account (a trial). All sizes are bytes.
+
+    Allocated bytes and allocation counts are charged to the stream (and its account) that
+    allocated; a block freed on another stream is still credited back to its allocator.
+    ``reserved_bytes`` is the share of segments this stream or account caused to be taken from
+    the upstream (segments are shared afterwards; the share is attribution, not ownership).
+
+    Attributes:
+        allocated_bytes: Bytes in live blocks (rounded sizes).
+        requested_bytes: Bytes asked for by live allocations, before rounding.
+        reserved_bytes: Bytes of live segments this stream or account caused.
+        peak_allocated_bytes: Highest ``allocated_bytes`` (the trial's peak memory).
+        peak_reserved_bytes: Highest ``reserved_bytes``.
+        num_allocs: Successful allocations.
+        num_frees: Frees of blocks it allocated.
+        same_stream: Allocations served from a block last used by the same stream.
+        completed_event: Allocations from another stream's block whose event completed.
+        stream_wait: Allocations from another stream's block after a GPU-side wait.
+        new_segment: Allocations that took a new segment.
+        stream_waits_issued: Stream waits issued for it.
+        ooms: Its failed allocations (including quota refusals).
+        num_segments: Live segments it caused.
+        quota_bytes: The account's quota on ``allocated_bytes``; ``None`` when unlimited (and
+            always for streams).
+    """
+
+    allocated_bytes: int
+    requested_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    num_allocs: int
+    num_frees: int
+    same_stream: int
+    completed_event: int
+    stream_wait: int
+    new_segment: int
+    stream_waits_issued: int
+    ooms: int
+    num_segments: int
+    quota_bytes: int | None
+
+    def count(self, source: AllocationSource) -> int:
+        """The number of allocations served from ``source``."""
+        return int(getattr(self, source.name.lower()))
+
+    @classmethod
+    def _from_counters(cls, c: Counters) -> UsageStats:
+        return cls(
+            allocated_bytes=c.allocated_bytes,
+            requested_bytes=c.requested_bytes,
+            reserved_bytes=c.reserved_bytes,
+            peak_allocated_bytes=c.peak_allocated_bytes,
+            peak_reserved_bytes=c.peak_reserved_bytes,
+            num_allocs=c.num_allocs,
+            num_frees=c.num_frees,
+            same_stream=c.num_same_stream,
+            completed_event=c.num_completed_event,
+            stream_wait=c.num_stream_wait,
+            new_segment=c.num_new_segment,
+            stream_waits_issued=c.num_stream_waits_issued,
+            ooms=c.num_ooms,
+            num_segments=c.num_segments,
+            quota_bytes=c.quota_bytes or None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInfo:
+    """One block of a segment in a pool snapshot. Sizes are bytes.
+
+    Attributes:
+        ptr: Device address of the block.
+        size_bytes: Block size (a size class).
+        segment_ptr: Address of the segment holding it.
+        segment_size_bytes: Size of that segment.
+        allocated: True for a live block, False for a cached free one.
+        stream: Live: the allocating stream. Free: the stream that freed it.
+        requested_bytes: Live: bytes asked for. Free: 0.
+        account_id: Live: the id of the account charged, or None.
+        event_pending: Free: True while the freeing stream's event has not completed (or a
+            ``record_stream`` stream is still using it).
+    """
+
+    ptr: int
+    size_bytes: int
+    segment_ptr: int
+    segment_size_bytes: int
+    allocated: bool
+    stream: int
+    requested_bytes: int
+    account_id: int | None
+    event_pending: bool
