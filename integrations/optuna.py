@@ -26,7 +26,7 @@ class Study(optuna.Study):
     :func:`wrap_study`; everything else is ``optuna.Study``.
     """
 
-    def optimize(  # type: ignore[override]
+    def optimize(
         self,
         func: Callable[[optuna.trial.Trial], Any],
         n_trials: int | None = None,

@@ -55,14 +55,16 @@ def _driver_stream(device: torch.device) -> torch.cuda.Stream:
         _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     raw = ctypes.c_void_p()
     _check(driver.cuStreamCreate(ctypes.byref(raw), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-    return torch.cuda.ExternalStream(raw.value, device=device)
+    return torch.cuda.ExternalStream(raw.value, device=device)  # type: ignore[no-untyped-call]
 
 
 def _pooled_stream(device: torch.device) -> torch.cuda.Stream:
     # Fallback when the driver cannot be reached through ctypes: walk torch's pools (both
     # priorities, 32 streams each) until a stream no running slot holds comes up.
     for attempt in range(128):
-        stream = torch.cuda.Stream(device=device, priority=0 if attempt % 2 == 0 else -1)
+        stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+            device=device, priority=0 if attempt % 2 == 0 else -1
+        )
         if stream.cuda_stream not in _in_use:
             return stream
     raise RuntimeError(
