@@ -12,8 +12,8 @@ class BudgetExceededError(RuntimeError):
     * the request can never fit: what the trial already holds plus ``nbytes`` exceeds the
       whole budget, even with no other trial on the device; or
     * every running trial was blocked, no request could be admitted, and the scheduler chose
-      this trial as the victim to break the deadlock (its reservations are already released
-      when this is raised).
+      this trial as the victim to break the deadlock (its reservations are released when the
+      executor calls ``trial_finished`` for it; the other trials wait for that).
 
     The executor treats it like a CUDA out-of-memory error of this trial alone: fail it, or
     re-queue it with fewer neighbours. Nothing else on the device is affected.
@@ -21,7 +21,7 @@ class BudgetExceededError(RuntimeError):
     Attributes:
         trial_number: The trial that asked.
         nbytes: Bytes it asked for (one NodeGroup's reservation).
-        held_bytes: Bytes it held when the error was raised (released since, on eviction).
+        held_bytes: Bytes it held when the error was raised.
         budget_bytes: The scheduler's budget.
         evicted: ``True`` when chosen as a deadlock victim, ``False`` when the request
             alone exceeds the budget.

@@ -26,8 +26,10 @@ No hang: the scheduler knows how many trials run (``trial_started``/``trial_fini
 how many of them wait in ``acquire``. When all running trials wait and the policy admits
 none, it resolves the deadlock at once (no timeouts involved): a request that fits the free
 bytes is admitted out of policy order; if none fits, one trial is evicted (least promising,
-then the latest started), its bytes released and its gate raises
-:class:`BudgetExceededError`. Each resolution is recorded in :meth:`stats`.
+then the latest started): its gate raises :class:`BudgetExceededError`, and its bytes are
+released when the executor calls ``trial_finished`` for it (after its thread has unwound and
+its tensors are really free); the others wait for that. Each resolution is recorded in
+:meth:`stats`.
 """
 
 from __future__ import annotations
@@ -398,7 +400,9 @@ class PipelineScheduler:
     def _view_locked(self) -> LedgerView:
         trials = {}
         for n, t in self._trials.items():
-            if t.evicted:
+            if t.evicted:  # it needs nothing more and frees all it holds when it finishes
+                held = self._ledger.held_bytes(n)
+                trials[n] = TrialView(n, held, 0, held, 0, 0.0)
                 continue
             trials[n] = TrialView(
                 trial_number=n,
@@ -446,7 +450,9 @@ class PipelineScheduler:
         if self._drain_deferred_locked():
             self._dispatch_locked()
         while self._waiting:
-            running = [t for t in self._trials.values() if not t.evicted]
+            if any(t.evicted for t in self._trials.values()):
+                return  # a victim is unwinding; its trial_finished frees its memory
+            running = list(self._trials.values())
             if not running or any(not t.pending for t in running):
                 return
             waiting_trials = tuple(sorted(t.trial_number for t in running))
@@ -472,10 +478,10 @@ class PipelineScheduler:
                     waiting_trials,
                     f"every running trial was waiting and no request fitted the "
                     f"{self._ledger.free_bytes} free bytes; trial {victim.trial_number} "
-                    "was evicted to free its memory",
+                    "was evicted: its gate raised BudgetExceededError and its memory is "
+                    "released when the executor calls trial_finished for it",
                 )
                 victim.evicted = True
-                self._ledger.release_trial(victim.trial_number)
                 for seq, pending in victim.pending.items():
                     pending.state = _RequestState.EVICTED
                     self._waiting.pop(seq, None)
