@@ -3,7 +3,7 @@
 #include <array>
 #include <atomic>
 #include <exception>
-#include <new>
+#include <stdexcept>
 #include <string>
 
 #include "pool.hpp"
@@ -26,16 +26,14 @@ constexpr int kMaxDevices = 64;
 std::array<std::atomic<Pool*>, kMaxDevices> g_torch_pools{};
 
 // Thrown by waterwave_torch_malloc when the pool is exhausted. PyTorch's pluggable allocator does
-// not check for nullptr (torch/csrc/cuda/CUDAPluggableAllocator.cpp, malloc) and turns C++
-// exceptions from alloc_fn into RuntimeError carrying what(); waterwave_hpo.memory recognises the
-// marker below and re-raises torch.cuda.OutOfMemoryError (pytorch/pytorch issue 133280).
-class OutOfMemory : public std::bad_alloc {
+// not check alloc_fn's result for nullptr (torch/csrc/cuda/CUDAPluggableAllocator.cpp, malloc:
+// a null data pointer would reach kernels), and it turns C++ exceptions from alloc_fn into a
+// RuntimeError carrying what(). waterwave_hpo.memory.translate_oom recognises the marker and
+// re-raises torch.cuda.OutOfMemoryError (pytorch/pytorch issue 133280). A std::runtime_error, not
+// std::bad_alloc: pybind11 would turn the latter into a bare MemoryError on some bindings.
+class OutOfMemory : public std::runtime_error {
  public:
-  explicit OutOfMemory(std::string msg) : msg_(std::move(msg)) {}
-  const char* what() const noexcept override { return msg_.c_str(); }
-
- private:
-  std::string msg_;
+  explicit OutOfMemory(const std::string& msg) : std::runtime_error(msg) {}
 };
 
 }  // namespace

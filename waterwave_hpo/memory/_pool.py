@@ -214,6 +214,7 @@ class StreamAwarePool:
         _segment_source: tuple[Callable[[int, int], int], Callable[[int, int], None]] | None = None,
     ) -> None:
         self._ptr: int | None = None
+        self._pinned = False  # set by use_pool: PyTorch holds it until the process ends
         if capacity_bytes is not None and (
             isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
         ):
@@ -516,7 +517,13 @@ class StreamAwarePool:
         return make_cupy_allocator(self)
 
     def close(self) -> None:
-        """Destroys the pool. Segments with live blocks are leaked, not freed. Idempotent."""
+        """Destroys the pool. Segments with live blocks are leaked, not freed. Idempotent.
+
+        A pool installed with :func:`use_pool` is never destroyed (PyTorch may free tensors into
+        it until the process ends); ``close`` does nothing for it.
+        """
+        if self._pinned:
+            return
         with self._lock:
             ptr, self._ptr = self._ptr, None
         if ptr is not None:

@@ -96,11 +96,16 @@ def use_pool(pool: StreamAwarePool) -> None:
         else:
             lib.ww_torch_set_pool(pool.device, pool._handle())
         _installed[pool.device] = pool
+        pool._pinned = True  # PyTorch may call into it until the process ends
 
 
 def is_pool_oom(exc: BaseException) -> bool:
-    """True if ``exc`` is PyTorch's RuntimeError for an exhausted waterwave pool."""
-    return isinstance(exc, RuntimeError) and OOM_MARKER in str(exc)
+    """True if ``exc`` is the error PyTorch raised for an exhausted waterwave pool.
+
+    That is a ``RuntimeError`` (a ``MemoryError`` through some pybind11 bindings) whose message
+    carries :data:`OOM_MARKER`.
+    """
+    return isinstance(exc, (RuntimeError, MemoryError)) and OOM_MARKER in str(exc)
 
 
 @contextlib.contextmanager
@@ -115,7 +120,7 @@ def translate_oom() -> Iterator[None]:
     """
     try:
         yield
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
         if not is_pool_oom(exc):
             raise
         import torch
