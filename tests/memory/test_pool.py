@@ -328,3 +328,18 @@ def test_external_segment_source_callbacks_feed_the_pool() -> None:
     assert pool.release_cached() > 0
     assert buffers == {}
     check(pool)
+
+
+def test_finish_without_a_stream_completes_every_stream() -> None:
+    pool = make_pool()
+    pa, pb = pool.allocate(SEG, A), pool.allocate(SEG, B)
+    pool.sim.submit(A)
+    pool.sim.submit(B)
+    pool.free(pa, A)
+    pool.free(pb, B)
+    assert [b.event_pending for b in pool.snapshot()] == [True, True]
+    pool.sim.finish(0)  # the default stream only: nothing changes
+    assert [b.event_pending for b in pool.snapshot()] == [True, True]
+    pool.sim.finish()
+    assert [b.event_pending for b in pool.snapshot()] == [False, False]
+    assert pool.allocate_with_source(SEG, C)[1] is AllocationSource.COMPLETED_EVENT

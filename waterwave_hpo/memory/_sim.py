@@ -152,28 +152,30 @@ class SimDevice:
     def __init__(self, pool: StreamAwarePool) -> None:
         self._pool = pool
 
-    def submit(self, stream: StreamLike = None) -> int:
-        """Enqueues one unit of GPU work on ``stream``.
+    def submit(self, stream: StreamLike) -> int:
+        """Enqueues one unit of GPU work on ``stream`` (0 is the default stream).
 
         Returns:
             The number of units submitted to ``stream`` so far.
         """
         return int(self._pool._lib.ww_sim_submit(self._pool._handle(), stream_handle(stream)))
 
-    def finish(self, stream: StreamLike = None, *, all_streams: bool = False) -> None:
-        """Completes all work submitted so far on ``stream`` (and what it waits on).
+    def finish(self, stream: StreamLike = None) -> None:
+        """Completes the work submitted so far on ``stream``, or on every stream.
+
+        Completing a stream first completes what it was made to wait on.
 
         Args:
-            stream: The stream; ``None`` with ``all_streams=False`` means the default stream 0.
-            all_streams: Complete the work of every stream instead.
+            stream: The stream (0 is the default stream); None completes every stream.
         """
+        everything = stream is None
         self._pool._lib.ww_sim_finish(
-            self._pool._handle(), stream_handle(stream), 1 if all_streams else 0
+            self._pool._handle(), 0 if everything else stream_handle(stream), int(everything)
         )
 
     def finish_all(self) -> None:
-        """Completes all work submitted on every stream."""
-        self.finish(all_streams=True)
+        """Completes all work submitted on every stream (same as ``finish()``)."""
+        self.finish(None)
 
     def trace(self, start: int = 0) -> list[TraceRecord]:
         """What the pool and the simulated device did, in order, from record ``start`` on.

@@ -72,7 +72,7 @@ def use_pool(pool: StreamAwarePool) -> None:
             )
         lib = load_library()
         if not _allocator_swapped:
-            if torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 raise RuntimeError(
                     "use_pool() must be called before CUDA's first allocation: PyTorch has already "
                     "initialized CUDA and its own caching allocator in this process. Call "
