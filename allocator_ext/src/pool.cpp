@@ -375,6 +375,7 @@ bool Pool::try_merge_locked(Block* left, Block* right) {
   } else {
     // A completed block is never tied to a pending one: it would make other streams wait on
     // the GPU for nothing (a false dependency between trials). Merged later, once both complete.
+    dirty_ = true;
     return false;
   }
   erase_free_locked(left);
@@ -547,7 +548,6 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
   }
   insert_free_locked(b);
   coalesce_locked(b);
-  dirty_ = true;
   return WW_OK;
 }
 

@@ -129,7 +129,7 @@ class Pool {
   std::uint64_t pending_reserve_ = 0;  // capacity promised to in-flight segment requests
   std::uint64_t pending_release_ = 0;  // segments being handed back (not yet freed upstream)
   std::uint64_t free_counter_ = 0;
-  bool dirty_ = false;  // frees since the last full coalescing pass
+  bool dirty_ = false;  // some adjacent free blocks were kept apart for pending events
   std::map<Stream, FreeSet> free_;  // free blocks by the stream that freed them
   std::unordered_map<std::uintptr_t, Block*> live_;
   std::map<std::uintptr_t, Segment*> segments_;

@@ -343,3 +343,19 @@ def test_finish_without_a_stream_completes_every_stream() -> None:
     pool.sim.finish()
     assert [b.event_pending for b in pool.snapshot()] == [False, False]
     assert pool.allocate_with_source(SEG, C)[1] is AllocationSource.COMPLETED_EVENT
+
+
+def test_fragments_kept_apart_while_pending_merge_once_complete() -> None:
+    """Found by the state machine: a completed block next to a pending one is not merged then,
+    but must be once the event completes, even with no free in between."""
+    pool = make_pool(capacity_bytes=16 * MiB)
+    p = pool.allocate(SEG, 0)
+    pool.sim.submit(0)
+    pool.free(p, 0)  # pending on stream 0
+    q = pool.allocate(0, 0)  # splits 512 bytes off the pending block
+    pool.free(q, B)  # completed at once (B has no work): kept apart from the pending rest
+    with pytest.raises(PoolOutOfMemoryError):
+        pool.allocate(SEG, 0)  # would need a second 10 MiB segment
+    pool.sim.finish()
+    r, src = pool.allocate_with_source(SEG, 99)
+    assert (r, src) == (p, AllocationSource.COMPLETED_EVENT)

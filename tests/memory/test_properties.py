@@ -161,7 +161,16 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.free(ptr)
             self.live.clear()
             self.pool.sim.finish_all()
-            # Every segment coalesces back into one free block and is given back.
+            # Coalescing re-forms whole segments: the largest one is served from the cache.
+            segments = {b.segment_ptr: b.segment_size_bytes for b in self.pool.snapshot()}
+            if segments:
+                largest = max(segments.values())
+                ptr, source = self.pool.allocate_with_source(largest, 99)
+                assert source is not AllocationSource.NEW_SEGMENT
+                assert segments.get(ptr) == largest
+                self.pool.free(ptr)
+                self.pool.sim.finish_all()
+            # Every segment is wholly free and synchronized: all are given back.
             self.pool.release_cached()
             self.checker.feed(self.pool.sim.trace(self.checker.records_seen))
             s = self.pool.stats()
