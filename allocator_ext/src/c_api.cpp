@@ -55,7 +55,7 @@ void* ww_pool_create(int backend, int device, uint64_t capacity_bytes, ww_segmen
     std::unique_ptr<ww::Upstream> up;
     switch (backend) {
       case WW_BACKEND_SIM:
-        up = ww::make_sim_upstream(trace.get(), nullptr, nullptr, nullptr);
+        up = ww::make_sim_upstream(trace.get(), capacity_bytes, nullptr, nullptr, nullptr);
         trace->set_enabled(true);
         break;
       case WW_BACKEND_SIM_EXTERNAL:
@@ -63,7 +63,7 @@ void* ww_pool_create(int backend, int device, uint64_t capacity_bytes, ww_segmen
           ww::set_last_error("backend sim_external needs segment callbacks");
           return nullptr;
         }
-        up = ww::make_sim_upstream(trace.get(), seg_alloc, seg_free, ctx);
+        up = ww::make_sim_upstream(trace.get(), capacity_bytes, seg_alloc, seg_free, ctx);
         trace->set_enabled(true);
         break;
       case WW_BACKEND_CUDA:

@@ -84,8 +84,10 @@ class SimDevice;
 using SegmentAllocFn = ww_segment_alloc_fn;
 using SegmentFreeFn = ww_segment_free_fn;
 
-std::unique_ptr<Upstream> make_sim_upstream(Trace* trace, SegmentAllocFn seg_alloc,
-                                            SegmentFreeFn seg_free, void* ctx);
+// Without callbacks, segments come from an arena mapping `capacity` bytes of host memory.
+std::unique_ptr<Upstream> make_sim_upstream(Trace* trace, std::uint64_t capacity,
+                                            SegmentAllocFn seg_alloc, SegmentFreeFn seg_free,
+                                            void* ctx);
 // Throws std::runtime_error with the reason when the driver or the device is unavailable.
 std::unique_ptr<Upstream> make_cuda_upstream(int device, SegmentAllocFn seg_alloc,
                                              SegmentFreeFn seg_free, void* ctx);

@@ -1,9 +1,14 @@
 // The simulated device: host memory for segments, virtual streams and events whose completion the
 // caller controls (SimDevice::submit / finish). Every rule of the pool is tested against it on a
 // machine with no GPU; the pool's block logic is the same code as on CUDA.
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <map>
+#include <algorithm>
+#include <iterator>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -25,18 +30,82 @@ struct SimWait {
   std::uint64_t seq;
 };
 
+// The simulated device memory: one anonymous mapping (pages are committed only when touched),
+// handed out first-fit. Segment addresses are therefore the same, relative to the base, from run
+// to run, which keeps traces and property-test replays deterministic. The mapping is 16x the
+// pool's capacity: like a real GPU's virtual address space, it does not run out through
+// fragmentation (the pool enforces the capacity itself).
+class SimArena {
+ public:
+  explicit SimArena(std::uint64_t capacity) {
+    constexpr std::uint64_t kMaxArena = 1ull << 40;  // 1 TiB of address space at most
+    const std::uint64_t want = capacity > kMaxArena / 16 ? kMaxArena : capacity * 16;
+    size_ = static_cast<std::size_t>(std::max<std::uint64_t>(want, 1ull << 30));
+    size_ = (size_ + kAlign - 1) / kAlign * kAlign;
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("sim backend: cannot map the simulated device");
+    base_ = reinterpret_cast<std::uintptr_t>(p);
+    free_[0] = size_;
+  }
+  ~SimArena() { munmap(reinterpret_cast<void*>(base_), size_); }
+  SimArena(const SimArena&) = delete;
+  SimArena& operator=(const SimArena&) = delete;
+
+  void* allocate(std::size_t nbytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    nbytes = (nbytes + kAlign - 1) / kAlign * kAlign;
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < nbytes) continue;
+      std::size_t off = it->first;
+      std::size_t rest = it->second - nbytes;
+      free_.erase(it);
+      if (rest != 0) free_[off + nbytes] = rest;
+      return reinterpret_cast<void*>(base_ + off);
+    }
+    return nullptr;
+  }
+
+  void release(void* ptr, std::size_t nbytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    nbytes = (nbytes + kAlign - 1) / kAlign * kAlign;
+    std::size_t off = reinterpret_cast<std::uintptr_t>(ptr) - base_;
+    madvise(ptr, nbytes, MADV_DONTNEED);  // give the pages back, like freeing device memory
+    auto next = free_.lower_bound(off);
+    if (next != free_.end() && off + nbytes == next->first) {
+      nbytes += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        prev->second += nbytes;
+        return;
+      }
+    }
+    free_[off] = nbytes;
+  }
+
+ private:
+  static constexpr std::size_t kAlign = 4096;
+  std::mutex mu_;
+  std::uintptr_t base_ = 0;
+  std::size_t size_ = 0;
+  std::map<std::size_t, std::size_t> free_;  // offset -> length
+};
+
 class SimUpstream final : public Upstream {
  public:
-  SimUpstream(Trace* trace, SegmentAllocFn a, SegmentFreeFn f, void* ctx)
-      : trace_(trace), seg_alloc_(a), seg_free_(f), ctx_(ctx) {}
+  SimUpstream(Trace* trace, std::uint64_t capacity, SegmentAllocFn a, SegmentFreeFn f, void* ctx)
+      : trace_(trace), seg_alloc_(a), seg_free_(f), ctx_(ctx) {
+    if (seg_alloc_ == nullptr) arena_ = std::make_unique<SimArena>(capacity);
+  }
 
   void* alloc_segment(std::size_t nbytes, Stream stream) override {
     if (seg_alloc_ != nullptr) {
       return reinterpret_cast<void*>(static_cast<std::uintptr_t>(seg_alloc_(ctx_, nbytes, stream)));
     }
-    // 512-byte aligned host memory; never touched by the pool itself.
-    std::size_t rounded = (nbytes + 511) / 512 * 512;
-    return std::aligned_alloc(512, rounded);
+    return arena_->allocate(nbytes);
   }
 
   void free_segment(void* ptr, std::size_t nbytes) override {
@@ -44,7 +113,7 @@ class SimUpstream final : public Upstream {
       seg_free_(ctx_, reinterpret_cast<std::uintptr_t>(ptr), nbytes);
       return;
     }
-    std::free(ptr);
+    arena_->release(ptr, nbytes);
   }
 
   Event create_event() override {
@@ -167,6 +236,7 @@ class SimUpstream final : public Upstream {
   }
 
   Trace* trace_;
+  std::unique_ptr<SimArena> arena_;
   SegmentAllocFn seg_alloc_;
   SegmentFreeFn seg_free_;
   void* ctx_;
@@ -178,9 +248,10 @@ class SimUpstream final : public Upstream {
 
 }  // namespace
 
-std::unique_ptr<Upstream> make_sim_upstream(Trace* trace, SegmentAllocFn seg_alloc,
-                                            SegmentFreeFn seg_free, void* ctx) {
-  return std::make_unique<SimUpstream>(trace, seg_alloc, seg_free, ctx);
+std::unique_ptr<Upstream> make_sim_upstream(Trace* trace, std::uint64_t capacity,
+                                            SegmentAllocFn seg_alloc, SegmentFreeFn seg_free,
+                                            void* ctx) {
+  return std::make_unique<SimUpstream>(trace, capacity, seg_alloc, seg_free, ctx);
 }
 
 std::int64_t sim_submit(Upstream* up, Stream stream) {
