@@ -1,0 +1,153 @@
+// A fake CUDA driver (libcuda.so.1) for testing the pool's `cuda` backend on machines with no GPU:
+// the driver functions the backend dlopens, over host memory, with a per-thread context stack.
+// Calls that need a current context fail with CUDA_ERROR_INVALID_CONTEXT when none is current,
+// so a test through it checks that the backend makes the primary context current. An event
+// reports NOT_READY to the first query after each record, then success, so both the
+// completed-event and the stream-wait paths run.
+//
+//   g++ -std=c++17 -shared -fPIC -o libcuda.so.1 fake_cuda.cpp
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int kSuccess = 0;
+constexpr int kInvalidValue = 1;
+constexpr int kOutOfMemory = 2;
+constexpr int kNotInitialized = 3;
+constexpr int kInvalidContext = 201;
+constexpr int kNotReady = 600;
+
+int g_primary_ctx_storage = 0;
+void* const kPrimary = &g_primary_ctx_storage;
+std::atomic<bool> g_initialized{false};
+std::atomic<long> g_calls_without_context{0};
+std::atomic<long> g_stream_waits{0};
+std::atomic<std::uint64_t> g_mem_used{0};
+constexpr std::uint64_t kDeviceBytes = 256ull << 20;
+
+thread_local std::vector<void*> t_ctx_stack;
+
+struct FakeEvent {
+  bool recorded = false;
+  int queries_until_ready = 0;
+};
+
+std::mutex g_mu;
+std::unordered_map<void*, std::uint64_t> g_allocs;
+
+bool has_context() { return !t_ctx_stack.empty() && t_ctx_stack.back() == kPrimary; }
+
+int need_context() {
+  if (!g_initialized) return kNotInitialized;
+  if (!has_context()) {
+    g_calls_without_context += 1;
+    return kInvalidContext;
+  }
+  return kSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) int cuInit(unsigned) {
+  g_initialized = true;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuDeviceGet(int* dev, int ordinal) {
+  if (ordinal != 0) return kInvalidValue;
+  *dev = 0;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuDevicePrimaryCtxRetain(void** ctx, int) {
+  *ctx = kPrimary;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuDevicePrimaryCtxRelease_v2(int) { return kSuccess; }
+__attribute__((visibility("default"))) int cuCtxGetCurrent(void** ctx) {
+  if (!g_initialized) return kNotInitialized;
+  *ctx = t_ctx_stack.empty() ? nullptr : t_ctx_stack.back();
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuCtxPushCurrent_v2(void* ctx) {
+  t_ctx_stack.push_back(ctx);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuCtxPopCurrent_v2(void** ctx) {
+  if (t_ctx_stack.empty()) return kInvalidContext;
+  if (ctx != nullptr) *ctx = t_ctx_stack.back();
+  t_ctx_stack.pop_back();
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuMemAlloc_v2(std::uint64_t* p, std::size_t n) {
+  if (int r = need_context()) return r;
+  if (g_mem_used + n > kDeviceBytes) return kOutOfMemory;
+  void* m = std::aligned_alloc(512, (n + 511) / 512 * 512);
+  if (m == nullptr) return kOutOfMemory;
+  std::lock_guard<std::mutex> g(g_mu);
+  g_allocs[m] = n;
+  g_mem_used += n;
+  *p = reinterpret_cast<std::uintptr_t>(m);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuMemFree_v2(std::uint64_t p) {
+  if (int r = need_context()) return r;
+  void* m = reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.find(m);
+  if (it == g_allocs.end()) return kInvalidValue;
+  g_mem_used -= it->second;
+  g_allocs.erase(it);
+  std::free(m);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuEventCreate(void** ev, unsigned flags) {
+  if (int r = need_context()) return r;
+  if (flags != 2) return kInvalidValue;  // the pool asks for CU_EVENT_DISABLE_TIMING
+  *ev = new FakeEvent;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuEventDestroy_v2(void* ev) {
+  delete static_cast<FakeEvent*>(ev);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuEventRecord(void* ev, void*) {
+  if (int r = need_context()) return r;
+  auto* e = static_cast<FakeEvent*>(ev);
+  e->recorded = true;
+  e->queries_until_ready = 1;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuEventQuery(void* ev) {
+  auto* e = static_cast<FakeEvent*>(ev);
+  if (e->queries_until_ready > 0) {
+    e->queries_until_ready -= 1;
+    return kNotReady;
+  }
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuStreamWaitEvent(void*, void*, unsigned flags) {
+  if (int r = need_context()) return r;
+  if (flags != 0) return kInvalidValue;
+  g_stream_waits += 1;
+  return kSuccess;
+}
+__attribute__((visibility("default"))) int cuStreamSynchronize(void*) { return need_context(); }
+__attribute__((visibility("default"))) int cuGetErrorString(int, const char** s) {
+  *s = "fake CUDA error";
+  return kSuccess;
+}
+
+// Test hooks.
+__attribute__((visibility("default"))) long fake_cuda_calls_without_context() {
+  return g_calls_without_context.load();
+}
+__attribute__((visibility("default"))) long fake_cuda_stream_waits() { return g_stream_waits.load(); }
+__attribute__((visibility("default"))) std::uint64_t fake_cuda_mem_used() { return g_mem_used.load(); }
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""The ``cuda`` backend's plumbing without a GPU, against a fake CUDA driver.
+
+``allocator_ext/tests/fake_cuda.cpp`` is compiled into a ``libcuda.so.1`` that the pool dlopens
+(through ``LD_LIBRARY_PATH``, in a subprocess). It checks that the backend finds every driver
+symbol it needs, makes the primary context current for each call that needs one (from any
+thread), asks for timing-less events, issues stream waits, and releases what it took. Whether the
+real driver behaves like the fake is verified only by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+FAKE = Path(__file__).resolve().parents[2] / "allocator_ext" / "tests" / "fake_cuda.cpp"
+
+SCRIPT = r"""
+import ctypes, json, threading
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory._lib import load_library
+
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_mem_used.restype = ctypes.c_uint64
+MiB = 1 << 20
+out = {}
+
+def run():
+    pool = wm.StreamAwarePool(backend="cuda")
+    p, s1 = pool.allocate_with_source(10 * MiB, 1)
+    pool.free(p, 1)
+    q, s2 = pool.allocate_with_source(10 * MiB, 2)  # event not ready yet: a GPU-side wait
+    pool.free(q, 2)
+    pool.snapshot()  # the fake's event is ready from the second query on
+    r, s3 = pool.allocate_with_source(10 * MiB, 3)
+    pool.free(r, 3)
+    try:
+        pool.allocate(1 << 30, 1)
+        reason = None
+    except wm.PoolOutOfMemoryError as exc:
+        reason = exc.reason.name
+    lib = load_library()
+    lib.ww_torch_set_pool(0, pool._handle())
+    malloc = lib.waterwave_torch_malloc
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = lib.waterwave_torch_free
+    free.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    t = malloc(4096, 0, 5)
+    torch_live = pool.stream_stats(5).allocated_bytes
+    free(t, 4096, 0, 5)
+    lib.ww_torch_set_pool(0, None)
+    used_before_release = fake.fake_cuda_mem_used()
+    released = pool.release_cached() + pool.release_cached()
+    out.update(
+        sources=[s1.name, s2.name, s3.name],
+        same=(p == q == r),
+        oom=reason,
+        torch_live=torch_live,
+        waits=fake.fake_cuda_stream_waits(),
+        used_before_release=used_before_release,
+        released=released,
+        used_after=fake.fake_cuda_mem_used(),
+        no_context_calls=fake.fake_cuda_calls_without_context(),
+        stats=pool.stats().allocated_bytes,
+    )
+    pool.close()
+
+def guarded():
+    try:
+        run()
+    except Exception as exc:
+        out["error"] = repr(exc)
+
+t = threading.Thread(target=guarded)  # a fresh thread: no CUDA context is current in it
+t.start(); t.join()
+print(json.dumps(out))
+"""
+
+
+def test_cuda_backend_against_a_fake_driver(tmp_path: Path) -> None:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the fake CUDA driver")
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(FAKE)], check=True
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in out, out["error"]
+    assert out["sources"] == ["NEW_SEGMENT", "STREAM_WAIT", "COMPLETED_EVENT"]
+    assert out["same"] is True
+    assert out["oom"] == "UPSTREAM"
+    assert out["torch_live"] == 4096
+    assert out["waits"] == 1
+    assert out["used_before_release"] == out["released"] > 0
+    assert out["used_after"] == 0
+    assert out["no_context_calls"] == 0
+    assert out["stats"] == 0
