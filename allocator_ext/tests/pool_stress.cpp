@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -104,7 +106,27 @@ int main(int argc, char** argv) {
   ww_pool_release_cached(pool);
   ww_pool_stats(pool, &c);
   if (c.reserved_bytes != 0) fail("segments not released");
-  ww_pool_destroy(pool);
+  // The PyTorch entry points: a pointer in the pool, and exhaustion as an exception with the
+  // marker waterwave_hpo.memory.translate_oom looks for (PyTorch does not check for nullptr).
+  if (ww_torch_set_pool(0, pool) != WW_OK) fail("ww_torch_set_pool");
+  void* t = waterwave_torch_malloc(4096, 0, reinterpret_cast<void*>(7));
+  if (t == nullptr) fail("waterwave_torch_malloc");
+  waterwave_torch_free(t, 4096, 0, reinterpret_cast<void*>(7));
+  bool threw = false;
+  try {
+    waterwave_torch_malloc(1ull << 40, 0, nullptr);
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()).find("WATERWAVE_POOL_OOM") != std::string::npos;
+  }
+  if (!threw) fail("waterwave_torch_malloc did not throw the marked OOM error");
+  ww_pool_destroy(pool);  // also unregisters it from the PyTorch bridge
+  bool threw_unset = false;
+  try {
+    waterwave_torch_malloc(16, 0, nullptr);
+  } catch (const std::runtime_error&) {
+    threw_unset = true;
+  }
+  if (!threw_unset) fail("waterwave_torch_malloc served a destroyed pool");
   std::printf("pool_stress: OK (%d threads x %d iterations)\n", threads, iterations);
   return 0;
 }
