@@ -115,6 +115,7 @@ def test_blocks_are_split_and_coalesced_back_into_a_whole_segment() -> None:
     streams = [A, B, C, A, B, C, A, B]
     ptrs = [pool.allocate(256 * KiB, s) for s in streams]
     assert pool.stats().num_segments == 1
+    assert pool.stats().cached_bytes == 0
     for p, s in zip(ptrs, streams, strict=True):
         pool.sim.submit(s)
         pool.free(p, s)

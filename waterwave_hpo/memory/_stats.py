@@ -70,6 +70,11 @@ class PoolStats:
         """The number of allocations served from ``source``."""
         return int(getattr(self, source.name.lower()))
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of segments held but not allocated (``reserved_bytes - allocated_bytes``)."""
+        return self.reserved_bytes - self.allocated_bytes
+
     @classmethod
     def _from_counters(cls, c: Counters) -> PoolStats:
         return cls(
