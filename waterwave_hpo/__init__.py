@@ -7,6 +7,7 @@ Computers 72(10), 2023). This module only re-exports the public API.
 import logging as _logging
 
 from waterwave_hpo._version import __version__
+from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import NotInTrialError
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import TrialContext
@@ -17,12 +18,19 @@ from waterwave_hpo.integrations.optuna import Study
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.integrations.optuna import load_study
 from waterwave_hpo.integrations.optuna import wrap_study
+from waterwave_hpo.nodegroup import NodeGroup
+from waterwave_hpo.nodegroup import node_groups
+from waterwave_hpo.nodegroup import pipeline
+from waterwave_hpo.scheduler import PipelineScheduler
 
 _logging.getLogger("waterwave_hpo").addHandler(_logging.NullHandler())
 
 __all__ = [
+    "MemoryPoolMode",
+    "NodeGroup",
     "NotInTrialError",
     "OnOOM",
+    "PipelineScheduler",
     "Study",
     "TrialContext",
     "WaterwaveExecutor",
@@ -31,5 +39,7 @@ __all__ = [
     "current",
     "current_or_none",
     "load_study",
+    "node_groups",
+    "pipeline",
     "wrap_study",
 ]

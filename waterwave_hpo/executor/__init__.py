@@ -6,10 +6,12 @@ from waterwave_hpo.executor._context import current
 from waterwave_hpo.executor._context import current_or_none
 from waterwave_hpo.executor._executor import WaterwaveExecutor
 from waterwave_hpo.executor._host import TrialInterrupted
+from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
 
 __all__ = [
+    "MemoryPoolMode",
     "NotInTrialError",
     "OnOOM",
     "TrialContext",

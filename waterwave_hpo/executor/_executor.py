@@ -27,10 +27,16 @@ from waterwave_hpo.executor._devices import DeviceSpec
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.scheduler import PipelineScheduler
+from waterwave_hpo.scheduler import Policy
+from waterwave_hpo.scheduler import PolicyName
+from waterwave_hpo.scheduler._policy import make_policy
 
 _logger = logging.getLogger("waterwave_hpo")
 
@@ -61,12 +67,28 @@ class WaterwaveExecutor:
         devices: ``"auto"`` (every visible CUDA device, else the CPU), ``"cpu"``, ``"cuda"``
             (every visible CUDA device), ``"cuda:N"``, an int ``N``, a ``torch.device``, or a
             list of them.
-        trials_per_device: How many trials run at once on each device (>= 1).
+        trials_per_device: How many trials run at once on each device (>= 1), or ``"auto"``:
+            up to ``max_trials_per_device``, starting another trial only while the device's
+            measured memory demand leaves room (on CUDA, the running trials' peaks in the pool
+            plus the median peak of finished ones; with NodeGroup gates, their profiles fitting
+            the pipeline scheduler's budget). ``"auto"`` needs something to measure: CUDA, or
+            ``memory_budget_bytes`` with :func:`waterwave_hpo.pipeline` in the objective;
+            otherwise trials run one at a time.
         on_oom: ``"retry"`` (default): a trial that runs out of device memory while it had
             neighbours is told FAIL and its parameters are enqueued again
             (``study.enqueue_trial``), to run once fewer trials share its device; at most
             ``max_oom_retries`` times. ``"fail"``: it is told FAIL. Either way the others go on.
         max_oom_retries: How many times one set of parameters is re-queued after OOM (>= 0).
+        memory_budget_bytes: Bytes each device's pipeline scheduler may hand to NodeGroups
+            (> 0). ``None``: on CUDA, the pool's capacity or the device's total memory; on the
+            CPU, no scheduler (NodeGroup gates pass straight through).
+        policy: The pipeline scheduler's policy: ``"waterwave"`` (NodeGroup pipeline, default)
+            or ``"fifo"``, or a :class:`waterwave_hpo.scheduler.Policy`.
+        memory_pool: ``"auto"`` (default): on CUDA, make the stream-aware pool PyTorch's
+            allocator if PyTorch has not allocated on CUDA yet in this process (otherwise warn
+            and keep PyTorch's), one account per trial; ``"on"``: the same, but raise instead
+            of falling back; ``"off"``: PyTorch's allocator.
+        max_trials_per_device: The cap for ``trials_per_device="auto"`` (>= 1).
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -84,21 +106,61 @@ class WaterwaveExecutor:
     def __init__(
         self,
         devices: DeviceSpec | Sequence[DeviceSpec] = "auto",
-        trials_per_device: int = 4,
+        trials_per_device: int | str = 4,
         *,
         on_oom: OnOOM | str = OnOOM.RETRY,
         max_oom_retries: int = 2,
+        memory_budget_bytes: int | None = None,
+        policy: str | PolicyName | Policy = PolicyName.WATERWAVE,
+        memory_pool: MemoryPoolMode | str = MemoryPoolMode.AUTO,
+        max_trials_per_device: int = 16,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
-        self.trials_per_device = _check_positive_int("trials_per_device", trials_per_device, 1)
+        self.max_trials_per_device = _check_positive_int(
+            "max_trials_per_device", max_trials_per_device, 1
+        )
+        self.auto_trials = trials_per_device == "auto"
+        if isinstance(trials_per_device, str) and not self.auto_trials:
+            raise TypeError(
+                f"trials_per_device={trials_per_device!r} must be an int >= 1 or 'auto'."
+            )
+        self.trials_per_device = (
+            self.max_trials_per_device
+            if self.auto_trials
+            else _check_positive_int("trials_per_device", trials_per_device, 1)
+        )
         self.on_oom = _check_on_oom(on_oom)
         self.max_oom_retries = _check_positive_int("max_oom_retries", max_oom_retries, 0)
+        self.memory_budget_bytes = (
+            None
+            if memory_budget_bytes is None
+            else _check_positive_int("memory_budget_bytes", memory_budget_bytes, 1)
+        )
+        self.policy = policy
+        self._schedulers: dict[str, PipelineScheduler] = {}
+        if not isinstance(policy, Policy):
+            make_policy(policy)  # a bad name fails here, before any trial
+        try:
+            self.memory_pool = MemoryPoolMode(memory_pool)
+        except ValueError:
+            raise ValueError(
+                f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'."
+            ) from None
+
+    @property
+    def schedulers(self) -> dict[str, PipelineScheduler]:
+        """The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
+        recent :meth:`optimize` call, for their ``stats()``; devices without one are left out."""
+        return dict(self._schedulers)
 
     def __repr__(self) -> str:
         devices = ", ".join(str(device) for device in self.devices)
         return (
-            f"WaterwaveExecutor(devices=[{devices}], trials_per_device={self.trials_per_device}, "
-            f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries})"
+            f"WaterwaveExecutor(devices=[{devices}], trials_per_device="
+            f"{'auto' if self.auto_trials else self.trials_per_device}, "
+            f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries}, "
+            f"memory_budget_bytes={self.memory_budget_bytes}, "
+            f"memory_pool={self.memory_pool.value!r})"
         )
 
     def optimize(
@@ -177,6 +239,10 @@ class WaterwaveExecutor:
             callbacks=callback_list,
             show_progress_bar=bool(show_progress_bar),
         )
+        executor_schedulers = {
+            str(host.device): host.scheduler for host in run.hosts if host.scheduler is not None
+        }
+        self._schedulers = executor_schedulers
         run.execute()
 
 
@@ -207,7 +273,16 @@ class _OptimizeRun:
         self.timeout_s = timeout_s
         self.callbacks = callbacks
         self.hosts = [
-            DeviceHost(device, executor.trials_per_device, settings) for device in executor.devices
+            DeviceHost(
+                device,
+                executor.trials_per_device,
+                settings,
+                memory=make_device_memory(
+                    device, executor.memory_pool, executor.memory_budget_bytes, executor.policy
+                ),
+                admit_by_memory=executor.auto_trials,
+            )
+            for device in executor.devices
         ]
         self.n_started = 0  # new trials started (not counting OOM re-runs)
         self.retries: deque[_RetryRequest] = deque()
@@ -313,6 +388,7 @@ class _OptimizeRun:
             for slot in host.slots:
                 if slot.job is outcome.job:
                     slot.job = None
+                    host.memory.trial_ended(outcome.job.trial.number)
         frozen = outcome.frozen_trial
         kind = outcome.kind
         number = outcome.job.trial.number

@@ -28,9 +28,11 @@ from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor import _streams
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_SLOT
 from waterwave_hpo.executor._context import _CURRENT
 from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._outcome import OutcomeKind
@@ -71,8 +73,10 @@ class DeviceHost:
         device: The device its trials run on.
         n_slots: How many trials may run at once (``trials_per_device``).
         settings: The ``optimize`` call's settings.
-        scheduler: The device's pipeline scheduler, handed to trials through
-            :class:`TrialContext`, or ``None``.
+        memory: The device's pool and pipeline scheduler (handed to trials through
+            :class:`TrialContext`); ``None`` for neither.
+        admit_by_memory: ``trials_per_device="auto"``: start another trial only while
+            :meth:`DeviceMemory.has_room` says so.
     """
 
     def __init__(
@@ -80,11 +84,14 @@ class DeviceHost:
         device: torch.device,
         n_slots: int,
         settings: RunSettings,
-        scheduler: Any = None,
+        memory: DeviceMemory | None = None,
+        admit_by_memory: bool = False,
     ) -> None:
         self.device = device
         self.settings = settings
-        self.scheduler = scheduler
+        self.memory = memory if memory is not None else DeviceMemory(device)
+        self.scheduler = self.memory.scheduler
+        self.admit_by_memory = admit_by_memory
         self.slots = [_Slot(self, index) for index in range(n_slots)]
 
     @property
@@ -93,7 +100,14 @@ class DeviceHost:
         return sum(1 for slot in self.slots if slot.job is not None)
 
     def idle_slot(self) -> _Slot | None:
-        """A slot with no trial, or ``None`` when all are taken."""
+        """A slot that may take a trial now, or ``None``.
+
+        All slots may be taken; or, with ``admit_by_memory``, the device's measured memory
+        demand leaves no room. A host with no trial running always admits one, so that a study
+        never stalls (a trial too big for the device then fails alone).
+        """
+        if self.admit_by_memory and self.n_running > 0 and not self.memory.has_room():
+            return None
         for slot in self.slots:
             if slot.job is None:
                 return slot
@@ -102,6 +116,7 @@ class DeviceHost:
     def submit(self, slot: _Slot, job: TrialJob) -> None:
         """Hand ``job`` to the idle ``slot``; starts the slot's thread on first use."""
         assert slot.job is None, "submit() to a busy slot"
+        self.memory.trial_admitted(job.trial)
         slot.job = job
         slot.start()
         slot.inbox.put(job)
@@ -190,12 +205,20 @@ class _Slot:
 
 
 @contextlib.contextmanager
-def _on_stream(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+def _on_stream(device: torch.device, stream: torch.cuda.Stream | None, pool: Any) -> Iterator[None]:
     if stream is None:
         yield
         return
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        yield
+        if pool is None:
+            yield
+            return
+        from waterwave_hpo.memory import translate_oom
+
+        # A pluggable allocator's exhaustion reaches Python as a plain RuntimeError; make it the
+        # torch.cuda.OutOfMemoryError that OOM isolation and users' own handlers expect.
+        with translate_oom():
+            yield
 
 
 def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> TrialOutcome:
@@ -213,7 +236,9 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     )
     _optuna_compat.set_in_optimize_loop(study, True)
     token = _CURRENT.set(context)
-    scheduler = slot.host.scheduler
+    memory = slot.host.memory
+    account: Any = None
+    peak_bytes: int | None = None
     value: Any = None
     pruned = False
     error: BaseException | None = None
@@ -221,9 +246,8 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     try:
         trial.set_user_attr(ATTR_DEVICE, str(device))
         trial.set_user_attr(ATTR_SLOT, slot.index)
-        if scheduler is not None:
-            scheduler.trial_started(trial.number, trial)
-        with _on_stream(device, stream):
+        account = memory.open_account(trial.number, stream)
+        with _on_stream(device, stream, memory.pool):
             value = settings.func(trial)
     except optuna.TrialPruned:
         pruned = True
@@ -233,9 +257,10 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         neighbours = slot.neighbours()
         slot.busy = False
         _CURRENT.reset(token)
-        if scheduler is not None:
-            with contextlib.suppress(Exception):
-                scheduler.trial_finished(trial.number)
+        with contextlib.suppress(Exception):
+            peak_bytes = memory.close_account(trial.number, account)
+        with contextlib.suppress(Exception):
+            memory.trial_ended(trial.number)  # a pruned or finished trial frees its share at once
 
     if isinstance(error, TrialInterrupted):
         # The executor has told the study FAIL already; make sure, without raising.
@@ -243,6 +268,9 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
             settings.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         return TrialOutcome(job, OutcomeKind.INTERRUPTED, None, error)
 
+    if peak_bytes is not None:
+        with contextlib.suppress(Exception):
+            trial.set_user_attr(ATTR_PEAK_BYTES, peak_bytes)
     if pruned:
         frozen = _tell(settings.study, trial, state=TrialState.PRUNED)
         kind = OutcomeKind.PRUNED

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from waterwave_hpo.memory._torch import OOM_MARKER
+from waterwave_hpo.scheduler import BudgetExceededError
+
 _OOM_MESSAGES = ("cuda out of memory", "cuda error: out of memory", "out of memory")
 
 
@@ -23,9 +26,11 @@ def is_out_of_memory(error: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, torch.cuda.OutOfMemoryError):
             return True
-        if type(current).__name__ == "BudgetExceededError":
+        if isinstance(current, BudgetExceededError):
             return True
         if isinstance(current, RuntimeError):
+            if OOM_MARKER in str(current):  # the stream-aware pool, through PyTorch
+                return True
             message = str(current).lower()
             if any(text in message for text in _OOM_MESSAGES) and (
                 "cuda" in message or "hip" in message or "device" in message

@@ -10,6 +10,7 @@ import pandas as pd
 
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
 
@@ -23,6 +24,7 @@ _COLUMNS = [
     "duration_s",
     "device",
     "slot",
+    "peak_bytes",
     "retry_of",
     "fail_reason",
 ]
@@ -35,6 +37,8 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     objective value, or the last reported intermediate value of a pruned trial); ``params`` (a
     JSON object); ``datetime_start`` and ``datetime_complete`` (ISO 8601, local time);
     ``duration_s`` (seconds); ``device`` and ``slot`` (where ``WaterwaveExecutor`` ran it);
+    ``peak_bytes`` (its peak allocated device memory, measured by its account in the
+    stream-aware pool on CUDA; empty elsewhere);
     ``retry_of`` (the trial whose parameters it re-ran after an out-of-memory error);
     ``fail_reason``; then one ``param_<name>`` column per parameter. Multi-objective studies get
     ``value_0``, ``value_1``, ... instead of ``value``.
@@ -57,6 +61,7 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
             "duration_s": duration,
             "device": trial.user_attrs.get(ATTR_DEVICE),
             "slot": trial.user_attrs.get(ATTR_SLOT),
+            "peak_bytes": trial.user_attrs.get(ATTR_PEAK_BYTES),
             "retry_of": trial.user_attrs.get(ATTR_RETRY_OF),
             "fail_reason": trial.user_attrs.get(ATTR_FAIL_REASON),
         }

@@ -1,0 +1,180 @@
+"""Each device's memory machinery for the executor: the stream-aware pool and the scheduler.
+
+On CUDA, ``WaterwaveExecutor(memory_pool="auto")`` makes one :class:`StreamAwarePool` per device
+PyTorch's allocator (Waterwave, IEEE TC 2023, Sec. 3: memory freed by one trial flows to another)
+and opens one pool account per trial, so each trial's peak bytes are measured. The pipeline
+scheduler (Sec. 4) gets one ledger per device; its budget is ``memory_budget_bytes`` when given,
+else the pool's capacity, else the device's total memory. On the CPU there is no pool (CPU
+tensors cannot be routed through it) and a scheduler only when ``memory_budget_bytes`` is given.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+import enum
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from waterwave_hpo.scheduler import PipelineScheduler
+from waterwave_hpo.scheduler import Policy
+from waterwave_hpo.scheduler import PolicyName
+
+_logger = logging.getLogger("waterwave_hpo")
+_HISTORY = 32  # finished trials' peaks kept per device for admission
+
+
+class MemoryPoolMode(str, enum.Enum):
+    """Whether the executor routes PyTorch's CUDA allocations through the stream-aware pool.
+
+    ``AUTO``: on CUDA, install the pool if PyTorch has not allocated on CUDA yet in this process,
+    else warn and keep PyTorch's allocator. ``ON``: install it or raise. ``OFF``: never.
+    """
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class DeviceMemory:
+    """The pool (CUDA only), the scheduler and the measured peaks of one device.
+
+    Args:
+        device: The device.
+        pool: The device's installed pool, or ``None``.
+        scheduler: The device's scheduler, or ``None``.
+        budget_bytes: The device's memory budget in bytes, or ``None`` for no budget.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        pool: Any = None,
+        scheduler: PipelineScheduler | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.pool = pool
+        self.scheduler = scheduler
+        self._lock = threading.Lock()
+        self._peaks: deque[int] = deque(maxlen=_HISTORY)
+        self._running: dict[int, Any] = {}  # trial number -> open pool account
+
+    def trial_admitted(self, trial: Any) -> None:
+        """Count ``trial`` as running from the moment the executor hands it to a slot.
+
+        Called in the executor's thread, so that admission (:meth:`has_room`) never sees a
+        trial that was started but whose thread has not registered it yet.
+        """
+        if self.scheduler is not None:
+            self.scheduler.trial_started(trial.number, trial)
+        with self._lock:
+            self._running.setdefault(trial.number, None)
+
+    def trial_ended(self, trial_number: int) -> None:
+        """Forget ``trial_number``; release what it holds in the scheduler. Idempotent."""
+        if self.scheduler is not None:
+            self.scheduler.trial_finished(trial_number)
+        with self._lock:
+            self._running.pop(trial_number, None)
+
+    def open_account(self, trial_number: int, stream: torch.cuda.Stream | None) -> Any:
+        """Open the trial's pool account bound to its stream; ``None`` without a pool."""
+        if self.pool is None or stream is None:
+            return None
+        account = self.pool.open_account(f"trial {trial_number}", streams=(stream,))
+        with self._lock:
+            self._running[trial_number] = account
+        return account
+
+    def close_account(self, trial_number: int, account: Any) -> int | None:
+        """Close the trial's account; returns its peak allocated bytes (``None`` without one)."""
+        if account is None:
+            return None
+        peak = int(account.stats().peak_allocated_bytes)
+        account.close()
+        with self._lock:
+            if trial_number in self._running:
+                self._running[trial_number] = None
+            self._peaks.append(peak)
+        return peak
+
+    def has_room(self) -> bool:
+        """Whether measured demand leaves room for another trial (trials_per_device="auto").
+
+        Demand is the current peak of every running trial's account plus the typical (median)
+        peak of finished trials for the newcomer; it must fit the budget, and the scheduler
+        (when there is one) must admit the largest NodeGroup profile it has seen. Without a pool
+        and without NodeGroup profiles nothing is measured, and trials run one at a time.
+        """
+        if self.scheduler is not None and not self.scheduler.admits(None):
+            return False
+        if self.pool is None or self.budget_bytes is None:
+            return self.scheduler is not None
+        with self._lock:
+            accounts = list(self._running.values())
+            history = sorted(self._peaks)
+        if not history:
+            return not accounts  # the first trial measures what a trial needs
+        typical = history[len(history) // 2]
+        # A trial whose account is not open yet is expected to need the typical peak.
+        running = sum(
+            typical if a is None else max(typical, int(a.stats().peak_allocated_bytes))
+            for a in accounts
+        )
+        return running + typical <= self.budget_bytes
+
+
+def make_device_memory(
+    device: torch.device,
+    pool_mode: MemoryPoolMode,
+    budget_bytes: int | None,
+    policy: str | PolicyName | Policy,
+) -> DeviceMemory:
+    """Set up one device's pool and scheduler for an ``optimize`` call.
+
+    Raises:
+        RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
+            already allocated on CUDA, or the pool library cannot reach the driver).
+    """
+    pool = _device_pool(device, pool_mode) if device.type == "cuda" else None
+    budget = budget_bytes
+    if budget is None and device.type == "cuda":
+        capacity = None if pool is None else pool.capacity_bytes
+        if capacity is None or capacity >= 1 << 62:
+            capacity = int(torch.cuda.get_device_properties(device).total_memory)
+        budget = int(capacity)
+    scheduler = None if budget is None else PipelineScheduler(budget, policy)
+    return DeviceMemory(device, pool, scheduler, budget)
+
+
+def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
+    if mode is MemoryPoolMode.OFF:
+        return None
+    from waterwave_hpo.memory import StreamAwarePool
+    from waterwave_hpo.memory import installed_pool
+    from waterwave_hpo.memory import use_pool
+
+    index = device.index if device.index is not None else 0
+    existing = installed_pool(index)
+    if existing is not None:
+        return existing
+    try:
+        pool = StreamAwarePool(backend="cuda", device=index)
+        use_pool(pool)
+    except (RuntimeError, ValueError, ImportError, OSError) as error:
+        if mode is MemoryPoolMode.ON:
+            raise RuntimeError(
+                f"memory_pool='on' could not install the stream-aware pool on {device}: {error}"
+            ) from error
+        _logger.warning(
+            "Trials on %s use PyTorch's own CUDA allocator, not the stream-aware pool: %s "
+            "(pass memory_pool='off' to silence this).",
+            device,
+            error,
+        )
+        return None
+    return pool
