@@ -360,3 +360,31 @@ def test_fragments_kept_apart_while_pending_merge_once_complete() -> None:
     pool.sim.finish()
     r, src = pool.allocate_with_source(SEG, 99)
     assert (r, src) == (p, AllocationSource.COMPLETED_EVENT)
+
+
+def _has_cuda_driver() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_cuda_driver(), reason="a CUDA driver is installed here")
+def test_cuda_backend_without_a_driver_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"libcuda\.so\.1"):
+        StreamAwarePool(backend="cuda")
+
+
+def _has_cupy() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.skipif(_has_cupy(), reason="CuPy is installed here")
+def test_cupy_backend_without_cupy_names_the_install_fix() -> None:
+    with pytest.raises(RuntimeError, match=r"waterwave-hpo\[cuda\]"):
+        StreamAwarePool(backend="cupy")
