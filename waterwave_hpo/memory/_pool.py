@@ -394,7 +394,9 @@ class StreamAwarePool:
         """Marks a live block as also used on ``stream`` (``Tensor.record_stream`` semantics).
 
         When the block is freed, it is reused only after the work queued on ``stream`` at that
-        time has completed, in addition to the freeing stream's rule.
+        time has completed, in addition to the freeing stream's rule. PyTorch's pluggable
+        allocator drops ``Tensor.record_stream``; call this instead with
+        ``tensor.untyped_storage().data_ptr()`` (the block's start, not a view's offset pointer).
 
         Raises:
             ValueError: ``ptr`` is not a live allocation of this pool.
