@@ -147,6 +147,22 @@ class WaterwaveExecutor:
                 f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'."
             ) from None
 
+    def _make_hosts(self, settings: RunSettings) -> list[DeviceHost]:
+        """The device hosts of one ``optimize`` call (a subclass may return remote hosts that
+        behave like :class:`DeviceHost`, e.g. :class:`waterwave_hpo.cluster.RayExecutor`)."""
+        return [
+            DeviceHost(
+                device,
+                self.trials_per_device,
+                settings,
+                memory=make_device_memory(
+                    device, self.memory_pool, self.memory_budget_bytes, self.policy
+                ),
+                admit_by_memory=self.auto_trials,
+            )
+            for device in self.devices
+        ]
+
     @property
     def schedulers(self) -> dict[str, PipelineScheduler]:
         """The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
@@ -251,8 +267,9 @@ class _RetryRequest:
     params: dict[str, Any]
     retry_of: int
     attempt: int
-    max_running: int
-    """Run only on a host with at most this many trials running (fewer neighbours than at OOM)."""
+    max_running: int | None
+    """Run only on a host with at most this many trials running (fewer neighbours than at OOM);
+    ``None``: on any host (a re-run after its host was lost)."""
 
 
 class _OptimizeRun:
@@ -272,18 +289,7 @@ class _OptimizeRun:
         self.n_trials = n_trials
         self.timeout_s = timeout_s
         self.callbacks = callbacks
-        self.hosts = [
-            DeviceHost(
-                device,
-                executor.trials_per_device,
-                settings,
-                memory=make_device_memory(
-                    device, executor.memory_pool, executor.memory_budget_bytes, executor.policy
-                ),
-                admit_by_memory=executor.auto_trials,
-            )
-            for device in executor.devices
-        ]
+        self.hosts = executor._make_hosts(settings)
         self.n_started = 0  # new trials started (not counting OOM re-runs)
         self.retries: deque[_RetryRequest] = deque()
         self.error: BaseException | None = None  # first fatal error, re-raised at the end
@@ -394,23 +400,36 @@ class _OptimizeRun:
         number = outcome.job.trial.number
         if kind is OutcomeKind.INTERRUPTED:
             return
-        if kind is OutcomeKind.OOM_RETRY:
+        if kind in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
+            # A remote host's trial object never saw its suggestions; the told trial has them.
+            params = frozen.params if frozen is not None else outcome.job.trial.params
             request = _RetryRequest(
-                params=dict(outcome.job.trial.params),
+                params=dict(params),
                 retry_of=number if outcome.job.retry_of is None else int(outcome.job.retry_of),
                 attempt=outcome.job.attempt + 1,
-                max_running=max(0, outcome.neighbours - 1),
+                max_running=(
+                    max(0, outcome.neighbours - 1) if kind is OutcomeKind.OOM_RETRY else None
+                ),
             )
             self.retries.append(request)
-            _logger.warning(
-                "Trial %d ran out of device memory beside %d other trial(s); its parameters "
-                "are re-queued (attempt %d of %d) to run with at most %d neighbour(s).",
-                number,
-                outcome.neighbours,
-                request.attempt,
-                self.settings.max_oom_retries,
-                request.max_running,
-            )
+            if kind is OutcomeKind.HOST_LOST:
+                _logger.warning(
+                    "Trial %d was running on a device host that was lost; its parameters are "
+                    "re-queued (attempt %d) on the remaining hosts.",
+                    number,
+                    request.attempt,
+                )
+            else:
+                _logger.warning(
+                    "Trial %d ran out of device memory beside %d other trial(s); its "
+                    "parameters are re-queued (attempt %d of %d) to run with at most %d "
+                    "neighbour(s).",
+                    number,
+                    outcome.neighbours,
+                    request.attempt,
+                    self.settings.max_oom_retries,
+                    request.max_running,
+                )
         else:
             self.progress.update(1)
             self._log(outcome)

@@ -41,6 +41,9 @@ class OutcomeKind(enum.Enum):
     """An exception not in ``catch``: the trial is told FAIL and ``optimize`` re-raises it."""
     INTERRUPTED = "interrupted"
     """The executor stopped the trial (Ctrl+C); it was told FAIL by the executor."""
+    HOST_LOST = "host_lost"
+    """The device host running the trial died (a Ray host actor killed, its node lost); the
+    trial was told FAIL and the executor enqueues the same parameters again on another host."""
 
 
 @dataclass
