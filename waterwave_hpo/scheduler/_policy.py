@@ -151,7 +151,10 @@ class WaterwavePolicy(Policy):
     declared per-step claims): after the grant there is still an order in which every running
     trial can finish its step and free its activations. So a new forward starts only when it
     cannot starve the forward already running: the forward peaks of co-hosted trials do not
-    coincide, one trial's forward allocates while another's backward frees.
+    coincide, one trial's forward allocates while another's backward frees. A trial that
+    holds nothing yet (waiting for its first grant, usually its ``RESIDENT`` bytes) does not
+    count in others' checks: it is admitted only when it keeps the state safe, so a trial
+    that would not fit next to the running ones waits for one of them to end.
     Trials with no declared profile are assumed to need only what they are asking for.
     """
 
@@ -196,6 +199,8 @@ class WaterwavePolicy(Policy):
         free = view.free_bytes - request.nbytes
         needs: list[tuple[int, int]] = []  # (more bytes needed this step, bytes freed at its end)
         for t in view.trials.values():
+            if t.trial_number != request.trial_number and t.held_bytes == 0:
+                continue  # not admitted yet: it waits, and its own first grant is checked
             held = t.held_bytes
             resident = t.resident_held_bytes
             pending = t.pending_bytes
