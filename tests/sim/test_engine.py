@@ -1,0 +1,163 @@
+"""The simulator against hand-computed two-job cases (given profiles, given capacity)."""
+
+from __future__ import annotations
+
+import pytest
+
+from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.sim import AttemptOutcome
+from waterwave_hpo.sim import Sharing
+from waterwave_hpo.sim import SimDevice
+from waterwave_hpo.sim import SimTrial
+from waterwave_hpo.sim import simulate
+
+
+def one_group(nbytes: int = 60, resident: int = 0, steps: int = 1) -> SimTrial:
+    """Forward 1 s, backward 1 s, one NodeGroup of ``nbytes``."""
+    return SimTrial(TrialProfile.of(resident, [nbytes]), (1.0,), (1.0,), steps)
+
+
+def spans(result):  # (trial, start_s, end_s, outcome) in the order attempts ended
+    return [(a.trial_index, a.start_s, a.end_s, a.outcome) for a in result.attempts]
+
+
+C = AttemptOutcome.COMPLETE
+
+
+@pytest.mark.parametrize("policy", ["fifo", "waterwave"])
+def test_second_job_waits_when_both_do_not_fit(policy: str) -> None:
+    # 60 + 60 > 100: B waits for A's backward to free its 60 bytes at t=2, then runs 2..4.
+    r = simulate([one_group(), one_group()], SimDevice(100), Sharing(2, policy=policy))
+    assert spans(r) == [(0, 0.0, 2.0, C), (1, 0.0, 4.0, C)]
+    assert (r.makespan_s, r.peak_bytes, r.evictions, r.ooms) == (4.0, 60, 0, 0)
+
+
+def test_jobs_that_fit_share_compute_equally() -> None:
+    # Both fit (120 <= 120); parallelism 1: each runs at half speed, 2 s of work ends at t=4.
+    r = simulate([one_group(), one_group()], SimDevice(120), Sharing(2, policy="fifo"))
+    assert spans(r) == [(0, 0.0, 4.0, C), (1, 0.0, 4.0, C)]
+    assert r.peak_bytes == 120 and r.max_concurrent == 2
+
+
+def test_parallel_device_overlaps_jobs() -> None:
+    r = simulate(
+        [one_group(), one_group()],
+        SimDevice(120, compute_parallelism=2.0),
+        Sharing(2, policy="fifo"),
+    )
+    assert r.makespan_s == pytest.approx(2.0)
+
+
+def test_temporal_sharing_is_the_sum() -> None:
+    r = simulate([one_group(), one_group(steps=3)], SimDevice(1000), Sharing(1))
+    assert spans(r) == [(0, 0.0, 2.0, C), (1, 2.0, 8.0, C)]
+
+
+def test_stock_allocator_ooms_and_retry_runs_alone() -> None:
+    # No ledger: B's 60 bytes do not fit next to A's at t=0 -> OOM; re-run after A, 2..4.
+    r = simulate([one_group(), one_group()], SimDevice(100), Sharing(2, policy=None))
+    assert spans(r) == [(1, 0.0, 0.0, AttemptOutcome.OOM), (0, 0.0, 2.0, C), (1, 2.0, 4.0, C)]
+    assert (r.ooms, r.n_complete, r.n_failed) == (1, 2, 0)
+
+
+def test_stock_allocator_without_retry_fails_the_trial() -> None:
+    r = simulate(
+        [one_group(), one_group()], SimDevice(100), Sharing(2, policy=None, retry_on_oom=False)
+    )
+    assert (r.ooms, r.n_complete, r.n_failed, r.makespan_s) == (1, 1, 1, 2.0)
+
+
+def two_groups() -> TrialProfile:
+    return TrialProfile.of(10, [40, 40])  # peak 90
+
+
+def test_fifo_deadlocks_and_evicts_the_younger_job() -> None:
+    # Capacity 130. t=0: A and B each hold 10 + 40 (100 used); both forwards of group 0 share
+    # the device and end at t=2; both then ask 40 with 30 free -> deadlock, B (younger) is
+    # evicted. A: group 1 forward 2..3, backward 3..4, group 0 backward 4..5. B re-runs alone
+    # (it had one neighbour, so it waits for none): 4 s of work, 5..9.
+    t = SimTrial(two_groups(), (1.0, 1.0), (1.0, 1.0))
+    r = simulate([t, t], SimDevice(130), Sharing(2, policy="fifo"))
+    assert spans(r) == [
+        (1, 0.0, 2.0, AttemptOutcome.EVICTED),
+        (0, 0.0, 5.0, C),
+        (1, 5.0, 9.0, C),
+    ]
+    assert r.evictions == 1
+
+
+def test_waterwave_policy_avoids_the_deadlock() -> None:
+    # Same jobs: the banker's check refuses B's group 0 while A's step could starve (granting
+    # it would leave 30 free, A and B each still needing 40). A runs alone 0..4 and B 4..8;
+    # no eviction, one second sooner than fifo.
+    t = SimTrial(two_groups(), (1.0, 1.0), (1.0, 1.0))
+    r = simulate([t, t], SimDevice(130), Sharing(2, policy="waterwave"))
+    assert spans(r) == [(0, 0.0, 4.0, C), (1, 0.0, 8.0, C)]
+    assert (r.evictions, r.peak_bytes) == (0, 100)
+
+
+def test_processes_pay_a_context_and_time_slice_without_mps() -> None:
+    t = one_group(nbytes=10)
+    device = SimDevice(100, compute_parallelism=2.0, context_bytes=40)
+    r = simulate([t, t], device, Sharing(2, policy=None, processes=True))
+    # Both fit (2 * 50), but without MPS the two processes time-slice: 4 s, not 2.
+    assert (r.makespan_s, r.peak_bytes, r.ooms) == (4.0, 100, 0)
+    mps = simulate(
+        [t, t],
+        SimDevice(100, compute_parallelism=2.0, context_bytes=40, mps=True),
+        Sharing(2, policy=None, processes=True),
+    )
+    assert mps.makespan_s == pytest.approx(2.0)
+
+
+def test_host_work_is_shared_by_co_hosted_trials_only() -> None:
+    # Host-bound passes: 1 s of host each, no device work. One process: the GIL serializes
+    # them (4 s for two trials of 2 passes); separate processes: 2 s.
+    t = SimTrial(TrialProfile.of(0, [1]), (0.0,), (0.0,), 1, host_s=1.0)
+    shared = simulate([t, t], SimDevice(100), Sharing(2, policy="fifo"))
+    separate = simulate([t, t], SimDevice(100), Sharing(2, policy=None, processes=True))
+    assert shared.makespan_s == pytest.approx(4.0)
+    assert separate.makespan_s == pytest.approx(2.0)
+
+
+def test_auto_concurrency_admits_by_policy_fits() -> None:
+    # waterwave fits: sum(resident) + max(activation): 3 trials need 30 + 80 = 110 <= 120,
+    # a 4th would need 120 + ... = 40 + 80 = 120 <= 120 too, a 5th 130 > 120.
+    t = SimTrial(two_groups(), (1.0, 1.0), (1.0, 1.0))
+    r = simulate([t] * 6, SimDevice(120), Sharing("auto", policy="waterwave"))
+    assert r.max_concurrent == 4
+    fifo = simulate([t] * 6, SimDevice(120), Sharing("auto", policy="fifo"))
+    assert fifo.max_concurrent == 1  # 2 * 90 > 120
+    assert fifo.makespan_s == pytest.approx(24.0)
+
+
+def test_memory_timeline_returns_to_zero() -> None:
+    r = simulate([one_group()] * 3, SimDevice(200), Sharing(3, policy="waterwave"))
+    assert r.memory_timeline[-1][1] == 0
+    assert max(b for _, b in r.memory_timeline) == r.peak_bytes == 180
+
+
+def test_bad_inputs_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="trials is empty"):
+        simulate([], SimDevice(1))
+    with pytest.raises(TypeError, match=r"trials\[0\]"):
+        simulate([TrialProfile.of(0, [1])], SimDevice(1))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="capacity_bytes=0"):
+        SimDevice(0)
+    with pytest.raises(ValueError, match="compute_parallelism"):
+        SimDevice(1, compute_parallelism=0.5)
+    with pytest.raises(ValueError, match="concurrency=0"):
+        Sharing(0)
+    with pytest.raises(ValueError, match="one forward_s and one backward_s per NodeGroup"):
+        SimTrial(TrialProfile.of(0, [1, 2]), (1.0,), (1.0,))
+    with pytest.raises(ValueError, match="not a known policy"):
+        simulate([one_group()], SimDevice(100), Sharing(1, policy="lifo"))
+
+
+def test_trial_larger_than_capacity_is_evicted_or_ooms() -> None:
+    big = one_group(nbytes=200)
+    assert simulate([big], SimDevice(100), Sharing(1)).attempts[0].outcome is (
+        AttemptOutcome.EVICTED
+    )
+    r = simulate([big], SimDevice(100), Sharing(1, policy=None))
+    assert (r.ooms, r.n_failed) == (1, 1)

@@ -1,0 +1,46 @@
+"""predict_packing: the simulator's choice of trials_per_device."""
+
+from __future__ import annotations
+
+import pytest
+
+from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.sim import SimTrial
+from waterwave_hpo.sim import predict_packing
+
+
+def test_compute_bound_device_gains_nothing_from_packing() -> None:
+    p = predict_packing([TrialProfile.of(0, [10])] * 4, 1000, compute_parallelism=1.0)
+    assert p.best_k == 1 and p.speedup == pytest.approx(1.0)
+    assert [o.k for o in p.options] == [1, 2, 3, 4]
+
+
+def test_parallel_device_packs_up_to_its_parallelism() -> None:
+    # 6 trials of 4 s alone; the device overlaps 3: k=3 runs two waves of 4 s (8 s).
+    trial = SimTrial.uniform(TrialProfile.of(10, [40, 40]), 1.0, steps=4)
+    p = predict_packing([trial] * 6, 400, "waterwave", compute_parallelism=3.0)
+    assert p.best_k == 3
+    assert p.option(3).makespan_s == pytest.approx(8.0)
+    assert p.speedup == pytest.approx(3.0)
+
+
+def test_packing_that_fails_trials_is_never_chosen() -> None:
+    # Without a ledger, two 60-byte trials do not fit 100 bytes: k >= 2 ooms; and with
+    # retries off they would fail, so k=1 is kept.
+    trial = SimTrial((p := TrialProfile.of(0, [60])), (1.0,), (1.0,))
+    pred = predict_packing([trial] * 3, 100, None, compute_parallelism=2.0)
+    assert pred.option(2).ooms >= 1
+    assert not pred.option(2).fits
+    assert all(o.n_failed == 0 for o in pred.options if o.k == pred.best_k)
+    assert p.peak_bytes == 60
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="max_k=0"):
+        predict_packing([TrialProfile.of(0, [1])], 10, max_k=0)
+    with pytest.raises(ValueError, match="capacity_bytes=10"):
+        predict_packing([TrialProfile.of(0, [11])], 10)
+    with pytest.raises(ValueError, match="trials is empty"):
+        predict_packing([], 10)
+    with pytest.raises(KeyError, match="k=9"):
+        predict_packing([TrialProfile.of(0, [1])], 10).option(9)

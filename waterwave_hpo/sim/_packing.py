@@ -1,0 +1,145 @@
+"""``predict_packing``: how many trials to co-host, decided by simulation before launching."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.scheduler._policy import make_policy
+from waterwave_hpo.sim._engine import simulate
+from waterwave_hpo.sim._result import SimResult
+from waterwave_hpo.sim._spec import Sharing
+from waterwave_hpo.sim._spec import SimDevice
+from waterwave_hpo.sim._spec import SimTrial
+
+
+@dataclass(frozen=True)
+class PackingOption:
+    """One candidate packing: ``k`` trials at once.
+
+    Attributes:
+        k: Trials co-hosted at once.
+        fits: Whether the policy's ``fits`` admits ``k`` of the largest trials together.
+        makespan_s: Simulated seconds for all trials.
+        evictions: Simulated evictions (deadlocks the scheduler broke by failing a trial).
+        ooms: Simulated out-of-memory errors (only without a ledger).
+        n_failed: Trials that ended failed.
+    """
+
+    k: int
+    fits: bool
+    makespan_s: float
+    evictions: int
+    ooms: int
+    n_failed: int
+
+
+@dataclass(frozen=True)
+class PackingPrediction:
+    """The simulator's choice of ``trials_per_device``.
+
+    Attributes:
+        best_k: The ``k`` with the shortest makespan among those where no trial fails (ties:
+            the smaller ``k``, fewer threads and less risk).
+        speedup: ``makespan_s(k=1) / makespan_s(best_k)``.
+        options: Every ``k`` simulated, ascending.
+    """
+
+    best_k: int
+    speedup: float
+    options: tuple[PackingOption, ...]
+
+    def option(self, k: int) -> PackingOption:
+        """The option for ``k``.
+
+        Raises:
+            KeyError: If ``k`` was not simulated.
+        """
+        for o in self.options:
+            if o.k == k:
+                return o
+        raise KeyError(f"k={k} was not simulated; options are k in {[o.k for o in self.options]}.")
+
+
+def predict_packing(
+    trials: Sequence[SimTrial | TrialProfile],
+    capacity_bytes: int,
+    policy: object = "waterwave",
+    *,
+    max_k: int = 16,
+    compute_parallelism: float = 1.0,
+    step_s: float = 1.0,
+    steps: int = 4,
+) -> PackingPrediction:
+    """Predict the best ``trials_per_device`` for these trials on a device, before launching.
+
+    Simulates the trials (:func:`simulate`) with ``k = 1 .. max_k`` at once under ``policy`` and
+    picks the fastest ``k`` in which no trial fails. This is what ``trials_per_device="auto"``
+    can use once it knows the trials' profiles: from the first trial's NodeGroup profile
+    (``waterwave_hpo.nodegroup.trial_profile``) and its measured step time, repeated for the
+    trials still to run.
+
+    Args:
+        trials: The trials to run. A bare :class:`~waterwave_hpo.scheduler.TrialProfile` is
+            timed as :meth:`SimTrial.uniform` with ``step_s`` seconds per step and ``steps``
+            steps (only memory then tells the options apart, plus ``compute_parallelism``).
+        capacity_bytes: The device's memory for trials, in bytes (> 0).
+        policy: ``"waterwave"``, ``"fifo"``, a ``Policy``, or ``None`` (stock allocator: an
+            allocation that does not fit is an out-of-memory error).
+        max_k: The largest ``k`` to try (>= 1).
+        compute_parallelism: How many solo trials' kernels the device runs at once (>= 1);
+            see :class:`SimDevice`.
+        step_s: Seconds per step for bare profiles (> 0).
+        steps: Steps per trial for bare profiles (>= 1).
+
+    Returns:
+        The prediction; ``best_k`` is 1 if every larger ``k`` fails a trial or is slower.
+
+    Raises:
+        ValueError: If ``trials`` is empty, ``capacity_bytes`` or ``max_k`` is out of range,
+            a policy name is unknown, or a single trial does not fit ``capacity_bytes`` alone.
+    """
+    if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
+        raise ValueError(f"max_k={max_k!r} must be an int >= 1 (the most trials at once to try).")
+    if not step_s > 0:
+        raise ValueError(f"step_s={step_s!r} must be > 0 seconds.")
+    sim_trials = [
+        t if isinstance(t, SimTrial) else SimTrial.uniform(t, step_s, steps) for t in trials
+    ]
+    if not sim_trials:
+        raise ValueError("trials is empty; pass the profiles of the trials to run.")
+    device = SimDevice(capacity_bytes, compute_parallelism=compute_parallelism)
+    too_big = [i for i, t in enumerate(sim_trials) if t.profile.peak_bytes > capacity_bytes]
+    if too_big:
+        i = too_big[0]
+        raise ValueError(
+            f"trial {i} needs {sim_trials[i].profile.peak_bytes} bytes alone, more than "
+            f"capacity_bytes={capacity_bytes}; it cannot run on this device at any packing. "
+            "Lower its batch size or pass a larger capacity."
+        )
+    fits_policy = make_policy("fifo" if policy is None else policy)  # type: ignore[arg-type]
+    largest = max((t.profile for t in sim_trials), key=lambda p: p.peak_bytes)
+    options = []
+    for k in range(1, min(max_k, len(sim_trials)) + 1):
+        result: SimResult = simulate(
+            sim_trials, device, Sharing(concurrency=k, policy=policy, retry_on_oom=True)
+        )
+        options.append(
+            PackingOption(
+                k=k,
+                fits=fits_policy.fits([largest] * k, capacity_bytes),
+                makespan_s=result.makespan_s,
+                evictions=result.evictions,
+                ooms=result.ooms,
+                n_failed=result.n_failed,
+            )
+        )
+    ok = [o for o in options if o.n_failed == 0] or options[:1]
+    best = min(ok, key=lambda o: (round(o.makespan_s, 9), o.k))
+    base = options[0].makespan_s
+    return PackingPrediction(
+        best_k=best.k,
+        speedup=base / best.makespan_s if best.makespan_s > 0 else 1.0,
+        options=tuple(options),
+    )

@@ -1,0 +1,170 @@
+"""What the simulator is given: the trials, the device, and how the device is shared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from waterwave_hpo.scheduler import TrialProfile
+
+
+@dataclass(frozen=True)
+class SimTrial:
+    """One trial as the simulator runs it: its NodeGroup profile and its solo timings.
+
+    A training step is: for each group ``g`` in order, reserve ``profile.group_bytes[g]`` and run
+    its forward; then for each group in reverse, run its backward and free its bytes
+    (Waterwave, IEEE TC 2023, Sec. 4). ``profile.resident_bytes`` (parameters and gradients) is
+    reserved once, at the trial's start, and held until it ends.
+
+    Attributes:
+        profile: Bytes per step (resident, per group).
+        forward_s: Per group, seconds of device work of its forward when the trial runs alone.
+        backward_s: Per group, seconds of device work of its backward when alone.
+        steps: Training steps (>= 1).
+        host_s: Seconds of host-side work (Python op dispatch, holding the GIL) per group pass,
+            forward and backward each; it overlaps with the device work of the same pass
+            (asynchronous launches), and co-hosted trials of one process share one host.
+        name: A label for tables and plots.
+    """
+
+    profile: TrialProfile
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    steps: int = 1
+    host_s: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.profile.group_bytes)
+        if len(self.forward_s) != n or len(self.backward_s) != n:
+            raise ValueError(
+                f"SimTrial needs one forward_s and one backward_s per NodeGroup: the profile has "
+                f"{n} groups, got forward_s={self.forward_s!r} and backward_s={self.backward_s!r}."
+            )
+        if any(s < 0 for s in (*self.forward_s, *self.backward_s)) or self.host_s < 0:
+            raise ValueError(
+                f"SimTrial times must be >= 0 seconds, got forward_s={self.forward_s!r}, "
+                f"backward_s={self.backward_s!r}, host_s={self.host_s!r}."
+            )
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"SimTrial steps={self.steps!r} must be an int >= 1.")
+
+    @classmethod
+    def uniform(
+        cls,
+        profile: TrialProfile,
+        step_s: float,
+        steps: int = 1,
+        *,
+        backward_ratio: float = 2.0,
+        host_s: float = 0.0,
+        name: str = "",
+    ) -> SimTrial:
+        """A trial whose solo step takes ``step_s`` seconds, spread over its groups in
+        proportion to their bytes (evenly if all are 0), backward ``backward_ratio`` times as
+        long as forward.
+
+        Raises:
+            ValueError: If ``step_s`` or ``backward_ratio`` is negative, or the profile has no
+                groups.
+        """
+        n = len(profile.group_bytes)
+        if n == 0:
+            raise ValueError("SimTrial.uniform needs a profile with at least one NodeGroup.")
+        if step_s < 0 or backward_ratio < 0:
+            raise ValueError(
+                f"step_s={step_s!r} and backward_ratio={backward_ratio!r} must be >= 0."
+            )
+        total = sum(profile.group_bytes)
+        weights = [b / total for b in profile.group_bytes] if total else [1.0 / n] * n
+        fwd = tuple(step_s * w / (1.0 + backward_ratio) for w in weights)
+        bwd = tuple(f * backward_ratio for f in fwd)
+        return cls(profile, fwd, bwd, steps, host_s, name)
+
+    @property
+    def solo_s(self) -> float:
+        """Seconds the trial takes alone on the device (device work only, host overlapped)."""
+        per_step = sum(
+            max(f, self.host_s) + max(b, self.host_s)
+            for f, b in zip(self.forward_s, self.backward_s, strict=True)
+        )
+        return per_step * self.steps
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    """One shared device.
+
+    Attributes:
+        capacity_bytes: Memory the trials may use, in bytes (> 0).
+        compute_parallelism: How many solo trials' worth of kernels the device runs at once
+            (>= 1). ``1``: a co-hosted trial slows every other down in proportion (a saturated
+            device; also the CPU, whose intra-op threads already use every core); ``K``: K small
+            trials overlap for free. Running kernels share it equally (processor sharing).
+        context_bytes: Memory each extra process costs (a CUDA context, ~300-500 MiB on a
+            GPU); charged per trial under process sharing.
+        mps: Whether kernels of different processes overlap (CUDA MPS); without it processes
+            are time-sliced (parallelism 1 across processes).
+        name: A label.
+    """
+
+    capacity_bytes: int
+    compute_parallelism: float = 1.0
+    context_bytes: int = 0
+    mps: bool = False
+    name: str = "device"
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.capacity_bytes, bool)
+            or not isinstance(self.capacity_bytes, int)
+            or self.capacity_bytes <= 0
+        ):
+            raise ValueError(
+                f"SimDevice capacity_bytes={self.capacity_bytes!r} must be an int > 0 (bytes)."
+            )
+        if not self.compute_parallelism >= 1.0:
+            raise ValueError(
+                f"SimDevice compute_parallelism={self.compute_parallelism!r} must be >= 1 "
+                "(1: kernels of co-hosted trials share the device's time)."
+            )
+        if self.context_bytes < 0:
+            raise ValueError(f"SimDevice context_bytes={self.context_bytes!r} must be >= 0.")
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How trials share the device.
+
+    Attributes:
+        concurrency: Trials running at once (>= 1), or ``"auto"``: start another trial while
+            the policy's ``fits`` admits the running profiles plus the next one (the executor's
+            ``trials_per_device="auto"``), up to ``max_concurrency``.
+        policy: ``"waterwave"``, ``"fifo"`` or a :class:`~waterwave_hpo.scheduler.Policy`: the
+            pipeline scheduler's ledger gates every NodeGroup. ``None``: no ledger (PyTorch's
+            stock allocator): an allocation that does not fit is an out-of-memory error.
+        processes: Each trial in its own process: its own host (no shared GIL), plus
+            ``SimDevice.context_bytes``, and kernels overlap only with MPS.
+        retry_on_oom: A trial that ran out of memory (or was evicted by the scheduler) beside
+            others is re-queued, to run with fewer neighbours (the executor's
+            ``on_oom="retry"``); at most ``max_retries`` times. Otherwise it fails.
+        max_retries: See ``retry_on_oom``.
+        max_concurrency: The cap for ``concurrency="auto"``.
+    """
+
+    concurrency: int | str = 1
+    policy: object = "waterwave"
+    processes: bool = False
+    retry_on_oom: bool = True
+    max_retries: int = 2
+    max_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        c = self.concurrency
+        if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"Sharing concurrency={c!r} must be an int >= 1 or 'auto'.")
+        if self.max_concurrency < 1 or self.max_retries < 0:
+            raise ValueError(
+                f"Sharing max_concurrency={self.max_concurrency!r} must be >= 1 and "
+                f"max_retries={self.max_retries!r} >= 0."
+            )
