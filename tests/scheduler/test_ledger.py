@@ -30,3 +30,14 @@ def test_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         ledger.reserve(Reservation(2, 0, 1, 3, Phase.FORWARD))
     assert ledger.used_bytes == 8
+
+
+def test_zero_byte_reservations() -> None:
+    ledger = MemoryLedger(10)
+    zero = Reservation(1, 0, 0, 0, Phase.FORWARD)
+    some = Reservation(2, 0, 1, 4, Phase.FORWARD)
+    ledger.reserve(zero)
+    ledger.reserve(some)
+    assert ledger.release(2) == some
+    assert ledger.release(1) == zero
+    assert ledger.used_bytes == 0 and ledger.held_bytes(0, Phase.FORWARD) == 0

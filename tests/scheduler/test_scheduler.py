@@ -21,14 +21,15 @@ from waterwave_hpo.scheduler.testing import run_simulated_trials
 
 
 def blocked_acquire(
-    scheduler: PipelineScheduler, trial: int, group: int, nbytes: int
+    scheduler: PipelineScheduler, trial: int, group: int, nbytes: int,
+    phase: Phase = Phase.FORWARD,
 ) -> tuple[threading.Thread, list[object]]:
     """Start ``acquire`` in a thread; return it and a list that gets its result or error."""
     result: list[object] = []
 
     def run() -> None:
         try:
-            result.append(scheduler.acquire(trial, group, nbytes))
+            result.append(scheduler.acquire(trial, group, nbytes, phase))
         except BudgetExceededError as e:
             result.append(e)
 
@@ -124,6 +125,28 @@ def test_waterwave_pipelines_two_trials_at_their_solo_peak() -> None:
         assert run.hung == ()
         assert run.completed == (0, 1), run
         assert run.scheduler.stats().evictions == 0
+
+
+def test_waterwave_a_trial_not_yet_admitted_does_not_stall_a_running_one() -> None:
+    """Trial 1's parameters would leave trial 0 unable to finish its step, so trial 1 waits;
+    trial 0 keeps going without any deadlock resolution, and trial 1 starts when 0 ends."""
+    profile = TrialProfile.of(20, [30, 30])
+    s = PipelineScheduler(90, "waterwave")
+    for n in (0, 1):
+        s.trial_started(n)
+        s.declare_profile(n, profile)
+    s.acquire(0, -1, 20, Phase.RESIDENT)
+    g0 = s.acquire(0, 0, 30)
+    t, r = blocked_acquire(s, 1, -1, 20, Phase.RESIDENT)
+    t.join(timeout=0.2)
+    assert t.is_alive()
+    g1 = s.acquire(0, 1, 30)  # would be refused if trial 1's unmet claim counted
+    s.release(g1)
+    s.release(g0)
+    assert s.stats().deadlocks_resolved == 0
+    s.trial_finished(0)
+    t.join(timeout=10)
+    assert not t.is_alive() and r[0].nbytes == 20  # type: ignore[union-attr]
 
 
 def test_deadlock_resolution_prefers_admitting_what_fits() -> None:

@@ -199,6 +199,9 @@ class GateSet:
         reservation = p.scheduler.acquire(p.trial_number, g, self._nbytes[g], Phase.FORWARD)
         p.tokens.append(reservation)
         if p.training:
-            grads = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                grads = [args[0]] if args[0].requires_grad else []  # the common case, fast
+            else:
+                grads = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
             if len(grads) == 1:
                 grads[0].register_hook(_ReleaseOnGrad(p.scheduler, reservation))

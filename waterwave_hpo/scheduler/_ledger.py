@@ -61,6 +61,7 @@ class MemoryLedger:
         self.peak_bytes = 0
         self._by_id: dict[int, Reservation] = {}
         self._held_by_trial: dict[int, int] = {}
+        self._held_by_phase: dict[tuple[int, Phase], int] = {}
         self._ids_by_trial: dict[int, set[int]] = {}
 
     @property
@@ -87,6 +88,8 @@ class MemoryLedger:
         self._by_id[reservation.id] = reservation
         t = reservation.trial_number
         self._held_by_trial[t] = self._held_by_trial.get(t, 0) + reservation.nbytes
+        key = (t, reservation.phase)
+        self._held_by_phase[key] = self._held_by_phase.get(key, 0) + reservation.nbytes
         self._ids_by_trial.setdefault(t, set()).add(reservation.id)
         self.used_bytes += reservation.nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -98,6 +101,12 @@ class MemoryLedger:
             return None
         t = reservation.trial_number
         self._held_by_trial[t] -= reservation.nbytes
+        key = (t, reservation.phase)
+        left = self._held_by_phase.get(key, 0) - reservation.nbytes
+        if left:
+            self._held_by_phase[key] = left
+        else:
+            self._held_by_phase.pop(key, None)
         self._ids_by_trial[t].discard(reservation_id)
         if not self._ids_by_trial[t]:
             del self._ids_by_trial[t]
@@ -118,11 +127,7 @@ class MemoryLedger:
         """Bytes ``trial_number`` holds (only those of ``phase`` when given)."""
         if phase is None:
             return self._held_by_trial.get(trial_number, 0)
-        return sum(
-            self._by_id[rid].nbytes
-            for rid in self._ids_by_trial.get(trial_number, ())
-            if self._by_id[rid].phase is phase
-        )
+        return self._held_by_phase.get((trial_number, phase), 0)
 
     def reservations(self, trial_number: int) -> list[Reservation]:
         """The reservations ``trial_number`` holds, oldest first."""

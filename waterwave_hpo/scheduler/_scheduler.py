@@ -89,10 +89,11 @@ class _TrialState:
     wait_s: float = 0.0
     peak_held_bytes: int = 0
 
-    def claim_bytes(self) -> int | None:
-        if not self.profiles:
-            return None
-        return sum(p.peak_bytes for p in self.profiles.values())
+    claim: int | None = None  # sum of the declared profiles' peak_bytes
+
+    def declare(self, key: object, profile: TrialProfile) -> None:
+        self.profiles[key] = profile
+        self.claim = sum(p.peak_bytes for p in self.profiles.values())
 
     def snapshot(self, *, finished: bool) -> TrialSchedulingStats:
         return TrialSchedulingStats(
@@ -258,7 +259,7 @@ class PipelineScheduler:
             ValueError: If the trial was not started.
         """
         with self._cond:
-            self._state_locked(trial_number).profiles[key] = profile
+            self._state_locked(trial_number).declare(key, profile)
             self._profiles_seen.append(profile)
             del self._profiles_seen[:-64]
             self._dispatch_locked()
@@ -408,7 +409,7 @@ class PipelineScheduler:
                 trial_number=n,
                 held_bytes=self._ledger.held_bytes(n),
                 resident_held_bytes=self._ledger.held_bytes(n, Phase.RESIDENT),
-                claim_bytes=t.claim_bytes(),
+                claim_bytes=t.claim,
                 pending_bytes=sum(p.request.nbytes for p in t.pending.values()),
                 promise=self._promise.get(n, _NEUTRAL_PROMISE),
             )
