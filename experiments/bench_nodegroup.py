@@ -37,6 +37,7 @@ import os
 from pathlib import Path
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -318,6 +319,16 @@ def measure(w: Workload, solo_target: int, groups: int | str, steps: int,
     )
 
 
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
@@ -341,23 +352,30 @@ def main() -> int:
         "not measured device memory). Largest batch each of 2 co-hosted copies trains at, "
         "as a fraction of solo:"
     )
-    print(header)
-    print(f"{'model':8} {'groups':>6} {'resident B':>10} {'act B/sample':>12} {'solo':>5} "
-          f"{'no gates':>14} {'fifo':>14} {'waterwave':>14} {'gate overhead/step':>22} "
-          f"{'sched. path':>11} {'noise':>9}")
+    lines = [header]
+    lines.append(
+        f"{'model':8} {'groups':>6} {'resident B':>10} {'act B/sample':>12} {'solo':>5} "
+        f"{'no gates':>14} {'fifo':>14} {'waterwave':>14} {'gate overhead/step':>22} "
+        f"{'sched. path':>11} {'noise':>9}"
+    )
     for r in rows:
-        print(f"{r.model:8} {r.groups:>6} {r.resident_bytes:>10} "
-              f"{r.activation_bytes_per_sample:>12.0f} {r.solo_batch:>5} "
-              f"{r.no_gates_batch:>5} ({r.no_gates_fraction:6.1%}) "
-              f"{r.fifo_batch:>5} ({r.fifo_fraction:6.1%}) "
-              f"{r.waterwave_batch:>5} ({r.waterwave_fraction:6.1%}) "
-              f"{r.gate_overhead_us:>8.1f} us ({r.gate_overhead_pct:5.1f}%) "
-              f"{r.scheduler_path_us:>8.1f} us {r.timing_noise_us:>6.0f} us")
-    print("gate overhead/step: median over paired steps of (gated - bare); noise: median "
-          "|difference| between two bare copies measured the same way (overheads below it are "
-          "not resolved); sched. path: the scheduler's acquire+release alone, times the gates "
-          "per step.")
-    print(f"wall time {wall_s:.1f} s")
+        lines.append(
+            f"{r.model:8} {r.groups:>6} {r.resident_bytes:>10} "
+            f"{r.activation_bytes_per_sample:>12.0f} {r.solo_batch:>5} "
+            f"{r.no_gates_batch:>5} ({r.no_gates_fraction:6.1%}) "
+            f"{r.fifo_batch:>5} ({r.fifo_fraction:6.1%}) "
+            f"{r.waterwave_batch:>5} ({r.waterwave_fraction:6.1%}) "
+            f"{r.gate_overhead_us:>8.1f} us ({r.gate_overhead_pct:5.1f}%) "
+            f"{r.scheduler_path_us:>8.1f} us {r.timing_noise_us:>6.0f} us"
+        )
+    lines.append(
+        "gate overhead/step: median over paired steps of (gated - bare); noise: median "
+        "|difference| between two bare copies measured the same way (overheads below it are "
+        "not resolved); sched. path: the scheduler's acquire+release alone, times the gates "
+        "per step."
+    )
+    lines.append(f"wall time {wall_s:.1f} s")
+    print("\n".join(lines))
     if args.write:
         meta = {
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -368,12 +386,21 @@ def main() -> int:
             "torch": torch.__version__,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "mode": "cpu-ledger (accounted bytes, not measured device memory)",
+            "pythonpath": os.environ.get("PYTHONPATH", ""),
+            "waterwave_hpo_from": str(Path(pipeline.__code__.co_filename).parents[2]),
+            "git_commit": _git_commit(),
             "wall_s": round(wall_s, 1),
         }
         out = Path(__file__).parent / "results" / "bench_nodegroup_cpu.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-        print(f"wrote {out}")
+        md = out.with_suffix(".md")
+        md.write_text(
+            "# NodeGroup pipeline, CPU ledger\n\n"
+            + "".join(f"- {k}: {v}\n" for k, v in meta.items())
+            + "\n```\n" + "\n".join(lines) + "\n```\n"
+        )
+        print(f"wrote {out} and {md}")
     return 0
 
 

@@ -13,6 +13,11 @@ cuts fail this test (the skip tensor crosses), so the block stays whole; the cut
 pass. The test runs on the real graph, so it needs no ``torch.fx`` trace and sees data-dependent
 control flow as it ran. Without a graph (every parameter frozen) only the children of
 ``nn.Sequential`` containers nested in ``nn.Sequential`` from the root are cut.
+
+Not seen by the test: tensors that carry no gradient (the raw batch, masks, position ids)
+crossing a cut. They are inputs the user owns, not activations the groups reserve, so a cut
+they cross is still correct for the ledger; e.g. a lone residual block fed the raw batch is cut
+inside, since only the batch itself skips.
 """
 
 from __future__ import annotations
