@@ -1,0 +1,230 @@
+"""RayExecutor on a local Ray cluster with logical GPUs: the trials run on the CPU, placement is
+Ray's (one host actor per declared GPU)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+import os
+from pathlib import Path
+import sys
+import time
+
+import optuna
+from optuna.trial import TrialState
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("grpc")
+
+import waterwave_hpo as ww  # noqa: E402
+from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402
+from waterwave_hpo.cluster import AllHostsLostError  # noqa: E402
+from waterwave_hpo.cluster import RayExecutor  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_ATTEMPT  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
+
+N_GPUS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One local Ray instance for the module: 2 CPUs, 2 logical GPUs."""
+    if ray.is_initialized():
+        ray.shutdown()
+    # Ray puts the driver's working directory first on its workers' sys.path; from the repo
+    # root that would shadow the installed package with the source tree.
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        ray.init(
+            num_cpus=2,
+            num_gpus=N_GPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    finally:
+        os.chdir(cwd)
+    # The objectives below live in this test module, which Ray's workers cannot import.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def _states(study: optuna.Study) -> Counter[TrialState]:
+    return Counter(t.state for t in study.get_trials(deepcopy=False))
+
+
+def _objective(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", -1.0, 1.0)
+    if trial.number % 5 == 3:
+        raise optuna.TrialPruned()
+    if trial.number % 5 == 4:
+        raise ValueError("a failing trial")
+    for step in range(3):
+        trial.report(x * step, step)
+        time.sleep(0.02)
+    assert ww.current().trial_number == trial.number
+    return x * x
+
+
+def test_finishes_a_study_with_the_right_counts_and_states() -> None:
+    study = ww.create_study()  # in-memory, on the driver
+    executor = RayExecutor(trials_per_device=3)
+    study.optimize(_objective, n_trials=20, catch=(ValueError,), executor=executor)
+    states = _states(study)
+    assert states == {TrialState.COMPLETE: 12, TrialState.PRUNED: 4, TrialState.FAIL: 4}
+    trials = study.trials
+    assert len({t.params["x"] for t in trials}) == 20  # the hosts' samplers were reseeded
+    hosts = {t.user_attrs[ATTR_HOST] for t in trials}
+    assert len(hosts) == N_GPUS  # one host actor per logical GPU, both used
+    assert all(t.intermediate_values for t in trials if t.state is TrialState.COMPLETE)
+    for t in trials:
+        if t.state is TrialState.FAIL:
+            assert "a failing trial" in t.user_attrs[ATTR_FAIL_REASON]
+    per_host = [[t for t in trials if t.user_attrs[ATTR_HOST] == h] for h in hosts]
+    assert max(max_concurrent_trials(ts) for ts in per_host) >= 2  # co-hosted on a host
+
+
+def test_journal_storage_and_callbacks_in_the_driver(tmp_path: Path) -> None:
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.log"))
+    )
+    study = optuna.create_study(storage=storage, direction="maximize")
+    seen: list[tuple[int, int]] = []
+
+    def callback(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+        seen.append((os.getpid(), frozen.number))
+
+    RayExecutor(n_hosts=1, trials_per_device=2).optimize(
+        study, lambda t: t.suggest_int("k", 0, 9), n_trials=6, callbacks=[callback]
+    )
+    assert _states(study) == {TrialState.COMPLETE: 6}
+    assert sorted(n for _, n in seen) == list(range(6))
+    assert {pid for pid, _ in seen} == {os.getpid()}
+    reloaded = optuna.load_study(study_name=study.study_name, storage=storage)
+    assert len(reloaded.trials) == 6
+
+
+def _slow(trial: optuna.trial.Trial) -> float:
+    time.sleep(0.4)
+    return float(trial.number)
+
+
+def test_packs_trials_onto_the_host_with_the_most_room() -> None:
+    study = optuna.create_study()
+    RayExecutor(trials_per_device=2).optimize(study, _slow, n_trials=4)
+    per_host = Counter(t.user_attrs[ATTR_HOST] for t in study.trials)
+    assert sorted(per_host.values()) == [2, 2]
+    assert max_concurrent_trials(study.trials) == 4
+
+
+def _dies_once(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", 0.0, 1.0)
+    time.sleep(0.2)
+    if trial.number == 2:  # the first attempt of trial 2 takes its whole host actor down
+        os._exit(1)
+    return x
+
+
+def test_a_killed_host_loses_no_trial() -> None:
+    study = optuna.create_study()
+    RayExecutor(trials_per_device=2).optimize(study, _dies_once, n_trials=8)
+    trials = study.trials
+    states = _states(study)
+    assert set(states) <= {TrialState.COMPLETE, TrialState.FAIL}
+    assert states[TrialState.COMPLETE] == 8  # every asked-for trial finished, on the other host
+    lost = [t for t in trials if t.state is TrialState.FAIL]
+    assert 1 <= len(lost) <= 2  # trial 2 and the neighbour on its host
+    assert all("was lost" in t.user_attrs[ATTR_FAIL_REASON] for t in lost)
+    reruns = {t.user_attrs[ATTR_RETRY_OF]: t for t in trials if ATTR_RETRY_OF in t.user_attrs}
+    assert sorted(reruns) == sorted(t.number for t in lost)
+    for t in lost:
+        assert reruns[t.number].params == t.params
+        assert reruns[t.number].user_attrs[ATTR_ATTEMPT] == 1
+        assert reruns[t.number].state is TrialState.COMPLETE
+
+
+def _always_dies(trial: optuna.trial.Trial) -> float:
+    time.sleep(0.1)
+    os._exit(1)
+
+
+def test_all_hosts_lost_raises_and_leaves_nothing_running() -> None:
+    study = optuna.create_study()
+    with pytest.raises(AllHostsLostError, match="were lost"):
+        RayExecutor(n_hosts=1, trials_per_device=2).optimize(study, _always_dies, n_trials=10)
+    states = _states(study)
+    assert states[TrialState.FAIL] >= 1
+    assert set(states) == {TrialState.FAIL}
+
+
+def _raises_key_error(trial: optuna.trial.Trial) -> float:
+    if trial.number == 1:
+        raise KeyError("boom")
+    time.sleep(0.05)
+    return 0.0
+
+
+def test_an_exception_not_in_catch_propagates_after_the_others_are_told() -> None:
+    study = optuna.create_study()
+    with pytest.raises(KeyError, match="boom"):
+        RayExecutor(n_hosts=1, trials_per_device=2).optimize(study, _raises_key_error, n_trials=10)
+    states = _states(study)
+    assert TrialState.RUNNING not in states and TrialState.WAITING not in states
+    assert study.trials[1].state is TrialState.FAIL
+    assert len(study.trials) < 10
+
+
+def _stops(trial: optuna.trial.Trial) -> float:
+    if trial.number == 2:
+        trial.study.stop()
+    time.sleep(0.05)
+    return 0.0
+
+
+def test_study_stop_in_a_remote_objective_stops_the_search() -> None:
+    study = optuna.create_study()
+    RayExecutor(n_hosts=1, trials_per_device=1).optimize(study, _stops, n_trials=50)
+    assert 3 <= len(study.trials) < 50
+    assert set(_states(study)) == {TrialState.COMPLETE}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"n_hosts": 0}, ValueError, "n_hosts=0 must be >= 1"),
+        ({"n_hosts": "many"}, TypeError, "n_hosts='many'"),
+        ({"num_gpus_per_host": 2}, ValueError, "num_gpus_per_host=2 must be 1"),
+        ({"num_gpus_per_host": 0}, ValueError, "n_hosts='auto' counts the cluster's GPUs"),
+        ({"host_resources": {"GPU": 1}}, ValueError, "num_gpus_per_host"),
+        ({"num_cpus_per_host": 0}, ValueError, "num_cpus_per_host=0 must be > 0"),
+        ({"trials_per_device": 0}, ValueError, "trials_per_device=0"),
+        ({"max_host_retries": -1}, ValueError, "max_host_retries=-1"),
+    ],
+)
+def test_bad_arguments_name_the_argument(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        RayExecutor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_more_hosts_than_gpus_fails_before_any_trial() -> None:
+    study = optuna.create_study()
+    with pytest.raises(RuntimeError, match="need 3 GPU"):
+        RayExecutor(n_hosts=3).optimize(study, _slow, n_trials=2)
+    assert study.trials == []
+
+
+def test_cpu_hosts_that_cannot_be_placed_time_out_with_the_reason() -> None:
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=1, num_gpus_per_host=0, num_cpus_per_host=64, startup_timeout_s=2
+    )
+    with pytest.raises(RuntimeError, match="could not all start"):
+        executor.optimize(study, _slow, n_trials=2)
+    assert study.trials == []

@@ -1,0 +1,260 @@
+"""The device-host actor: one :class:`~waterwave_hpo.executor._host.DeviceHost` in a Ray actor.
+
+Each actor owns one device (the GPU Ray gave it, ``num_gpus=1``; the CPU where it has none) and
+co-hosts trials on it exactly as on one machine: slot threads, one CUDA stream each, the pool and
+the pipeline scheduler. It opens the study through the driver's storage proxy, runs the trials the
+driver hands it and reports how each ended; it does not tell the study: the driver does, so the
+user's sampler and callbacks see every result in the driver's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import os
+import queue
+import threading
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.cluster._storage import StorageAddress
+from waterwave_hpo.executor._devices import resolve_devices
+from waterwave_hpo.executor._host import DeviceHost
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._memory import make_device_memory
+from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+
+ATTR_HOST = "waterwave:host"
+"""The host actor that ran the trial: ``"<node ip>/pid<pid>/<device>"`` (Ray cluster only)."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Everything a host actor needs to build its device host (sent once, at creation)."""
+
+    storage: StorageAddress
+    study_name: str
+    sampler: optuna.samplers.BaseSampler
+    pruner: optuna.pruners.BasePruner
+    func: Any
+    catch: tuple[type[BaseException], ...]
+    on_oom: OnOOM
+    max_oom_retries: int
+    gc_after_trial: bool
+    n_slots: int
+    admit_by_memory: bool
+    memory_pool: MemoryPoolMode
+    memory_budget_bytes: int | None
+    policy: Any
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """Where a host actor runs."""
+
+    label: str
+    device: str
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """How one trial attempt ended on a host, for the driver to tell the study.
+
+    Attributes:
+        slot: The slot that ran it.
+        number: The trial's number.
+        kind: How it ended (the slot's classification).
+        state: The state the host would have told (``None``: COMPLETE with ``values``).
+        values: The objective's value(s) as floats, or its ``repr`` when they are not numbers
+            (the driver's ``study.tell`` then fails the trial, as Optuna does).
+        error: The exception (or a ``RuntimeError`` describing it when it cannot be pickled).
+        neighbours: Trials running beside it on the host when it ended.
+    """
+
+    slot: int
+    number: int
+    kind: OutcomeKind
+    state: TrialState | None
+    values: float | list[float] | str | None
+    error: BaseException | None
+    neighbours: int
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """A host's state after a poll: admission room and stop requests."""
+
+    has_room: bool
+    """Whether the host's measured memory demand leaves room for one more trial."""
+    stop_requested: bool
+    """Whether an objective on this host called ``study.stop()``."""
+
+
+class _HostStudy(optuna.Study):
+    """The actor's view of the study: ``tell`` is recorded for the driver, not stored."""
+
+    _told: dict[int, tuple[TrialState | None, Any]]
+    _told_lock: threading.Lock
+
+    def tell(
+        self,
+        trial: optuna.trial.Trial | int,
+        values: Any = None,
+        state: TrialState | None = None,
+        skip_if_finished: bool = False,
+    ) -> optuna.trial.FrozenTrial:
+        number = trial if isinstance(trial, int) else trial.number
+        with self._told_lock:
+            self._told.setdefault(number, (state, values))
+        trial_id = (
+            self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+            if isinstance(trial, int)
+            else trial._trial_id
+        )
+        return self._storage.get_trial(trial_id)
+
+
+class HostActor:
+    """One device host in a Ray actor (create it with ``ray.remote(HostActor).options(...)``).
+
+    Methods are called by the driver's :class:`~waterwave_hpo.cluster._remote.RemoteHost`; the
+    actor is threaded (``max_concurrency > 1``) so that :meth:`submit` runs while :meth:`poll`
+    waits for outcomes.
+
+    Args:
+        spec: The study, the objective and the executor's settings.
+
+    Raises:
+        ConnectionError: If the driver's storage proxy does not answer.
+    """
+
+    def __init__(self, spec: HostSpec) -> None:
+        import ray
+
+        storage = spec.storage.connect()
+        study = optuna.load_study(
+            study_name=spec.study_name, storage=storage, sampler=spec.sampler, pruner=spec.pruner
+        )
+        # Every actor got the same pickled sampler; without a new seed they would all draw the
+        # same parameters (Optuna reseeds for n_jobs > 1 the same way).
+        study.sampler.reseed_rng()
+        study.__class__ = _HostStudy
+        assert isinstance(study, _HostStudy)
+        study._told = {}
+        study._told_lock = threading.Lock()
+        self._study = study
+        device = resolve_devices("auto")[0]
+        settings = RunSettings(
+            study=study,
+            func=spec.func,
+            catch=spec.catch,
+            on_oom=spec.on_oom,
+            max_oom_retries=spec.max_oom_retries,
+            gc_after_trial=spec.gc_after_trial,
+            outcomes=queue.SimpleQueue(),
+        )
+        memory = make_device_memory(device, spec.memory_pool, spec.memory_budget_bytes, spec.policy)
+        self._host = DeviceHost(
+            device, spec.n_slots, settings, memory=memory, admit_by_memory=spec.admit_by_memory
+        )
+        self._lock = threading.Lock()
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self._info = HostInfo(
+            label=f"{node_ip}/pid{os.getpid()}/{device}",
+            device=str(device),
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+        )
+
+    def info(self) -> HostInfo:
+        """Where this host runs (also: the actor is up and its study is open)."""
+        return self._info
+
+    def submit(self, slot: int, trial_id: int, attempt: int, retry_of: int | None) -> None:
+        """Run the study's trial ``trial_id`` (asked by the driver) in slot ``slot``.
+
+        Precondition: the driver only submits to a slot whose previous trial it has seen end.
+        """
+        trial = optuna.trial.Trial(self._study, trial_id)
+        trial.set_user_attr(ATTR_HOST, self._info.label)
+        with self._lock:
+            self._host.submit(self._host.slots[slot], TrialJob(trial, attempt, retry_of))
+
+    def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
+        """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""
+        outcomes: list[TrialOutcome] = []
+        with contextlib.suppress(queue.Empty):
+            outcomes.append(self._host.settings.outcomes.get(timeout=timeout_s))
+            while True:
+                outcomes.append(self._host.settings.outcomes.get_nowait())
+        records = []
+        with self._lock:
+            for outcome in outcomes:
+                records.append(self._record(outcome))
+            snapshot = HostSnapshot(
+                has_room=self._host.memory.has_room(),
+                stop_requested=_optuna_compat.stop_requested(self._study),
+            )
+        return records, snapshot
+
+    def interrupt(self, slot: int) -> None:
+        """Stop the trial running in ``slot`` (the driver has told it FAIL already)."""
+        self._host.slots[slot].interrupt()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop the slot threads, waiting up to ``timeout_s`` seconds."""
+        self._host.shutdown(timeout_s=timeout_s)
+
+    def _record(self, outcome: TrialOutcome) -> TrialRecord:
+        number = outcome.job.trial.number
+        slot_index = -1
+        for slot in self._host.slots:
+            if slot.job is outcome.job:
+                slot.job = None
+                slot_index = slot.index
+        self._host.memory.trial_ended(number)
+        with self._study._told_lock:
+            state, values = self._study._told.pop(number, (TrialState.FAIL, None))
+        return TrialRecord(
+            slot=slot_index,
+            number=number,
+            kind=outcome.kind,
+            state=state,
+            values=_plain_values(values) if state is None else None,
+            error=_picklable(outcome.error),
+            neighbours=outcome.neighbours,
+        )
+
+
+def _plain_values(values: Any) -> float | list[float] | str | None:
+    # A CUDA tensor or a numpy scalar must not cross to a driver without CUDA: send floats.
+    if values is None:
+        return None
+    try:
+        if isinstance(values, (list, tuple)):
+            return [float(v) for v in values]
+        return float(values)
+    except (TypeError, ValueError):
+        return repr(values)
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(error))  # type: ignore[no-untyped-call]
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    error.__traceback__ = None
+    return error

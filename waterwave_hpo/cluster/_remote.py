@@ -1,0 +1,232 @@
+"""The driver's side of a host actor: a :class:`RemoteHost` that the executor drives like a
+:class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
+
+The executor's loop (``_OptimizeRun``) asks trials and hands them to hosts; for a remote host,
+:meth:`RemoteHost.submit` sends the trial's id to the actor. A poller thread per host collects
+how each attempt ended, tells the study in the driver's process (so the user's sampler, pruner
+state and callbacks see it), and puts the outcome on the executor's queue. When the actor dies
+(killed, out of host memory, its node lost) the poller tells each of its running trials FAIL and
+reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its parameters on the
+remaining hosts: nothing is lost and nothing stays RUNNING.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from waterwave_hpo.cluster._actor import HostInfo
+from waterwave_hpo.cluster._actor import TrialRecord
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+
+_logger = logging.getLogger("waterwave_hpo")
+_POLL_S = 0.1
+_UNAVAILABLE_RETRIES = 50  # ActorUnavailableError is transient (a network blip): ~5 s of retries
+
+
+class _NoMemory:
+    """The remote host's memory lives in the actor; the executor's calls are no-ops here."""
+
+    def trial_ended(self, trial_number: int) -> None:
+        pass
+
+
+class RemoteSlot:
+    """A slot of a remote host, as the executor sees it."""
+
+    def __init__(self, host: RemoteHost, index: int) -> None:
+        self.host = host
+        self.index = index
+        self.job: TrialJob | None = None
+
+    def interrupt(self) -> None:
+        """Ask the actor to stop this slot's trial (Ctrl+C); never raises."""
+        with contextlib.suppress(Exception):
+            self.host.actor.interrupt.remote(self.index)
+
+
+class RemoteHost:
+    """A host actor, behaving like a ``DeviceHost`` for the executor's thread.
+
+    Args:
+        actor: The started :class:`~waterwave_hpo.cluster._actor.HostActor` handle.
+        info: Where it runs.
+        n_slots: Its ``trials_per_device``.
+        admit_by_memory: ``trials_per_device="auto"``: admit another trial only while the
+            actor's last poll said its memory has room.
+        settings: The ``optimize`` call's settings (the driver's study and outcome queue).
+        max_host_retries: How many times one set of parameters is re-queued after its host was
+            lost (>= 0); past that, the trial is told FAIL and the search goes on.
+        on_lost: Called (in the poller thread) once this host is lost.
+    """
+
+    def __init__(
+        self,
+        actor: Any,
+        info: HostInfo,
+        n_slots: int,
+        admit_by_memory: bool,
+        settings: RunSettings,
+        max_host_retries: int,
+        on_lost: Callable[[RemoteHost, BaseException], None],
+    ) -> None:
+        self.actor = actor
+        self.info = info
+        self.device = info.label
+        self.scheduler = None
+        self.memory = _NoMemory()
+        self.settings = settings
+        self.admit_by_memory = admit_by_memory
+        self.max_host_retries = max_host_retries
+        self.slots = [RemoteSlot(self, index) for index in range(n_slots)]
+        self.lost = False
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._has_room = True
+        self._stop = threading.Event()
+        self._poller = threading.Thread(
+            target=self._poll_loop, name=f"waterwave-ray-{info.label}", daemon=True
+        )
+        self._poller.start()
+
+    # -- the executor's thread --------------------------------------------------------------
+
+    @property
+    def n_running(self) -> int:
+        """Trials handed to this host whose outcome the executor has not handled yet."""
+        return sum(1 for slot in self.slots if slot.job is not None)
+
+    def idle_slot(self) -> RemoteSlot | None:
+        """A slot that may take a trial now, or ``None`` (all busy, no memory room, or lost)."""
+        if self.lost:
+            return None
+        if self.admit_by_memory and self.n_running > 0 and not self._has_room:
+            return None
+        for slot in self.slots:
+            if slot.job is None:
+                return slot
+        return None
+
+    def submit(self, slot: RemoteSlot, job: TrialJob) -> None:
+        """Send ``job`` to the actor's slot; a host lost meanwhile reports it HOST_LOST."""
+        with self._lock:
+            slot.job = job
+            lost = self.lost
+            if self.admit_by_memory:
+                self._has_room = False  # until the actor measures again
+        if lost:
+            self._report_lost(job, "its host was lost before the trial started")
+            return
+        try:
+            import ray
+
+            ray.get(
+                self.actor.submit.remote(slot.index, job.trial._trial_id, job.attempt, job.retry_of)
+            )
+        except Exception as error:  # the actor died; the poller reports the others
+            self._mark_lost(error)
+
+    def running_jobs(self) -> list[tuple[RemoteSlot, TrialJob]]:
+        """The (slot, job) pairs running now."""
+        return [(slot, slot.job) for slot in self.slots if slot.job is not None]
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop the poller and the actor; kill the actor (its GPU goes back to Ray)."""
+        import ray
+
+        self._stop.set()
+        if not self.lost:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.shutdown.remote(timeout_s), timeout=timeout_s + 5.0)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+        self._poller.join(timeout=timeout_s)
+
+    # -- the poller thread ----------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        unavailable = 0
+        while not self._stop.is_set() and not self.lost:
+            try:
+                records, snapshot = ray.get(self.actor.poll.remote(_POLL_S))
+            except ActorUnavailableError as error:
+                unavailable += 1
+                if unavailable > _UNAVAILABLE_RETRIES:
+                    self._mark_lost(error)
+                continue
+            except Exception as error:  # RayActorError: killed, crashed, node lost
+                if not self._stop.is_set():
+                    self._mark_lost(error)
+                return
+            unavailable = 0
+            self._has_room = snapshot.has_room
+            if snapshot.stop_requested:
+                # An objective on the host called study.stop(): stop the driver's loop too
+                # (the flag _optuna_compat.stop_requested reads).
+                self.settings.study._stop_flag = True
+            for record in records:
+                self._tell(record)
+
+    def _tell(self, record: TrialRecord) -> None:
+        job = self.slots[record.slot].job if 0 <= record.slot < len(self.slots) else None
+        if job is None or job.trial.number != record.number:
+            _logger.error(
+                "Host %s reported trial %d, which it was not running.", self.device, record.number
+            )
+            return
+        study = self.settings.study
+        kind = record.kind
+        error = record.error
+        frozen = None
+        try:
+            if record.state is None:
+                frozen = study.tell(job.trial, record.values, skip_if_finished=True)  # type: ignore[arg-type]
+            else:
+                frozen = study.tell(job.trial, state=record.state, skip_if_finished=True)
+        except Exception as tell_error:  # the driver could not tell: fail it, never leave it
+            kind, error = OutcomeKind.FATAL, tell_error
+            frozen = _fail(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
+        with self._lock:
+            self.slots[record.slot].job = None
+        self.settings.outcomes.put(TrialOutcome(job, kind, frozen, error, record.neighbours))
+
+    def _mark_lost(self, error: BaseException) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = True
+            jobs = [slot.job for slot in self.slots if slot.job is not None]
+        _logger.warning("Device host %s was lost: %s", self.device, error)
+        for job in jobs:
+            self._report_lost(job, f"its device host {self.device} was lost: {error!r}")
+        self._on_lost(self, error)
+
+    def _report_lost(self, job: TrialJob, reason: str) -> None:
+        frozen = _fail(self.settings.study, job, reason)
+        kind = OutcomeKind.HOST_LOST if job.attempt < self.max_host_retries else OutcomeKind.FAILED
+        with self._lock:
+            for slot in self.slots:
+                if slot.job is job:
+                    slot.job = None
+        self.settings.outcomes.put(TrialOutcome(job, kind, frozen, None, 0))
+
+
+def _fail(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:
+    with contextlib.suppress(Exception):
+        job.trial.set_user_attr(ATTR_FAIL_REASON, reason[:500])
+    with contextlib.suppress(Exception):
+        return study.tell(job.trial, state=TrialState.FAIL, skip_if_finished=True)
+    return None
