@@ -183,7 +183,7 @@ class GateSet:
         weakref.finalize(sentinel, p.scheduler.release_later, tokens)
         hook = _ReleaseAtBackwardEnd(p.scheduler, tokens, sentinel)
         for t in outs:
-            t.register_hook(hook)
+            t.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _sub_gate(self, g: int) -> Any:
         def gate(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -204,4 +204,5 @@ class GateSet:
             else:
                 grads = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
             if len(grads) == 1:
-                grads[0].register_hook(_ReleaseOnGrad(p.scheduler, reservation))
+                hook = _ReleaseOnGrad(p.scheduler, reservation)
+                grads[0].register_hook(hook)  # type: ignore[no-untyped-call]

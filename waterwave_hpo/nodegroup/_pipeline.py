@@ -177,7 +177,8 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
     grads = {p: p.grad for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    cuda_on = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda_on else None
     try:
         with torch.enable_grad():
             out = model(*args)
@@ -192,7 +193,7 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
                     "backward could be profiled. Pass a batch the model trains on, or leave "
                     "example_input=None to profile the first real training step."
                 )
-            torch.stack(losses).sum().backward()
+            torch.stack(losses).sum().backward()  # type: ignore[no-untyped-call]
     finally:
         with torch.no_grad():
             for b, saved in buffers:

@@ -311,7 +311,7 @@ class Profiler:
 
         for t in outputs:
             if t.requires_grad:
-                t.register_hook(at_start)
+                t.register_hook(at_start)  # type: ignore[no-untyped-call]
         for a, cut in enumerate(cuts):
             x = cut.grad_input
             if x is None or a == 0:
@@ -321,7 +321,7 @@ class Profiler:
                 _sync(grad)
                 self._bw_times.setdefault(a, time.perf_counter())
 
-            x.register_hook(record)
+            x.register_hook(record)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ results
     def atoms(self) -> tuple[Atom, ...]:
