@@ -16,6 +16,7 @@ from waterwave_hpo.scheduler._policy import PolicyName
 from waterwave_hpo.scheduler._policy import Request
 from waterwave_hpo.scheduler._policy import TrialView
 from waterwave_hpo.scheduler._policy import WaterwavePolicy
+from waterwave_hpo.scheduler._policy import make_policy
 from waterwave_hpo.scheduler._scheduler import PipelineScheduler
 from waterwave_hpo.scheduler._stats import DeadlockResolution
 from waterwave_hpo.scheduler._stats import ResolutionKind
@@ -41,4 +42,5 @@ __all__ = [
     "TrialSchedulingStats",
     "TrialView",
     "WaterwavePolicy",
+    "make_policy",
 ]
