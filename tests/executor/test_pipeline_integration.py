@@ -72,7 +72,7 @@ def test_gated_trials_finish_a_study_and_the_ledger_stays_within_budget() -> Non
 def test_auto_trials_per_device_packs_as_many_as_the_policy_fits(policy: str) -> None:
     profile = ww.nodegroup.trial_profile(ww.pipeline(_mlp(), example_input=torch.randn(64, 256)))
     budget = 2 * profile.peak_bytes + profile.peak_bytes // 2
-    fits = ww.executor._executor.make_policy(policy).fits
+    fits = ww.scheduler.make_policy(policy).fits
     expected = max(n for n in range(1, 17) if fits([profile] * n, budget))
     assert expected >= 2  # the test must be able to see packing at all
     running = {"now": 0, "peak": 0}

@@ -36,7 +36,7 @@ from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
-from waterwave_hpo.scheduler._policy import make_policy
+from waterwave_hpo.scheduler import make_policy
 
 _logger = logging.getLogger("waterwave_hpo")
 
