@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+import weakref
 
 import optuna
 from optuna.trial import TrialState
@@ -384,3 +385,29 @@ def test_n_trials_zero_runs_nothing() -> None:
     study = optuna.create_study()
     _cpu().optimize(study, lambda t: 0.0, n_trials=0)
     assert study.trials == []
+
+
+def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry() -> None:
+    class Activations:
+        pass
+
+    refs: list[weakref.ref[Activations]] = []
+    inside = threading.Barrier(2, timeout=20)
+    freed_before_retry: list[bool] = []
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.user_attrs.get("waterwave:attempt") == 1:
+            freed_before_retry.append(refs[0]() is None)
+            return 0.0
+        if trial.number < 2:
+            inside.wait()
+        if trial.number == 0:
+            activations = Activations()  # held only by this frame, then by the traceback
+            refs.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        time.sleep(0.1)
+        return 1.0
+
+    study = optuna.create_study()
+    _cpu(2).optimize(study, objective, n_trials=2)
+    assert freed_before_retry == [True]

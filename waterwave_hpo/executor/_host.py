@@ -257,6 +257,11 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         neighbours = slot.neighbours()
         slot.busy = False
         _CURRENT.reset(token)
+        out_of_memory = isinstance(error, Exception) and is_out_of_memory(error)
+        if out_of_memory:
+            # Free the failed trial's tensors (held by the traceback's frames) before its
+            # scheduler share is released and before anyone retries.
+            _release_memory(error, device)  # type: ignore[arg-type]
         with contextlib.suppress(Exception):
             peak_bytes = memory.close_account(trial.number, account)
         with contextlib.suppress(Exception):
@@ -278,10 +283,9 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         frozen = _tell(settings.study, trial, values=value)
         kind = OutcomeKind.COMPLETE
     else:
-        kind = _classify(settings, job, error, neighbours)
-        if kind in (OutcomeKind.OOM_FAILED, OutcomeKind.OOM_RETRY):
+        kind = _classify(settings, job, error, neighbours, out_of_memory)
+        if out_of_memory:
             reason = f"out of device memory with {neighbours} neighbour(s): {error}"
-            _release_memory(error, device)
         else:
             reason = "".join(traceback.format_exception_only(type(error), error)).strip()
         with contextlib.suppress(Exception):
@@ -293,9 +297,13 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
 
 
 def _classify(
-    settings: RunSettings, job: TrialJob, error: BaseException, neighbours: int
+    settings: RunSettings,
+    job: TrialJob,
+    error: BaseException,
+    neighbours: int,
+    out_of_memory: bool,
 ) -> OutcomeKind:
-    if isinstance(error, Exception) and is_out_of_memory(error):
+    if out_of_memory:
         if (
             settings.on_oom is OnOOM.RETRY
             and job.attempt < settings.max_oom_retries
@@ -313,6 +321,9 @@ def _release_memory(error: BaseException, device: torch.device) -> None:
     tb = error.__traceback__
     if tb is not None:
         traceback.clear_frames(tb)
+    for linked in (error.__cause__, error.__context__):
+        if linked is not None and linked.__traceback__ is not None:
+            traceback.clear_frames(linked.__traceback__)
     gc.collect()
     if device.type == "cuda":
         with contextlib.suppress(Exception):
