@@ -7,6 +7,9 @@ Computers 72(10), 2023). This module only re-exports the public API.
 import logging as _logging
 
 from waterwave_hpo._version import __version__
+from waterwave_hpo.cluster import AllHostsLostError
+from waterwave_hpo.cluster import RayExecutor
+from waterwave_hpo.cluster import shared_gpu
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import NotInTrialError
 from waterwave_hpo.executor import OnOOM
@@ -26,11 +29,13 @@ from waterwave_hpo.scheduler import PipelineScheduler
 _logging.getLogger("waterwave_hpo").addHandler(_logging.NullHandler())
 
 __all__ = [
+    "AllHostsLostError",
     "MemoryPoolMode",
     "NodeGroup",
     "NotInTrialError",
     "OnOOM",
     "PipelineScheduler",
+    "RayExecutor",
     "Study",
     "TrialContext",
     "WaterwaveExecutor",
@@ -41,5 +46,6 @@ __all__ = [
     "load_study",
     "node_groups",
     "pipeline",
+    "shared_gpu",
     "wrap_study",
 ]

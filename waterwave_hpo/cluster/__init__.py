@@ -3,10 +3,13 @@
 - :class:`RayExecutor`: ``WaterwaveExecutor`` whose device hosts are Ray actors
   (``num_gpus=1`` each) across the cluster; the study is served to them through Optuna's gRPC
   storage proxy.
+- :func:`shared_gpu`: Ray Tune resources that pack several trials on each GPU, with memory
+  leases from a per-GPU broker (see :mod:`waterwave_hpo.integrations.ray_tune`).
 """
 
 from waterwave_hpo.cluster._actor import ATTR_HOST
 from waterwave_hpo.cluster._executor import AllHostsLostError
 from waterwave_hpo.cluster._executor import RayExecutor
+from waterwave_hpo.cluster._shared_gpu import shared_gpu
 
-__all__ = ["ATTR_HOST", "AllHostsLostError", "RayExecutor"]
+__all__ = ["ATTR_HOST", "AllHostsLostError", "RayExecutor", "shared_gpu"]

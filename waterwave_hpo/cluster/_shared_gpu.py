@@ -1,0 +1,127 @@
+"""``shared_gpu()`` and ``with_shared_gpu()``: Ray Tune trials that share GPUs.
+
+Kept apart from :mod:`waterwave_hpo.cluster._tune` so that ``waterwave_hpo.shared_gpu`` is
+importable without Ray; Ray Tune is imported on the first call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
+
+from waterwave_hpo.cluster._imports import import_ray
+
+if TYPE_CHECKING:
+    from waterwave_hpo.cluster._tune import SharedGPU
+
+
+def shared_gpu(
+    trials_per_gpu: int | str = "auto",
+    cpus_per_trial: float = 1.0,
+    *,
+    memory_budget_bytes: int | None = None,
+    memory_per_trial_bytes: int | None = None,
+    max_trials_per_gpu: int = 8,
+    lease_ttl_s: float = 10.0,
+) -> SharedGPU:
+    """Resources for Ray Tune trials that share GPUs: several trials per GPU, memory leased.
+
+    Returns a ``tune.PlacementGroupFactory`` (a :class:`SharedGPU`) with one bundle
+    ``{"CPU": cpus_per_trial, "GPU": 1 / trials_per_gpu}``, which ``tune.run(...,
+    resources_per_trial=...)``, ``tune.with_resources(trainable, ...)`` and ``tune.Tuner`` take,
+    so Ray places ``trials_per_gpu`` trials on each GPU::
+
+        resources = ww.shared_gpu(trials_per_gpu=4)
+        tune.run(resources.wrap(train_fn), resources_per_trial=resources, num_samples=64)
+
+    Ray's fractional GPUs alone are book-keeping (its docs leave memory to the user). Trials
+    that hold :meth:`SharedGPU.lease` (``resources.wrap(train_fn)`` does it for them, or use
+    :func:`with_shared_gpu`) ask the GPU's broker (a Ray named actor per GPU) for a lease of
+    device memory and wait until it fits beside the leases already granted, so co-placed trials'
+    peaks do not collide; on CUDA each process's PyTorch memory fraction follows its lease. A
+    trainable that takes no lease is only packed, as with plain fractional GPUs.
+
+    Args:
+        trials_per_gpu: Trials placed on one GPU (>= 1), or ``"auto"``: up to
+            ``max_trials_per_gpu`` are placed, and leases sized by the measured peak memory of
+            finished trials (CUDA) decide how many train at once; the first trial on a GPU runs
+            alone to be measured.
+        cpus_per_trial: CPUs each trial reserves (>= 0).
+        memory_budget_bytes: Device memory per GPU the leases share (> 0); ``None``: the GPU's
+            total memory on CUDA, and no coordination where the trial sees no CUDA device.
+        memory_per_trial_bytes: Each lease's size when the trainable does not give one (> 0);
+            ``None``: ``budget / trials_per_gpu``, or measured with ``"auto"``.
+        max_trials_per_gpu: The cap for ``trials_per_gpu="auto"`` (>= 1).
+        lease_ttl_s: Seconds after which a lease its process stopped renewing expires (> 0).
+
+    Returns:
+        The :class:`SharedGPU` resource request.
+
+    Raises:
+        ImportError: If Ray Tune is not installed (``pip install "waterwave-hpo[ray]"``).
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range; the message names it and the fix.
+    """
+    auto = trials_per_gpu == "auto"
+    if not auto:
+        if isinstance(trials_per_gpu, str):
+            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
+        _check_int("trials_per_gpu", trials_per_gpu, 1)
+    _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
+    k = int(max_trials_per_gpu if auto else trials_per_gpu)
+    if k > 10_000:
+        raise ValueError(f"trials_per_gpu={k} is more than Ray's GPU resolution (1/10000) allows.")
+    _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
+    if memory_budget_bytes is not None:
+        _check_int("memory_budget_bytes", memory_budget_bytes, 1)
+    if memory_per_trial_bytes is not None:
+        _check_int("memory_per_trial_bytes", memory_per_trial_bytes, 1)
+        if memory_budget_bytes is not None and memory_per_trial_bytes > memory_budget_bytes:
+            raise ValueError(
+                f"memory_per_trial_bytes={memory_per_trial_bytes} is more than "
+                f"memory_budget_bytes={memory_budget_bytes}; no trial could ever get its "
+                "lease. Lower memory_per_trial_bytes or raise memory_budget_bytes."
+            )
+    _check_number("lease_ttl_s", lease_ttl_s, allow_zero=False)
+    import_ray()
+    from waterwave_hpo.cluster._tune import SharedGPU
+
+    return SharedGPU(
+        trials_per_gpu=k,
+        auto=auto,
+        cpus_per_trial=float(cpus_per_trial),
+        memory_budget_bytes=memory_budget_bytes,
+        memory_per_trial_bytes=memory_per_trial_bytes,
+        lease_ttl_s=float(lease_ttl_s),
+    )
+
+
+def with_shared_gpu(trainable: Callable[[dict[str, Any]], Any], **shared_gpu_kwargs: Any) -> Any:
+    """``tune.with_resources(resources.wrap(trainable), resources)`` with
+    ``resources = shared_gpu(**shared_gpu_kwargs)``: one call for a trainable whose trials share
+    GPUs and hold memory leases::
+
+        tune.Tuner(ww.integrations.ray_tune.with_shared_gpu(train_fn, trials_per_gpu=4), ...)
+
+    Raises:
+        Whatever :func:`shared_gpu` and :meth:`SharedGPU.wrap` raise.
+    """
+    from ray import tune
+
+    resources = shared_gpu(**shared_gpu_kwargs)
+    return tune.with_resources(resources.wrap(trainable), resources)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int >= {minimum}.")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}.")
+
+
+def _check_number(name: str, value: object, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a number.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}.")

@@ -1,0 +1,228 @@
+"""``SharedGPU``: a Ray Tune resource request that packs several trials on each GPU, with
+memory leases so that their peaks do not collide. Imports Ray Tune; see :func:`shared_gpu`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Any
+import uuid
+
+from ray.tune import PlacementGroupFactory
+
+from waterwave_hpo.cluster._broker import get_broker
+from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._leases import MemoryLease
+
+_logger = logging.getLogger("waterwave_hpo")
+_POLL_S = 0.05
+
+
+class LeaseTimeoutError(TimeoutError):
+    """Raised by :meth:`SharedGPU.lease` when no lease was granted within ``timeout_s``."""
+
+
+class SharedGPU(PlacementGroupFactory):
+    """What :func:`waterwave_hpo.shared_gpu` returns: a ``tune.PlacementGroupFactory`` with one
+    bundle ``{"CPU": cpus_per_trial, "GPU": 1 / trials_per_gpu}``, plus the memory lease that
+    trainables take through :meth:`lease` or :meth:`wrap`.
+
+    Pass it as ``tune.run(..., resources_per_trial=...)`` or ``tune.with_resources(trainable,
+    ...)``. Build it with :func:`waterwave_hpo.shared_gpu`, which checks the arguments.
+
+    Attributes:
+        trials_per_gpu: Trials Ray places on one GPU (the bundle asks ``1 / trials_per_gpu``).
+        auto: ``trials_per_gpu="auto"``: up to ``trials_per_gpu`` are placed and the leases,
+            sized by measured peaks, decide how many train at once.
+        cpus_per_trial: CPUs per trial.
+        memory_budget_bytes: The bytes per GPU the trials' leases share; ``None``: the GPU's
+            total memory (CUDA), and no coordination without CUDA.
+        memory_per_trial_bytes: A trial's lease when it does not ask for a size; ``None``:
+            ``memory_budget_bytes / trials_per_gpu``, or the measured median peak with "auto".
+        lease_ttl_s: A lease whose process stops renewing it (died, stopped by Tune) expires
+            after this many seconds.
+    """
+
+    def __init__(
+        self,
+        trials_per_gpu: int,
+        auto: bool,
+        cpus_per_trial: float,
+        memory_budget_bytes: int | None,
+        memory_per_trial_bytes: int | None,
+        lease_ttl_s: float,
+    ) -> None:
+        bundle = {"CPU": float(cpus_per_trial), "GPU": _gpu_share(trials_per_gpu)}
+        super().__init__([bundle])
+        self.trials_per_gpu = trials_per_gpu
+        self.auto = auto
+        self.cpus_per_trial = float(cpus_per_trial)
+        self.memory_budget_bytes = memory_budget_bytes
+        self.memory_per_trial_bytes = memory_per_trial_bytes
+        self.lease_ttl_s = float(lease_ttl_s)
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedGPU(trials_per_gpu={'auto' if self.auto else self.trials_per_gpu}, "
+            f"cpus_per_trial={self.cpus_per_trial:g}, gpu_share={self.bundles[0].get('GPU')}, "
+            f"memory_budget_bytes={self.memory_budget_bytes}, "
+            f"memory_per_trial_bytes={self.memory_per_trial_bytes})"
+        )
+
+    @contextlib.contextmanager
+    def lease(
+        self, nbytes: int | None = None, timeout_s: float | None = None
+    ) -> Iterator[MemoryLease]:
+        """Hold a lease of this trial's GPU memory while the ``with`` block runs.
+
+        Call it inside a Tune trial placed with this request. It asks the GPU's broker for
+        ``nbytes`` (``None``: ``memory_per_trial_bytes``, else sized by the broker) and blocks
+        until the leases already granted on the GPU leave room (first come, first served; a
+        trial alone on its GPU is always granted). On CUDA, PyTorch's per-process memory
+        fraction is then set to the lease, so a trial that outgrows it gets
+        ``torch.cuda.OutOfMemoryError`` in its own process instead of its neighbours. A
+        background thread renews the lease; on exit it is released with the process's measured
+        peak (``torch.cuda.max_memory_allocated``), which sizes later "auto" leases.
+
+        Args:
+            nbytes: Bytes to lease (> 0), or ``None``.
+            timeout_s: Give up after this many seconds of waiting (> 0); ``None``: wait.
+
+        Yields:
+            The :class:`MemoryLease` granted.
+
+        Raises:
+            RuntimeError: Outside a Ray task or actor that holds a GPU share.
+            LeaseTimeoutError: If no lease was granted within ``timeout_s``.
+            ValueError: If ``nbytes`` or ``timeout_s`` is not > 0.
+        """
+        if nbytes is not None and (isinstance(nbytes, bool) or not nbytes > 0):
+            raise ValueError(f"nbytes={nbytes!r} must be > 0 bytes, or None.")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds, or None.")
+        ray = import_ray()
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "SharedGPU.lease() must run inside a Ray Tune trial (Ray is not initialized "
+                "in this process)."
+            )
+        gpu_ids = ray.get_gpu_ids()
+        if not gpu_ids:
+            raise RuntimeError(
+                "SharedGPU.lease() ran in a Ray worker that holds no GPU share. Place the "
+                "trial with resources_per_trial=waterwave_hpo.shared_gpu(...) (or "
+                "tune.with_resources(trainable, waterwave_hpo.shared_gpu(...)))."
+            )
+        node_id = ray.get_runtime_context().get_node_id()
+        gpu_id = str(gpu_ids[0])
+        cuda = _cuda_device()
+        budget = self.memory_budget_bytes
+        if budget is None and cuda is not None:
+            import torch
+
+            budget = int(torch.cuda.get_device_properties(cuda).total_memory)
+        per_gpu = None if self.auto else self.trials_per_gpu
+        broker = get_broker(node_id, gpu_id, budget, per_gpu, self.lease_ttl_s)
+        holder = f"{node_id[:8]}/pid{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        wanted = nbytes if nbytes is not None else self.memory_per_trial_bytes
+        ray.get(broker.request.remote(holder, wanted, budget, per_gpu))
+        start = time.monotonic()
+        try:
+            while True:
+                granted: MemoryLease | None = ray.get(broker.poll.remote(holder))
+                if granted is not None:
+                    break
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise LeaseTimeoutError(
+                        f"No memory lease of {wanted} bytes on GPU {gpu_id} within "
+                        f"timeout_s={timeout_s}; the trials on that GPU hold the rest of its "
+                        f"{budget} bytes. Raise timeout_s, lower nbytes, or lower trials_per_gpu."
+                    )
+                time.sleep(_POLL_S)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.get(broker.release.remote(holder, None))
+            raise
+        stop = threading.Event()
+        renewer = threading.Thread(
+            target=_renew, args=(broker, holder, stop, self.lease_ttl_s / 4), daemon=True
+        )
+        renewer.start()
+        if cuda is not None:
+            _cap_cuda(cuda, granted)
+        peak: int | None = None
+        try:
+            yield granted
+        finally:
+            stop.set()
+            if cuda is not None:
+                with contextlib.suppress(Exception):
+                    import torch
+
+                    peak = int(torch.cuda.max_memory_allocated(cuda))
+            with contextlib.suppress(Exception):
+                ray.get(broker.release.remote(holder, peak))
+
+    def wrap(self, trainable: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+        """Return a function trainable that runs ``trainable(config)`` holding a :meth:`lease`.
+
+        Raises:
+            TypeError: If ``trainable`` is a class (a class trainable takes the lease itself:
+                enter ``resources.lease()`` in ``setup`` and exit it in ``cleanup``).
+        """
+        if isinstance(trainable, type) or not callable(trainable):
+            raise TypeError(
+                f"wrap() takes a function trainable, got {trainable!r}. For a class "
+                "trainable, hold SharedGPU.lease() from setup() to cleanup()."
+            )
+        resources = self
+
+        @functools.wraps(trainable)
+        def leased(config: dict[str, Any]) -> Any:
+            with resources.lease():
+                return trainable(config)
+
+        return leased
+
+
+def _gpu_share(trials_per_gpu: int) -> float:
+    # Ray keeps resource amounts to 4 decimals; round down so k shares fit one GPU.
+    return int(10_000 / trials_per_gpu) / 10_000
+
+
+def _cuda_device() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _cap_cuda(device: Any, granted: MemoryLease) -> None:
+    import torch
+
+    if granted.nbytes is None:
+        return
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, granted.nbytes / total), device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _renew(broker: Any, holder: str, stop: threading.Event, every_s: float) -> None:
+    import ray
+
+    while not stop.wait(every_s):
+        try:
+            if not ray.get(broker.renew.remote(holder)):
+                _logger.warning("The memory lease %s expired while held.", holder)
+                return
+        except Exception:
+            return
