@@ -1,0 +1,65 @@
+"""Every method runs the same trials end to end on the CPU, at a tiny setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from waterwave_hpo.bench import Method
+from waterwave_hpo.bench import Setting
+from waterwave_hpo.bench import Workload
+from waterwave_hpo.bench import WorkloadSpec
+from waterwave_hpo.bench import draw_params
+from waterwave_hpo.bench import run_method
+from waterwave_hpo.bench import unavailable_reason
+
+CPU = torch.device("cpu")
+SPEC = WorkloadSpec(Workload.DIGITS, Setting.LIGHT, batch_size=16, steps=2)
+PARAMS = draw_params(Workload.DIGITS, 3, seed=0)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [m for m in Method if m is not Method.CUDA_MALLOC_ASYNC],
+)
+def test_method_runs_every_trial(method: Method) -> None:
+    run = run_method(method, SPEC, PARAMS, CPU, k=2, seed=0, capacity_bytes=64 << 20)
+    assert run.available, run.note
+    assert run.completed == {0, 1, 2}
+    assert run.samples == 3 * 2 * 16
+    assert run.makespan_s > 0
+    assert run.k == (1 if method is Method.TEMPORAL else 2)
+    for record in run.records:
+        assert run.start_s <= record.start_s <= record.end_s <= run.end_s
+        assert record.host_s_per_step is not None and record.host_s_per_step > 0
+        assert record.device_s_per_step is None  # not separable on the CPU
+    assert {r.slot for r in run.records} <= set(range(run.k))
+    if method is Method.SPATIAL:
+        assert "K processes share the cores" in run.note
+    if method.gated:  # the ledger measured each trial's bytes and the run's peak
+        assert run.peak_memory_bytes is not None and run.peak_memory_bytes > 0
+        assert all(r.peak_bytes and r.memory for r in run.records)
+        assert "ledger" in run.peak_memory_source
+    else:
+        assert run.peak_memory_bytes is None
+        assert "not measurable" in run.peak_memory_source
+
+
+def test_cuda_only_methods_are_reported_not_faked() -> None:
+    reason = unavailable_reason(Method.CUDA_MALLOC_ASYNC, CPU)
+    assert reason is not None and "not available on this device" in reason
+    run = run_method(Method.CUDA_MALLOC_ASYNC, SPEC, PARAMS, CPU, k=2, seed=0, capacity_bytes=1)
+    assert not run.available and run.records == [] and run.note == reason
+
+
+def test_waterwave_budget_too_small_fails_trials_not_the_run() -> None:
+    run = run_method(Method.WATERWAVE, SPEC, PARAMS, CPU, k=2, seed=0, capacity_bytes=1000)
+    assert run.completed == set()
+    assert all(r.oom and "BudgetExceededError" in r.error for r in run.records)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="k=0"):
+        run_method(Method.TEMPORAL, SPEC, PARAMS, CPU, k=0, seed=0, capacity_bytes=1)
+    with pytest.raises(ValueError, match="params is empty"):
+        run_method(Method.TEMPORAL, SPEC, [], CPU, k=1, seed=0, capacity_bytes=1)

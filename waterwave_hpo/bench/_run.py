@@ -1,0 +1,443 @@
+"""``run_bench``: every workload, every setting, every method, one run; writes the folder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import replace
+import datetime
+import json
+import os
+from pathlib import Path
+import platform
+import sys
+from typing import Any
+
+import optuna
+import pandas as pd
+import torch
+
+from waterwave_hpo._version import __version__
+from waterwave_hpo.bench._calibrate import BASE_BATCH
+from waterwave_hpo.bench._calibrate import SEQ_LEN
+from waterwave_hpo.bench._calibrate import fit_batches
+from waterwave_hpo.bench._calibrate import step_seconds
+from waterwave_hpo.bench._calibrate import warm_up
+from waterwave_hpo.bench._methods import Method
+from waterwave_hpo.bench._methods import unavailable_reason
+from waterwave_hpo.bench._plots import plot_gantt
+from waterwave_hpo.bench._plots import plot_memory
+from waterwave_hpo.bench._plots import plot_throughput
+from waterwave_hpo.bench._results import UNITS
+from waterwave_hpo.bench._results import MethodResult
+from waterwave_hpo.bench._results import result_of
+from waterwave_hpo.bench._results import results_table
+from waterwave_hpo.bench._runners import MethodRun
+from waterwave_hpo.bench._runners import run_method
+from waterwave_hpo.bench._validate import fit_parallelism
+from waterwave_hpo.bench._validate import predict
+from waterwave_hpo.bench._validate import sim_trials
+from waterwave_hpo.bench._workloads import Setting
+from waterwave_hpo.bench._workloads import Workload
+from waterwave_hpo.bench._workloads import WorkloadSpec
+from waterwave_hpo.bench._workloads import draw_params
+
+CPU_NOTICE = (
+    "CPU-only run: these numbers say nothing about GPUs. On the CPU co-hosted trials share the "
+    "cores, cudaMallocAsync does not exist, the stream-aware pool is not used (CPU tensors "
+    "cannot be routed through it) and only the waterwave scheduler's ledger enforces the "
+    "(virtual) capacity; the stock-allocator methods cannot run out of memory here."
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The ``waterwave-hpo bench`` flags.
+
+    Attributes:
+        out: The results folder; ``None``: ``experiments/results/<date>-<device>/``.
+        device: ``auto`` (``cuda:0`` if there is one, else the CPU), ``cpu``, ``cuda`` or
+            ``cuda:N``.
+        k: Trials at once for every method but temporal (>= 1).
+        trials: Trials per workload and setting (>= 1), the same parameter sets for every method.
+        workloads: Which workloads.
+        settings: Which settings.
+        methods: Which methods (temporal is always run: it is the baseline of the ratios).
+        steps: Training steps per trial; ``None``: fit to ``budget_s``.
+        budget_s: Seconds the whole matrix should take (> 0), used to choose ``steps``.
+        max_steps: The most steps per trial when fitting to the budget.
+        capacity_bytes: Device memory to size the settings against, bytes; ``None``: on CUDA
+            the device's total memory, on the CPU a virtual capacity (see ``fit_batches``).
+        seed: Seeds the parameter draw, the models and the data.
+        simulate: Print and record the simulator's prediction beside each measurement.
+    """
+
+    out: Path | None = None
+    device: str = "auto"
+    k: int = 4
+    trials: int = 8
+    workloads: tuple[Workload, ...] = tuple(Workload)
+    settings: tuple[Setting, ...] = tuple(Setting)
+    methods: tuple[Method, ...] = tuple(Method)
+    steps: int | None = None
+    budget_s: float = 600.0
+    max_steps: int = 200
+    capacity_bytes: int | None = None
+    seed: int = 0
+    simulate: bool = True
+    command: tuple[str, ...] = field(default_factory=lambda: tuple(sys.argv))
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("k", 1), ("trials", 1), ("max_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps={self.steps!r} must be an int >= 1, or None to fit budget_s.")
+        if not self.budget_s > 0:
+            raise ValueError(f"budget_s={self.budget_s!r} must be > 0 seconds.")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={self.capacity_bytes!r} must be > 0 bytes.")
+        if not self.workloads or not self.settings or not self.methods:
+            raise ValueError(
+                "workloads, settings and methods must each name at least one; got "
+                f"workloads={self.workloads!r}, settings={self.settings!r}, "
+                f"methods={self.methods!r}."
+            )
+
+
+@dataclass
+class BenchResult:
+    """What ``run_bench`` measured and where it wrote it.
+
+    Attributes:
+        out: The results folder.
+        device: The device.
+        results: One row per workload, setting and method.
+        runs: The raw runs (every attempt of every trial).
+        table: ``results`` as a DataFrame (``results.csv``).
+    """
+
+    out: Path
+    device: str
+    results: list[MethodResult]
+    runs: list[MethodRun]
+    table: pd.DataFrame
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda:0`` if CUDA is available, else ``cpu``; ``cuda`` -> ``cuda:0``.
+
+    Raises:
+        ValueError: If the device is not ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` of an
+            existing GPU.
+    """
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not auto, cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda":
+        index = dev.index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={device!r} does not exist here ({torch.cuda.device_count()} CUDA "
+                "devices); pass --device cpu or an existing cuda:N."
+            )
+        return torch.device(f"cuda:{index}")
+    if dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not auto, cpu, cuda or cuda:N.")
+    return dev
+
+
+def device_name(device: torch.device) -> str:
+    """A short name for folders: ``cpu`` or the GPU's name (``nvidia-h100-80gb-hbm3``)."""
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).lower().replace(" ", "-")
+
+
+def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
+    """Run the matrix and write the results folder.
+
+    For each workload: draw ``config.trials`` parameter sets; fit the light and high batch
+    sizes to the capacity (``fit_batches``); fit the steps per trial to ``budget_s``; then run
+    every method on the same trials, one method after another; summarize, predict each run
+    with the simulator, and write ``results.csv``, ``results.json``, ``README.md`` and the
+    plots.
+
+    Args:
+        config: The settings.
+        log: Called with each progress line (``print`` by default).
+
+    Returns:
+        The results and where they are.
+
+    Raises:
+        ValueError: For a device that does not exist.
+    """
+    device = resolve_device(config.device)
+    cuda = device.type == "cuda"
+    kind = "cuda" if cuda else "cpu"
+    started = datetime.datetime.now(datetime.timezone.utc)
+    out = config.out or Path("experiments/results") / (f"{started:%Y-%m-%d}-{device_name(device)}")
+    out.mkdir(parents=True, exist_ok=True)
+    if not cuda:
+        log(CPU_NOTICE)
+    capacity = config.capacity_bytes
+    if capacity is None and cuda:
+        capacity = int(torch.cuda.get_device_properties(device).total_memory)
+    methods = [Method.TEMPORAL] + [m for m in config.methods if m is not Method.TEMPORAL]
+    runnable = [m for m in methods if unavailable_reason(m, device) is None]
+    plan: list[tuple[WorkloadSpec, list[dict[str, Any]], int, list[Any]]] = []
+    for workload in config.workloads:
+        params = draw_params(workload, config.trials, config.seed)
+        base = WorkloadSpec(
+            workload, Setting.LIGHT, BASE_BATCH[kind][workload], 1, seq_len=SEQ_LEN[kind]
+        )
+        light, high, cap, light_profiles, high_profiles = fit_batches(
+            base, params, config.k, capacity
+        )
+        for spec, profiles in ((light, light_profiles), (high, high_profiles)):
+            if spec.setting in config.settings:
+                plan.append((spec, params, cap, profiles))
+    # Steps per trial: the temporal run of every spec and method must fit the budget.
+    if config.steps is not None:
+        plan = [(replace(s, steps=config.steps), p, c, pr) for s, p, c, pr in plan]
+    else:
+        share_s = config.budget_s / (len(plan) * len(runnable))
+        fitted = []
+        for spec, params, cap, profiles in plan:
+            probe = params[max(range(len(params)), key=lambda i: profiles[i].peak_bytes)]
+            step_s = step_seconds(spec, probe, device)
+            steps = int(share_s / (config.trials * max(step_s, 1e-4) * 1.5))
+            steps = max(2, min(config.max_steps, steps))
+            fitted.append((replace(spec, steps=steps), params, cap, profiles))
+            log(
+                f"{spec.workload.value}/{spec.setting.value}: {step_s * 1e3:.1f} ms/step solo, "
+                f"{steps} steps per trial"
+            )
+        plan = fitted
+    results: list[MethodResult] = []
+    runs: list[MethodRun] = []
+    for spec, params, cap, profiles in plan:
+        warm_up(spec, params[0], device)
+        peaks = sorted((p.peak_bytes for p in profiles), reverse=True)
+        top_k = int(sum(peaks[: config.k]))
+        log(
+            f"== {spec.workload.value}, {spec.setting.value}: {config.trials} trials, batch "
+            f"{spec.batch_size}, {spec.steps} steps, K={config.k}, capacity {cap / 2**20:.1f} "
+            f"MiB, {config.k} largest solo peaks {top_k / 2**20:.1f} MiB"
+        )
+        spec_runs = []
+        for method in methods:
+            run = run_method(
+                method, spec, params, device, config.k, seed=config.seed, capacity_bytes=cap
+            )
+            spec_runs.append(run)
+        temporal = spec_runs[0]
+        base_rate = temporal.samples / temporal.makespan_s if temporal.makespan_s > 0 else None
+        spec_results = [result_of(r, config.trials, cap, top_k, base_rate) for r in spec_runs]
+        if config.simulate:
+            spec_results = _with_predictions(spec_results, spec_runs, profiles, cap, cuda, log)
+        for r in spec_results:
+            log(_line(r))
+        results += spec_results
+        runs += spec_runs
+    table = results_table(results)
+    _write(out, config, device, started, results, runs, table)
+    log(f"wrote {out}/: README.md results.csv results.json *.png")
+    return BenchResult(out, str(device), results, runs, table)
+
+
+def _with_predictions(
+    results: list[MethodResult],
+    runs: list[MethodRun],
+    profiles: list[Any],
+    cap: int,
+    cuda: bool,
+    log: Any,
+) -> list[MethodResult]:
+    trials = sim_trials(runs[0], profiles)
+    if trials is None:
+        return results
+    threads = next((r for r in runs if r.method is Method.OPTUNA_THREADS and r.available), None)
+    parallelism = fit_parallelism(threads, trials, cap, cuda) if threads is not None else 1.0
+    log(f"   simulator: compute parallelism {parallelism:.2f} (fitted to optuna-threads only)")
+    out = []
+    for result, run in zip(results, runs, strict=True):
+        if not run.available or result.makespan_s is None:
+            out.append(result)
+            continue
+        predicted = predict(run, trials, cap, cuda, parallelism)
+        error = 100.0 * (predicted - result.makespan_s) / result.makespan_s
+        out.append(replace(result, sim_makespan_s=predicted, sim_error_pct=error))
+    return out
+
+
+def _line(r: MethodResult) -> str:
+    if not r.available:
+        return f"   {r.method:<18} {r.note}"
+    sim = (
+        f"  sim {r.sim_makespan_s:7.2f} s ({r.sim_error_pct:+.0f}%)"
+        if r.sim_makespan_s is not None
+        else ""
+    )
+    peak = "" if r.peak_memory_bytes is None else f"  peak {r.peak_memory_bytes / 2**20:.1f} MiB"
+    return (
+        f"   {r.method:<18} {r.makespan_s:7.2f} s  {r.samples_per_s:9.1f} samples/s  "
+        f"{r.ratio_to_temporal or 0:.2f}x temporal  {r.failed_trials} failed, {r.ooms} OOM"
+        f"{peak}{sim}"
+    )
+
+
+def _versions() -> dict[str, str]:
+    import matplotlib
+
+    return {
+        "waterwave_hpo": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "optuna": optuna.__version__,
+        "pandas": pd.__version__,
+        "matplotlib": matplotlib.__version__,
+    }
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": str(device),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_total_memory_bytes=int(props.total_memory))
+    return info
+
+
+def _write(
+    out: Path,
+    config: BenchConfig,
+    device: torch.device,
+    started: datetime.datetime,
+    results: list[MethodResult],
+    runs: list[MethodRun],
+    table: pd.DataFrame,
+) -> None:
+    table.to_csv(out / "results.csv", index=False)
+    payload = {
+        "cpu_only": device.type != "cuda",
+        "notice": CPU_NOTICE if device.type != "cuda" else "",
+        "started_utc": started.isoformat(),
+        "command": list(config.command),
+        "config": {
+            k: (v if not isinstance(v, tuple) else [getattr(x, "value", x) for x in v])
+            for k, v in asdict(config).items()
+            if k not in ("out", "command")
+        },
+        "machine": _machine(device),
+        "versions": _versions(),
+        "units": UNITS,
+        "results": [asdict(r) for r in results],
+        "trials": [
+            {
+                "workload": run.spec.workload.value,
+                "setting": run.spec.setting.value,
+                "method": run.method.value,
+                **{k: v for k, v in asdict(rec).items() if k != "memory"},
+                "start_s": rec.start_s - run.start_s,
+                "end_s": rec.end_s - run.start_s,
+            }
+            for run in runs
+            for rec in run.records
+        ],
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    title = f"{device_name(device)}" + (
+        " (CPU-only: says nothing about GPUs)" if device.type != "cuda" else ""
+    )
+    plot_throughput(results, out / "throughput.png", f"Aggregate throughput, {title}")
+    keys = sorted(
+        {(r.spec.workload, r.spec.setting) for r in runs}, key=lambda k: (k[0].value, k[1].value)
+    )
+    for workload, setting in keys:
+        group = [r for r in runs if (r.spec.workload, r.spec.setting) == (workload, setting)]
+        tag = f"{workload.value}-{setting.value}"
+        plot_gantt(group, out / f"gantt-{tag}.png", f"Trials over time: {tag}, {title}")
+        mem = [r for r in group if r.method in (Method.WATERWAVE, Method.OPTUNA_THREADS)]
+        if mem:
+            plot_memory(mem, out / f"memory-{tag}.png", f"Memory per trial: {tag}, {title}")
+    (out / "README.md").write_text(_readme(config, device, started, results, table))
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def _readme(
+    config: BenchConfig,
+    device: torch.device,
+    started: datetime.datetime,
+    results: list[MethodResult],
+    table: pd.DataFrame,
+) -> str:
+    lines = [f"# waterwave-hpo bench: {device_name(device)}, {started:%Y-%m-%d %H:%M} UTC", ""]
+    if device.type != "cuda":
+        lines += [f"**{CPU_NOTICE}**", ""]
+    lines += [
+        "Command: `" + " ".join(config.command) + "`",
+        "",
+        f"Every workload ran under every method with the same {config.trials} trials (parameter "
+        f"sets drawn once, seed {config.seed}), the same batch sizes and steps, {config.k} at a "
+        "time (temporal: 1). *light*: the trials fit together; *high*: the sum of the "
+        f"{config.k} largest solo peaks exceeds the capacity (the paper's high memory demand).",
+        "",
+        "| workload | setting | method | makespan s | samples/s | x temporal | failed | OOM | "
+        "peak MiB | host ms/step | device ms/step | sim s (err) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if not r.available:
+            lines.append(f"| {r.workload} | {r.setting} | {r.method} | {r.note} | | | | | | | | |")
+            continue
+        sim = (
+            f"{r.sim_makespan_s:.2f} ({r.sim_error_pct:+.0f}%)"
+            if r.sim_makespan_s is not None
+            else ""
+        )
+        peak = "" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f}"
+        lines.append(
+            f"| {r.workload} | {r.setting} | {r.method} | {_fmt(r.makespan_s, '.2f')} | "
+            f"{_fmt(r.samples_per_s, '.1f')} | {_fmt(r.ratio_to_temporal, '.2f')} | "
+            f"{r.failed_trials} | {r.ooms} | {peak} | "
+            f"{_fmt(None if r.host_s_per_step is None else r.host_s_per_step * 1e3, '.2f')} | "
+            f"{_fmt(None if r.device_s_per_step is None else r.device_s_per_step * 1e3, '.2f')} | "
+            f"{sim} |"
+        )
+    lines += [
+        "",
+        "Files: `results.csv` (one row per workload, setting and method; units in "
+        "`results.json` under `units`), `results.json` (every number, the machine, versions, "
+        "the command, every trial attempt), `throughput.png`, `gantt-<workload>-<setting>.png`, "
+        "`memory-<workload>-<setting>.png`.",
+        "",
+        "How to read it:",
+        "- *peak MiB*: on CUDA the device's used memory above the baseline (cudaMemGetInfo "
+        "sampled every 5 ms, all processes); on the CPU only the waterwave scheduler's ledger "
+        "(bytes accounted from NodeGroup profiles), elsewhere empty.",
+        "- *host ms/step*: median time Python takes to issue one training step. On CUDA it is "
+        "the dispatch time, spent under the GIL by co-hosted trials; when it is not much "
+        "smaller than *device ms/step* (CUDA events on the trial's stream) the model is "
+        "dispatch-bound under co-hosting. On the CPU ops run synchronously, so host time is the "
+        "whole step and device time is not separable.",
+        "- *sim s (err)*: the simulator (`waterwave_hpo.sim`) predicting the makespan from the "
+        "trials' profiles and their solo step times in the temporal run; its one free "
+        "parameter, the device's compute parallelism, is fitted to the optuna-threads run only.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,416 @@
+"""Run one workload under one method: N trials, K at a time, measured the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import field
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import optuna
+import torch
+
+from waterwave_hpo.bench._methods import Method
+from waterwave_hpo.bench._methods import mps_running
+from waterwave_hpo.bench._methods import unavailable_reason
+from waterwave_hpo.bench._train import TrialRecord
+from waterwave_hpo.bench._train import train
+from waterwave_hpo.bench._workloads import WorkloadSpec
+
+_INDEX_ATTR = "bench:index"
+_ASYNC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+
+
+@dataclass
+class MethodRun:
+    """What one method did with one workload.
+
+    Attributes:
+        method: The method.
+        spec: The workload and setting.
+        k: Trials at once (1 for temporal).
+        device: The device, e.g. ``"cpu"``, ``"cuda:0"``.
+        available: Whether the method ran; if not, ``note`` says why and nothing was measured.
+        note: Anything the reader must know (MPS on or off, how memory was measured).
+        records: Every attempt of every trial.
+        start_s: Wall-clock start, seconds since the epoch.
+        end_s: Wall-clock end, seconds since the epoch.
+        peak_memory_bytes: Peak device memory of the run, bytes; ``None`` where not measurable.
+        peak_memory_source: How ``peak_memory_bytes`` was measured.
+    """
+
+    method: Method
+    spec: WorkloadSpec
+    k: int
+    device: str
+    available: bool = True
+    note: str = ""
+    records: list[TrialRecord] = field(default_factory=list)
+    start_s: float = 0.0
+    end_s: float = 0.0
+    peak_memory_bytes: int | None = None
+    peak_memory_source: str = ""
+
+    @property
+    def makespan_s(self) -> float:
+        """Seconds from the first trial's launch to the last trial's end."""
+        return self.end_s - self.start_s
+
+    @property
+    def completed(self) -> set[int]:
+        """Indices of the trials that completed."""
+        return {r.index for r in self.records if r.complete}
+
+    @property
+    def samples(self) -> int:
+        """Samples trained by completed attempts."""
+        return sum(r.samples for r in self.records if r.complete)
+
+
+class _DevicePeak:
+    """Samples the device's used bytes (cudaMemGetInfo) every 5 ms in a thread; keeps the peak
+    above the baseline at start. Counts every process on the device (spatial's included)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        free, total = torch.cuda.mem_get_info(device)
+        self.base = total - free
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.peak = max(self.peak, total - free - self.base)
+
+    def __enter__(self) -> _DevicePeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_method(
+    method: Method,
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    k: int,
+    *,
+    seed: int,
+    capacity_bytes: int,
+    isolate: bool | None = None,
+) -> MethodRun:
+    """Run ``len(params)`` trials of ``spec`` under ``method``, ``k`` at a time.
+
+    Args:
+        method: The way of sharing the device.
+        spec: Workload, setting, batch size, steps.
+        params: The trials' parameter sets, the same for every method.
+        device: ``cpu`` or ``cuda:N``.
+        k: Trials at once (ignored by ``TEMPORAL``, which runs 1).
+        seed: Seeds models and data per trial.
+        capacity_bytes: The device memory the waterwave executor's scheduler may hand out
+            (``memory_budget_bytes``), in bytes.
+        isolate: Run the method in a fresh process (spawned). ``None``: on CUDA yes (an
+            allocator is chosen once per process, before CUDA's first allocation), on the CPU
+            no.
+
+    Returns:
+        The run; ``available=False`` with the reason when the method does not exist on the
+        device.
+
+    Raises:
+        ValueError: If ``k < 1`` or ``params`` is empty.
+    """
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1 (trials at once).")
+    if not params:
+        raise ValueError("params is empty; draw the trials with draw_params(workload, n, seed).")
+    k = 1 if method is Method.TEMPORAL else k
+    reason = unavailable_reason(method, device)
+    if reason is not None:
+        return MethodRun(method, spec, k, str(device), available=False, note=reason)
+    if isolate is None:
+        isolate = device.type == "cuda"
+    if isolate:
+        return _run_isolated(method, spec, params, device, k, seed, capacity_bytes)
+    return _run_here(method, spec, params, device, k, seed, capacity_bytes)
+
+
+def _run_isolated(
+    method: Method,
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    k: int,
+    seed: int,
+    capacity_bytes: int,
+) -> MethodRun:
+    ctx = multiprocessing.get_context("spawn")
+    results: Any = ctx.Queue()
+    args = (method, spec, params, str(device), k, seed, capacity_bytes, results)
+    child = ctx.Process(target=_isolated_child, args=args)
+    saved = os.environ.get(_ASYNC_ENV[0])
+    if method is Method.CUDA_MALLOC_ASYNC:
+        os.environ[_ASYNC_ENV[0]] = _ASYNC_ENV[1]  # inherited by the child before torch loads
+    try:
+        child.start()
+    finally:
+        if method is Method.CUDA_MALLOC_ASYNC:
+            if saved is None:
+                os.environ.pop(_ASYNC_ENV[0], None)
+            else:
+                os.environ[_ASYNC_ENV[0]] = saved
+    try:
+        run: MethodRun = results.get()
+    finally:
+        child.join()
+    return run
+
+
+def _isolated_child(
+    method: Method,
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    device: str,
+    k: int,
+    seed: int,
+    capacity_bytes: int,
+    results: Any,
+) -> None:
+    try:
+        run = _run_here(method, spec, params, torch.device(device), k, seed, capacity_bytes)
+    except BaseException as error:  # report, never hang the parent
+        run = MethodRun(method, spec, k, device, available=False, note=f"crashed: {error!r}")
+    results.put(run)
+
+
+def _run_here(
+    method: Method,
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    k: int,
+    seed: int,
+    capacity_bytes: int,
+) -> MethodRun:
+    run = MethodRun(method, spec, k, str(device))
+    cuda = device.type == "cuda"
+    notes = []
+    if cuda:
+        torch.cuda.init()
+        peak: _DevicePeak | None = _DevicePeak(device)
+        run.peak_memory_source = "device used bytes above the baseline (cudaMemGetInfo, 5 ms)"
+    else:
+        peak = None
+        run.peak_memory_source = "not measurable on the CPU"
+    if method is Method.SPATIAL:
+        notes.append(
+            ("MPS on" if mps_running() else "MPS not running: processes time-slice")
+            if cuda
+            else "CPU: K processes share the cores"
+        )
+    if method is Method.CUDA_MALLOC_ASYNC:
+        backend = torch.cuda.get_allocator_backend() if cuda else "n/a"
+        notes.append(f"allocator backend: {backend}")
+    runner = {
+        Method.TEMPORAL: _run_optuna,
+        Method.OPTUNA_THREADS: _run_optuna,
+        Method.CUDA_MALLOC_ASYNC: _run_optuna,
+        Method.SPATIAL: _run_spatial,
+        Method.WATERWAVE_FIFO: _run_waterwave,
+        Method.WATERWAVE: _run_waterwave,
+    }[method]
+    run.start_s = time.time()
+    if peak is not None:
+        with peak:
+            extra = runner(run, params, device, seed, capacity_bytes)
+        run.peak_memory_bytes = int(peak.peak)
+    else:
+        extra = runner(run, params, device, seed, capacity_bytes)
+    run.end_s = time.time()
+    if extra:
+        notes.append(extra)
+    run.note = "; ".join(notes)
+    return run
+
+
+def _study(params: list[dict[str, Any]]) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for i, p in enumerate(params):
+        study.enqueue_trial(p, user_attrs={_INDEX_ATTR: i})
+    return study
+
+
+def _suggest_all(trial: optuna.trial.Trial, spec: WorkloadSpec) -> dict[str, Any]:
+    from waterwave_hpo.bench._workloads import _BUILDERS
+
+    _BUILDERS[spec.workload](trial)
+    trial.suggest_float("lr", 1e-4, 1e-2, log=True)
+    return dict(trial.params)
+
+
+def _run_optuna(
+    run: MethodRun,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    seed: int,
+    capacity_bytes: int,
+) -> str:
+    """Temporal (n_jobs=1), Optuna threads (n_jobs=K), cudaMallocAsync (K threads, a stream
+    each): ``study.optimize`` on the stock or the async allocator."""
+    lock = threading.Lock()
+    local = threading.local()
+    slots: dict[int, int] = {}
+    per_stream = run.method is Method.CUDA_MALLOC_ASYNC
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        index = int(trial.user_attrs[_INDEX_ATTR])
+        trial_params = _suggest_all(trial, run.spec)
+        with lock:
+            slot = slots.setdefault(threading.get_ident(), len(slots))
+            record = TrialRecord(index=index, slot=slot)
+            run.records.append(record)
+        if per_stream and device.type == "cuda":
+            if not hasattr(local, "stream"):
+                local.stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(local.stream):
+                return train(run.spec, trial_params, record, device, seed=seed, stream=local.stream)
+        return train(run.spec, trial_params, record, device, seed=seed)
+
+    study = _study(params)
+    study.optimize(objective, n_trials=len(params), n_jobs=run.k, catch=(Exception,))
+    return ""
+
+
+def _run_spatial(
+    run: MethodRun,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    seed: int,
+    capacity_bytes: int,
+) -> str:
+    """K spawned processes pull trial indices from one queue (what K Optuna worker processes
+    on one storage do); their start-up (importing torch, a CUDA context each) is part of the
+    makespan, as it is for users."""
+    ctx = multiprocessing.get_context("spawn")
+    tasks: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    for i in range(len(params)):
+        tasks.put(i)
+    for _ in range(run.k):
+        tasks.put(None)
+    workers = [
+        ctx.Process(
+            target=_spatial_worker,
+            args=(run.spec, params, str(device), seed, slot, tasks, results),
+        )
+        for slot in range(run.k)
+    ]
+    for w in workers:
+        w.start()
+    done = 0
+    while done < run.k:
+        try:
+            item = results.get(timeout=1.0)
+        except queue.Empty:
+            if not any(w.is_alive() for w in workers):
+                break
+            continue
+        if item is None:
+            done += 1
+        else:
+            run.records.append(item)
+    for w in workers:
+        w.join()
+    return ""
+
+
+def _spatial_worker(
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    device: str,
+    seed: int,
+    slot: int,
+    tasks: Any,
+    results: Any,
+) -> None:
+    dev = torch.device(device)
+    try:
+        while True:
+            index = tasks.get()
+            if index is None:
+                break
+            record = TrialRecord(index=index, slot=slot)
+            try:
+                train(spec, params[index], record, dev, seed=seed)
+            except Exception:  # the trial fails alone, as with catch=(Exception,)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            results.put(record)
+    finally:
+        results.put(None)
+
+
+def _run_waterwave(
+    run: MethodRun,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    seed: int,
+    capacity_bytes: int,
+) -> str:
+    """The executor: K slots, NodeGroup gates, the scheduler's budget ``capacity_bytes``; on
+    CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot."""
+    from waterwave_hpo.executor import WaterwaveExecutor
+    from waterwave_hpo.executor import current
+    from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+
+    lock = threading.Lock()
+    number_to_index: dict[int, int] = {}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        ctx = current()
+        with lock:
+            if _INDEX_ATTR in trial.user_attrs:
+                index = int(trial.user_attrs[_INDEX_ATTR])
+            else:  # a re-run after OOM: enqueued by the executor with retry_of
+                index = number_to_index[int(trial.user_attrs[ATTR_RETRY_OF])]
+            number_to_index[trial.number] = index
+            record = TrialRecord(index=index, attempt=ctx.attempt, slot=ctx.slot)
+            run.records.append(record)
+        trial_params = _suggest_all(trial, run.spec)
+        return train(
+            run.spec, trial_params, record, ctx.device, seed=seed, gated=True, stream=ctx.stream
+        )
+
+    policy = "fifo" if run.method is Method.WATERWAVE_FIFO else "waterwave"
+    executor = WaterwaveExecutor(
+        devices=str(device),
+        trials_per_device=run.k,
+        memory_budget_bytes=capacity_bytes,
+        policy=policy,
+    )
+    logging.getLogger("waterwave_hpo").setLevel(logging.ERROR)
+    executor.optimize(_study(params), objective, n_trials=len(params), catch=(Exception,))
+    scheduler = executor.schedulers.get(str(device))
+    note = ""
+    if scheduler is not None:
+        stats = scheduler.stats()
+        note = (
+            f"scheduler: budget {stats.budget_bytes} B, ledger peak {stats.peak_bytes} B, "
+            f"{stats.deadlocks_resolved} deadlocks resolved, {stats.evictions} evictions"
+        )
+        if device.type != "cuda":
+            run.peak_memory_bytes = int(stats.peak_bytes)
+            run.peak_memory_source = "scheduler ledger (bytes accounted from profiles; CPU)"
+    return note

@@ -1,0 +1,186 @@
+"""One trial's training, the same code under every method, timed per step.
+
+Per step it measures the host time (from the step's start until Python has issued the step's
+last operation; on CUDA operations are asynchronous, so this is the dispatch time, which the
+co-hosted trials of one process spend under the GIL) and, on CUDA, the device time (CUDA
+events around the step on the trial's stream). On the CPU operations run synchronously in the
+calling thread, so host time is the whole step and device time is not separable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import field
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from waterwave_hpo.bench._workloads import WorkloadSpec
+from waterwave_hpo.bench._workloads import build
+from waterwave_hpo.bench._workloads import loss_of
+from waterwave_hpo.bench._workloads import make_batches
+
+
+@dataclass
+class TrialRecord:
+    """One attempt of one trial, as measured.
+
+    Attributes:
+        index: The parameter set's index (the same trial under every method).
+        attempt: 0, or k for the k-th re-run (waterwave's ``on_oom="retry"``).
+        start_s: Wall-clock start, seconds since the epoch (comparable across processes).
+        end_s: Wall-clock end, seconds since the epoch.
+        complete: Whether it finished training.
+        oom: Whether it failed for lack of device memory (or was evicted by the scheduler).
+        error: The exception's text, for a failed attempt.
+        samples: Samples trained (steps x batch size) if complete, else 0.
+        host_s_per_step: Median host (dispatch) seconds per step.
+        device_s_per_step: Median device seconds per step (CUDA events); ``None`` on the CPU.
+        peak_bytes: The trial's own peak device bytes where measurable per trial (its pool
+            account's stream on CUDA with the pool; its ledger holdings on the CPU with gates),
+            else ``None``.
+        memory: ``(wall seconds, bytes)`` after each step, from the same source.
+        slot: The worker (thread, process or executor slot) that ran it.
+    """
+
+    index: int
+    attempt: int = 0
+    start_s: float = 0.0
+    end_s: float = 0.0
+    complete: bool = False
+    oom: bool = False
+    error: str = ""
+    samples: int = 0
+    host_s_per_step: float | None = None
+    device_s_per_step: float | None = None
+    peak_bytes: int | None = None
+    memory: list[tuple[float, int]] = field(default_factory=list)
+    slot: int = 0
+
+
+def _trial_bytes(stream: Any) -> int | None:
+    """Bytes the running trial holds now: its pool stream on CUDA, its ledger on the CPU."""
+    from waterwave_hpo.executor import current_or_none
+
+    ctx = current_or_none()
+    if ctx is None:
+        return None
+    if ctx.device.type == "cuda" and stream is not None:
+        from waterwave_hpo.memory import installed_pool
+
+        pool = installed_pool(ctx.device.index or 0)
+        if pool is not None:
+            return int(pool.stream_stats(stream).allocated_bytes)
+    if ctx.scheduler is not None:
+        return int(ctx.scheduler.held_bytes(ctx.trial_number))
+    return None
+
+
+def _trial_peak(stream: Any) -> int | None:
+    """The running trial's peak bytes: its pool stream's peak on CUDA, its ledger peak on
+    the CPU; ``None`` outside the executor."""
+    from waterwave_hpo.executor import current_or_none
+
+    ctx = current_or_none()
+    if ctx is None:
+        return None
+    if ctx.device.type == "cuda" and stream is not None:
+        from waterwave_hpo.memory import installed_pool
+
+        pool = installed_pool(ctx.device.index or 0)
+        if pool is not None:
+            return int(pool.stream_stats(stream).peak_allocated_bytes)
+    if ctx.scheduler is not None:
+        for t in ctx.scheduler.stats().trials:
+            if t.trial_number == ctx.trial_number:
+                return int(t.peak_held_bytes)
+    return None
+
+
+def train(
+    spec: WorkloadSpec,
+    params: dict[str, Any],
+    record: TrialRecord,
+    device: torch.device,
+    *,
+    seed: int,
+    gated: bool = False,
+    stream: Any = None,
+) -> float:
+    """Train the trial ``record.index`` with ``params`` for ``spec.steps`` steps; fill
+    ``record``; return the last loss.
+
+    Args:
+        spec: Workload, batch size, steps.
+        params: The trial's parameters (from :func:`draw_params`).
+        record: Filled in place (start, end, samples, step times, memory).
+        device: Where to train.
+        seed: Base seed; the model and data are seeded from it and ``record.index``.
+        gated: Wrap the model with :func:`waterwave_hpo.pipeline` (NodeGroup gates; they pass
+            through outside the executor).
+        stream: The CUDA stream to time on (``None``: the current stream).
+
+    Raises:
+        Exception: Whatever training raises (out-of-memory errors included), after ``record``
+            has its end time and error.
+    """
+    record.start_s = time.time()
+    try:
+        torch.manual_seed(seed * 1_000_003 + record.index)
+        model = build(spec.workload, params).to(device)
+        if gated:
+            from waterwave_hpo.nodegroup import pipeline
+
+            model = pipeline(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=float(params["lr"]))
+        batches = make_batches(spec, device, seed * 7919 + record.index)
+        cuda = device.type == "cuda"
+        if cuda:
+            stream = stream if stream is not None else torch.cuda.current_stream(device)
+        events: list[tuple[Any, Any]] = []
+        host: list[float] = []
+        loss = torch.zeros(())
+        for step in range(spec.steps):
+            x, y = batches[step % len(batches)]
+            t0 = time.perf_counter()
+            if cuda:
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(spec, model(x), y)
+            held = _trial_bytes(stream)  # the forward peak: activations saved for backward
+            if held is not None:
+                record.memory.append((time.time(), held))
+            loss.backward()
+            optimizer.step()
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                events.append((begin, end))
+            host.append(time.perf_counter() - t0)
+            held = _trial_bytes(stream)
+            if held is not None:
+                record.memory.append((time.time(), held))
+        value = float(loss.detach().item())
+        if cuda:
+            torch.cuda.synchronize(device)
+            record.device_s_per_step = statistics.median(b.elapsed_time(e) / 1e3 for b, e in events)
+        record.host_s_per_step = statistics.median(host) if host else None
+        peak = _trial_peak(stream)
+        if peak is not None:
+            record.peak_bytes = peak
+        elif record.memory:
+            record.peak_bytes = max(b for _, b in record.memory)
+        record.samples = spec.steps * spec.batch_size
+        record.complete = True
+        return value
+    except BaseException as error:
+        from waterwave_hpo.executor import is_out_of_memory
+
+        record.oom = isinstance(error, Exception) and is_out_of_memory(error)
+        record.error = f"{type(error).__name__}: {error}"[:300]
+        raise
+    finally:
+        record.end_s = time.time()
