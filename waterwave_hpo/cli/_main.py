@@ -1,4 +1,4 @@
-"""``waterwave-hpo``: the command line (``demo``)."""
+"""``waterwave-hpo``: the command line (``demo``, ``bench``)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,93 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log every trial")
+    _add_bench(commands)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from waterwave_hpo.bench._methods import Method
+    from waterwave_hpo.bench._workloads import Setting
+    from waterwave_hpo.bench._workloads import Workload
+
+    bench = commands.add_parser(
+        "bench",
+        help="compare ways of sharing one device (temporal, Optuna threads, processes, "
+        "cudaMallocAsync, waterwave) on the same trials",
+        description="Run a ResNet-style CNN, a GPT-style language model and the demo's digits "
+        "NAS, each at a light and a high memory demand, under every way of sharing the device "
+        "(temporal; Optuna n_jobs=K threads; K processes, with MPS if running; "
+        "cudaMallocAsync with K streams, CUDA only; the waterwave executor with the fifo and "
+        "waterwave policies), with the same trials, seeds and batch sizes. Writes README.md, "
+        "results.csv, results.json and plots to --out, and prints the simulator's prediction "
+        "beside each measurement. On a CPU-only machine everything runs at small scale and "
+        "says so.",
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="results folder (default experiments/results/<date>-<device>/)",
+    )
+    bench.add_argument(
+        "--device", default="auto", metavar="DEVICE", help="auto | cpu | cuda | cuda:N"
+    )
+    bench.add_argument("--k", type=int, default=4, metavar="K", help="trials at once (default 4)")
+    bench.add_argument(
+        "--trials", type=int, default=8, metavar="N", help="trials per workload (default 8)"
+    )
+    bench.add_argument(
+        "--workloads",
+        nargs="+",
+        default=[w.value for w in Workload],
+        choices=[w.value for w in Workload],
+        metavar="W",
+        help="resnet gpt digits (default all)",
+    )
+    bench.add_argument(
+        "--settings",
+        nargs="+",
+        default=[s.value for s in Setting],
+        choices=[s.value for s in Setting],
+        metavar="S",
+        help="light high (default both)",
+    )
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        default=[m.value for m in Method],
+        choices=[m.value for m in Method],
+        metavar="M",
+        help="temporal optuna-threads spatial cuda-malloc-async waterwave-fifo waterwave "
+        "(default all; temporal always runs: it is the baseline)",
+    )
+    bench.add_argument(
+        "--budget-s",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="wall time the whole matrix should take; scales the steps per trial (default 600)",
+    )
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="training steps per trial (default: fitted to --budget-s)",
+    )
+    bench.add_argument(
+        "--capacity-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="device memory to size the settings against (default: the GPU's total; on the "
+        "CPU a virtual capacity derived from the trials' profiles)",
+    )
+    bench.add_argument("--seed", type=int, default=0, metavar="S", help="seed (default 0)")
+    bench.add_argument(
+        "--no-sim", action="store_true", help="do not print the simulator's predictions"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        return _bench(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects others
 
 
@@ -115,6 +203,39 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"best: trial {s['best_trial']}, validation accuracy {s['best_value']:.4f}")
         print(f"      {json.dumps(s['best_params'], sort_keys=True)}")
     print(f"wrote {result.out}/: study.log trials.csv summary.json timeline.png")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import optuna
+
+    from waterwave_hpo.bench import BenchConfig
+    from waterwave_hpo.bench import Method
+    from waterwave_hpo.bench import Setting
+    from waterwave_hpo.bench import Workload
+    from waterwave_hpo.bench import run_bench
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        config = BenchConfig(
+            out=args.out,
+            device=args.device,
+            k=args.k,
+            trials=args.trials,
+            workloads=tuple(Workload(w) for w in args.workloads),
+            settings=tuple(Setting(s) for s in args.settings),
+            methods=tuple(Method(m) for m in args.methods),
+            steps=args.steps,
+            budget_s=args.budget_s,
+            capacity_bytes=args.capacity_bytes,
+            seed=args.seed,
+            simulate=not args.no_sim,
+            command=("waterwave-hpo", *sys.argv[1:]),
+        )
+        run_bench(config)
+    except ValueError as error:
+        print(f"waterwave-hpo bench: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
