@@ -122,6 +122,68 @@ def test_tuner_with_resources_and_asha_stops_trials(tmp_path: Path) -> None:
     assert grid.get_best_result(metric="score", mode="max").config["x"] == 1.0
 
 
+def _broker_stats() -> tuple[int, int]:
+    node_id = ray.get_runtime_context().get_node_id()
+    broker = ray.get_actor(f"waterwave-gpu/{node_id}/0", namespace="waterwave_hpo")
+    n_held, granted_bytes, _ = ray.get(broker.stats.remote())
+    return n_held, granted_bytes
+
+
+def _long_train(config: dict[str, Any]) -> None:
+    for step in range(1, 9):
+        time.sleep(0.05)
+        tune.report({"score": config["x"] * step})
+
+
+def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path) -> None:
+    from ray.tune.schedulers import ASHAScheduler
+
+    tuner = tune.Tuner(
+        ww_tune.with_shared_gpu(
+            _long_train, trials_per_gpu=2, memory_budget_bytes=BUDGET, lease_ttl_s=1.0
+        ),
+        param_space={"x": tune.grid_search([1.0, 0.9, 0.2, 0.1])},
+        tune_config=tune.TuneConfig(
+            scheduler=ASHAScheduler(
+                metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
+            ),
+        ),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+    )
+    grid = tuner.fit()
+    assert grid.num_errors == 0
+    assert min(r.metrics["training_iteration"] for r in grid) < 8
+    deadline = time.monotonic() + 5.0
+    while _broker_stats() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _broker_stats() == (0, 0)
+
+
+def _checkpointing(config: dict[str, Any]) -> None:
+    import tempfile
+
+    for step in range(1, 3):
+        with tempfile.TemporaryDirectory() as directory:
+            Path(directory, "state.txt").write_text(str(step))
+            tune.report({"score": step}, checkpoint=tune.Checkpoint.from_directory(directory))
+
+
+def test_results_and_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> None:
+    tuner = tune.Tuner(
+        ww_tune.with_shared_gpu(_checkpointing, trials_per_gpu=2, memory_budget_bytes=BUDGET),
+        tune_config=tune.TuneConfig(num_samples=2),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="ckpt", verbose=0),
+    )
+    grid = tuner.fit()
+    assert grid.num_errors == 0 and len(grid) == 2
+    for result in grid:
+        assert result.metrics["score"] == 2
+        assert result.checkpoint is not None
+        assert Path(result.checkpoint.path).is_relative_to(tmp_path / "ckpt")
+        with result.checkpoint.as_directory() as directory:
+            assert Path(directory, "state.txt").read_text() == "2"
+
+
 def _leased_train(config: dict[str, Any]) -> None:
     resources: Any = config["resources"]
     with resources.lease(nbytes=config["nbytes"]) as lease:
@@ -181,10 +243,7 @@ def test_a_failing_trial_fails_alone_and_releases_its_lease(tmp_path: Path) -> N
     )
     status = {t.config["x"]: t.status for t in analysis.trials}
     assert status == {0.25: "TERMINATED", 0.5: "ERROR", 0.75: "TERMINATED"}
-    node_id = ray.get_runtime_context().get_node_id()
-    broker = ray.get_actor(f"waterwave-gpu/{node_id}/0", namespace="waterwave_hpo")
-    n_held, granted_bytes, _ = ray.get(broker.stats.remote())
-    assert (n_held, granted_bytes) == (0, 0)
+    assert _broker_stats() == (0, 0)
 
 
 def test_lease_outside_a_gpu_trial_says_how_to_place_it() -> None:
