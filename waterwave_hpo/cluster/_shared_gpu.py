@@ -48,8 +48,9 @@ def shared_gpu(
             finished trials (CUDA) decide how many train at once; the first trial on a GPU runs
             alone to be measured.
         cpus_per_trial: CPUs each trial reserves (>= 0).
-        memory_budget_bytes: Device memory per GPU the leases share (> 0); ``None``: the GPU's
-            total memory on CUDA, and no coordination where the trial sees no CUDA device.
+        memory_budget_bytes: Device memory per GPU the leases share (> 0); ``None``: 90 % of
+            the GPU's total memory on CUDA (the rest is for the processes' CUDA contexts), and no
+            coordination where the trial sees no CUDA device.
         memory_per_trial_bytes: Each lease's size when the trainable does not give one (> 0);
             ``None``: ``budget / trials_per_gpu``, or measured with ``"auto"``.
         max_trials_per_gpu: The cap for ``trials_per_gpu="auto"`` (>= 1).

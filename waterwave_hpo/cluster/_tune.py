@@ -22,6 +22,9 @@ from waterwave_hpo.cluster._leases import MemoryLease
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.05
+_CUDA_BUDGET_FRACTION = 0.9
+"""Without ``memory_budget_bytes``, leases share 90 % of the GPU's memory; the rest is left for
+the trial processes' CUDA contexts, which no allocator counts."""
 
 
 class LeaseTimeoutError(TimeoutError):
@@ -41,8 +44,8 @@ class SharedGPU(PlacementGroupFactory):
         auto: ``trials_per_gpu="auto"``: up to ``trials_per_gpu`` are placed and the leases,
             sized by measured peaks, decide how many train at once.
         cpus_per_trial: CPUs per trial.
-        memory_budget_bytes: The bytes per GPU the trials' leases share; ``None``: the GPU's
-            total memory (CUDA), and no coordination without CUDA.
+        memory_budget_bytes: The bytes per GPU the trials' leases share; ``None``: 90 % of the
+            GPU's total memory (CUDA), and no coordination without CUDA.
         memory_per_trial_bytes: A trial's lease when it does not ask for a size; ``None``:
             ``memory_budget_bytes / trials_per_gpu``, or the measured median peak with "auto".
         lease_ttl_s: A lease whose process stops renewing it (died, stopped by Tune) expires
@@ -88,7 +91,8 @@ class SharedGPU(PlacementGroupFactory):
         fraction is then set to the lease, so a trial that outgrows it gets
         ``torch.cuda.OutOfMemoryError`` in its own process instead of its neighbours. A
         background thread renews the lease; on exit it is released with the process's measured
-        peak (``torch.cuda.max_memory_allocated``), which sizes later "auto" leases.
+        peak (``torch.cuda.max_memory_reserved``: what PyTorch's caching allocator held), which
+        sizes later "auto" leases.
 
         Args:
             nbytes: Bytes to lease (> 0), or ``None``.
@@ -126,7 +130,8 @@ class SharedGPU(PlacementGroupFactory):
         if budget is None and cuda is not None:
             import torch
 
-            budget = int(torch.cuda.get_device_properties(cuda).total_memory)
+            total = int(torch.cuda.get_device_properties(cuda).total_memory)
+            budget = int(total * _CUDA_BUDGET_FRACTION)
         per_gpu = None if self.auto else self.trials_per_gpu
         broker = get_broker(node_id, gpu_id, budget, per_gpu, self.lease_ttl_s)
         holder = f"{node_id[:8]}/pid{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -165,7 +170,7 @@ class SharedGPU(PlacementGroupFactory):
                 with contextlib.suppress(Exception):
                     import torch
 
-                    peak = int(torch.cuda.max_memory_allocated(cuda))
+                    peak = int(torch.cuda.max_memory_reserved(cuda))
             with contextlib.suppress(Exception):
                 ray.get(broker.release.remote(holder, peak))
 
