@@ -13,6 +13,7 @@ import time
 import optuna
 from optuna.trial import TrialState
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("grpc")
@@ -120,6 +121,39 @@ def test_packs_trials_onto_the_host_with_the_most_room() -> None:
     per_host = Counter(t.user_attrs[ATTR_HOST] for t in study.trials)
     assert sorted(per_host.values()) == [2, 2]
     assert max_concurrent_trials(study.trials) == 4
+
+
+def _two_objectives(trial: optuna.trial.Trial) -> tuple[float, float]:
+    x = trial.suggest_float("x", 0.0, 1.0)
+    return x, 1.0 - x
+
+
+def test_multi_objective_values_reach_the_driver() -> None:
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    RayExecutor(n_hosts=1, trials_per_device=2).optimize(study, _two_objectives, n_trials=4)
+    assert _states(study) == {TrialState.COMPLETE: 4}
+    for t in study.trials:
+        assert t.values == pytest.approx([t.params["x"], 1.0 - t.params["x"]])
+
+
+def _oom_once(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", 0.0, 1.0)
+    if trial.number == 1 and ww.current().attempt == 0:
+        time.sleep(0.1)  # trial 0, its neighbour, is still running
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    time.sleep(0.6)
+    return x
+
+
+def test_out_of_memory_on_a_host_re_queues_the_parameters() -> None:
+    study = optuna.create_study()
+    RayExecutor(n_hosts=1, trials_per_device=2).optimize(study, _oom_once, n_trials=4)
+    first = study.trials[1]
+    assert first.state is TrialState.FAIL
+    assert "out of device memory" in first.user_attrs[ATTR_FAIL_REASON]
+    (rerun,) = [t for t in study.trials if t.user_attrs.get(ATTR_RETRY_OF) == 1]
+    assert rerun.state is TrialState.COMPLETE and rerun.params == first.params
+    assert _states(study) == {TrialState.COMPLETE: 4, TrialState.FAIL: 1}
 
 
 def _dies_once(trial: optuna.trial.Trial) -> float:
