@@ -48,6 +48,31 @@ def test_parallel_device_overlaps_jobs() -> None:
     assert r.makespan_s == pytest.approx(2.0)
 
 
+def test_interfering_jobs_are_slower_together_than_in_turn() -> None:
+    # Parallelism 0.5: together the two progress at half a solo speed (0.25 each), so 2 s of
+    # work each ends at t=8; a job alone still runs at full speed.
+    r = simulate(
+        [one_group(), one_group()],
+        SimDevice(120, compute_parallelism=0.5),
+        Sharing(2, policy="fifo"),
+    )
+    assert r.makespan_s == pytest.approx(8.0)
+    alone = simulate([one_group()], SimDevice(120, compute_parallelism=0.5), Sharing(1))
+    assert alone.makespan_s == pytest.approx(2.0)
+
+
+def test_processes_start_up_before_their_first_trial() -> None:
+    # Two processes each pay 3 s of start-up (in parallel, once), then run their trials.
+    t = one_group(nbytes=10)
+    r = simulate(
+        [t, t, t, t],
+        SimDevice(100, compute_parallelism=2.0, mps=True),
+        Sharing(2, policy=None, processes=True, process_start_s=3.0),
+    )
+    assert [a.start_s for a in r.attempts] == [0.0, 0.0, 5.0, 5.0]
+    assert r.makespan_s == pytest.approx(7.0)
+
+
 def test_temporal_sharing_is_the_sum() -> None:
     r = simulate([one_group(), one_group(steps=3)], SimDevice(1000), Sharing(1))
     assert spans(r) == [(0, 0.0, 2.0, C), (1, 2.0, 8.0, C)]
@@ -145,7 +170,7 @@ def test_bad_inputs_name_the_argument() -> None:
     with pytest.raises(ValueError, match="capacity_bytes=0"):
         SimDevice(0)
     with pytest.raises(ValueError, match="compute_parallelism"):
-        SimDevice(1, compute_parallelism=0.5)
+        SimDevice(1, compute_parallelism=0.0)
     with pytest.raises(ValueError, match="concurrency=0"):
         Sharing(0)
     with pytest.raises(ValueError, match="one forward_s and one backward_s per NodeGroup"):

@@ -3,9 +3,9 @@
 Events are the ends of pieces of work and the grants of memory. Between events every running
 piece of work advances at a constant rate:
 
-* device work: the running pieces share ``SimDevice.compute_parallelism`` equally (processor
-  sharing), each at most at its solo speed; across processes without MPS the device is
-  time-sliced (parallelism 1);
+* device work: a piece alone runs at its solo speed; two or more share
+  ``SimDevice.compute_parallelism`` equally (processor sharing), each at most at its solo
+  speed; across processes without MPS the device is time-sliced (parallelism 1);
 * host work (Python dispatch under the GIL): one host per process, shared equally by that
   process's co-hosted trials; a pass ends when both its host and its device work are done
   (launches are asynchronous, so the two overlap).
@@ -68,7 +68,11 @@ class _Release:
 _Op = _Acquire | _Work | _Release
 
 
-def _program(trial: SimTrial, context_bytes: int) -> Generator[_Op, None, None]:
+def _program(
+    trial: SimTrial, context_bytes: int, start_s: float = 0.0
+) -> Generator[_Op, None, None]:
+    if start_s > 0:
+        yield _Work(start_s, 0.0)  # the process starting up, on its own host
     if context_bytes:
         yield _Acquire(_CONTEXT_KEY, context_bytes, Phase.RESIDENT)
     if trial.profile.resident_bytes:
@@ -130,6 +134,7 @@ class _Simulation:
         self.retries: deque[_Queued] = deque()
         self.running: dict[int, _Run] = {}
         self.free_slots = list(range(self._max_slots()))
+        self.started_slots: set[int] = set()
         self.attempts: list[SimAttempt] = []
         self.failed: set[int] = set()
         self.completed: set[int] = set()
@@ -201,14 +206,19 @@ class _Simulation:
     def _launch(self, queued: _Queued) -> None:
         trial = self.trials[queued.trial_index]
         run_id = self._next_seq()
+        slot = self.free_slots.pop(0)
+        start_s = 0.0
+        if self.sharing.processes and slot not in self.started_slots:
+            start_s = self.sharing.process_start_s
+        self.started_slots.add(slot)
         run = _Run(
             run_id=run_id,
             trial_index=queued.trial_index,
             attempt=queued.attempt,
             start_s=self.now,
-            slot=self.free_slots.pop(0),
+            slot=slot,
             claim_bytes=trial.profile.peak_bytes + self.context_bytes,
-            program=_program(trial, self.context_bytes),
+            program=_program(trial, self.context_bytes, start_s),
         )
         self.running[run_id] = run
         self.max_concurrent = max(self.max_concurrent, len(self.running))
@@ -349,7 +359,8 @@ class _Simulation:
         parallelism = self.device.compute_parallelism
         if self.sharing.processes and not self.device.mps:
             parallelism = 1.0
-        device_rate = min(1.0, parallelism / len(device_users)) if device_users else 0.0
+        n = len(device_users)
+        device_rate = 1.0 if n == 1 else (min(1.0, parallelism / n) if n else 0.0)
         host_users: dict[int, int] = {}
         for r in self.running.values():
             if r.working and r.host_left > _EPS:

@@ -97,10 +97,12 @@ class SimDevice:
 
     Attributes:
         capacity_bytes: Memory the trials may use, in bytes (> 0).
-        compute_parallelism: How many solo trials' worth of kernels the device runs at once
-            (>= 1). ``1``: a co-hosted trial slows every other down in proportion (a saturated
-            device; also the CPU, whose intra-op threads already use every core); ``K``: K small
-            trials overlap for free. Running kernels share it equally (processor sharing).
+        compute_parallelism: How many solo trials' worth of work the device does per second
+            while two or more trials' pieces run on it (> 0); a piece running alone always runs
+            at its solo speed. ``1``: a co-hosted trial slows every other down in proportion (a
+            saturated device); ``K``: K small trials overlap for free; below ``1``: co-running
+            pieces interfere and together do less than one alone (e.g. CPU thread
+            oversubscription). Running pieces share it equally (processor sharing).
         context_bytes: Memory each extra process costs (a CUDA context, ~300-500 MiB on a
             GPU); charged per trial under process sharing.
         mps: Whether kernels of different processes overlap (CUDA MPS); without it processes
@@ -123,9 +125,9 @@ class SimDevice:
             raise ValueError(
                 f"SimDevice capacity_bytes={self.capacity_bytes!r} must be an int > 0 (bytes)."
             )
-        if not self.compute_parallelism >= 1.0:
+        if not self.compute_parallelism > 0:
             raise ValueError(
-                f"SimDevice compute_parallelism={self.compute_parallelism!r} must be >= 1 "
+                f"SimDevice compute_parallelism={self.compute_parallelism!r} must be > 0 "
                 "(1: kernels of co-hosted trials share the device's time)."
             )
         if self.context_bytes < 0:
@@ -150,6 +152,9 @@ class Sharing:
             ``on_oom="retry"``); at most ``max_retries`` times. Otherwise it fails.
         max_retries: See ``retry_on_oom``.
         max_concurrency: The cap for ``concurrency="auto"``.
+        process_start_s: With ``processes``, seconds each process needs before its first trial
+            (starting Python, importing torch, creating a CUDA context); the processes start
+            together.
     """
 
     concurrency: int | str = 1
@@ -158,8 +163,13 @@ class Sharing:
     retry_on_oom: bool = True
     max_retries: int = 2
     max_concurrency: int = 16
+    process_start_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.process_start_s >= 0:
+            raise ValueError(
+                f"Sharing process_start_s={self.process_start_s!r} must be >= 0 seconds."
+            )
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"Sharing concurrency={c!r} must be an int >= 1 or 'auto'.")
