@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-import time
 from typing import Any
 
 import torch
@@ -114,17 +113,18 @@ def _scaled(profile: TrialProfile, factor: float) -> TrialProfile:
 
 
 def step_seconds(spec: WorkloadSpec, params: dict[str, Any], device: torch.device) -> float:
-    """Seconds of one solo training step of ``params`` on ``device`` (after one warm-up step),
-    for fitting the steps to ``--budget-s``."""
-    probe = replace(spec, steps=1)
-    train(probe, params, TrialRecord(index=0), device, seed=0)
+    """Seconds of one solo training step of ``params`` on ``device``, for fitting the steps to
+    ``--budget-s``: the median step of a 7-step trial after a 2-step warm-up trial (the larger
+    of its host and device medians, so CUDA's asynchronous launches are not mistaken for the
+    step)."""
+    train(replace(spec, steps=2), params, TrialRecord(index=0), device, seed=0)
     record = TrialRecord(index=0)
-    t0 = time.perf_counter()
-    train(replace(spec, steps=2), params, record, device, seed=0)
-    return (time.perf_counter() - t0) / 2
+    train(replace(spec, steps=7), params, record, device, seed=0)
+    return max(record.host_s_per_step or 0.0, record.device_s_per_step or 0.0, 1e-5)
 
 
 def warm_up(spec: WorkloadSpec, params: dict[str, Any], device: torch.device) -> None:
-    """Two training steps of ``params`` at ``spec``'s batch, so the first measured method does
-    not pay for lazy initialization (kernel selection, thread pools, first allocations)."""
-    train(replace(spec, steps=2), params, TrialRecord(index=0), device, seed=0)
+    """One training step of ``params`` at ``spec``'s batch, so the first measured method does
+    not pay for lazy initialization (kernel selection for the shape, thread pools, first
+    allocations)."""
+    train(replace(spec, steps=1), params, TrialRecord(index=0), device, seed=0)

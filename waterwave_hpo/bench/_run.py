@@ -23,7 +23,6 @@ from waterwave_hpo.bench._calibrate import BASE_BATCH
 from waterwave_hpo.bench._calibrate import SEQ_LEN
 from waterwave_hpo.bench._calibrate import fit_batches
 from waterwave_hpo.bench._calibrate import step_seconds
-from waterwave_hpo.bench._calibrate import warm_up
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import unavailable_reason
 from waterwave_hpo.bench._plots import plot_gantt
@@ -34,8 +33,10 @@ from waterwave_hpo.bench._results import MethodResult
 from waterwave_hpo.bench._results import result_of
 from waterwave_hpo.bench._results import results_table
 from waterwave_hpo.bench._runners import MethodRun
+from waterwave_hpo.bench._runners import call_in_child
 from waterwave_hpo.bench._runners import run_method
 from waterwave_hpo.bench._validate import fit_parallelism
+from waterwave_hpo.bench._validate import measure_process_start_s
 from waterwave_hpo.bench._validate import predict
 from waterwave_hpo.bench._validate import sim_trials
 from waterwave_hpo.bench._workloads import Setting
@@ -211,7 +212,11 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         fitted = []
         for spec, params, cap, profiles in plan:
             probe = params[max(range(len(params)), key=lambda i: profiles[i].peak_bytes)]
-            step_s = step_seconds(spec, probe, device)
+            step_s = (
+                call_in_child(step_seconds, spec, probe, device)
+                if cuda
+                else step_seconds(spec, probe, device)
+            )
             steps = int(share_s / (config.trials * max(step_s, 1e-4) * 1.5))
             steps = max(2, min(config.max_steps, steps))
             fitted.append((replace(spec, steps=steps), params, cap, profiles))
@@ -220,10 +225,13 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
                 f"{steps} steps per trial"
             )
         plan = fitted
+    start_s = 0.0
+    if config.simulate and Method.SPATIAL in runnable:
+        start_s = measure_process_start_s(str(device))
+        log(f"a spawned process needs {start_s:.2f} s to start (fed to the simulator)")
     results: list[MethodResult] = []
     runs: list[MethodRun] = []
     for spec, params, cap, profiles in plan:
-        warm_up(spec, params[0], device)
         peaks = sorted((p.peak_bytes for p in profiles), reverse=True)
         top_k = int(sum(peaks[: config.k]))
         log(
@@ -241,7 +249,9 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         base_rate = temporal.samples / temporal.makespan_s if temporal.makespan_s > 0 else None
         spec_results = [result_of(r, config.trials, cap, top_k, base_rate) for r in spec_runs]
         if config.simulate:
-            spec_results = _with_predictions(spec_results, spec_runs, profiles, cap, cuda, log)
+            spec_results = _with_predictions(
+                spec_results, spec_runs, profiles, cap, cuda, start_s, log
+            )
         for r in spec_results:
             log(_line(r))
         results += spec_results
@@ -258,6 +268,7 @@ def _with_predictions(
     profiles: list[Any],
     cap: int,
     cuda: bool,
+    process_start_s: float,
     log: Any,
 ) -> list[MethodResult]:
     trials = sim_trials(runs[0], profiles)
@@ -271,7 +282,7 @@ def _with_predictions(
         if not run.available or result.makespan_s is None:
             out.append(result)
             continue
-        predicted = predict(run, trials, cap, cuda, parallelism)
+        predicted = predict(run, trials, cap, cuda, parallelism, process_start_s)
         error = 100.0 * (predicted - result.makespan_s) / result.makespan_s
         out.append(replace(result, sim_makespan_s=predicted, sim_error_pct=error))
     return out
@@ -436,8 +447,10 @@ def _readme(
         "dispatch-bound under co-hosting. On the CPU ops run synchronously, so host time is the "
         "whole step and device time is not separable.",
         "- *sim s (err)*: the simulator (`waterwave_hpo.sim`) predicting the makespan from the "
-        "trials' profiles and their solo step times in the temporal run; its one free "
-        "parameter, the device's compute parallelism, is fitted to the optuna-threads run only.",
+        "trials' profiles and their solo step times in the temporal run, and a separately "
+        "measured process start-up time for spatial sharing; its one free parameter, the "
+        "device's compute parallelism (below 1 when co-running trials interfere), is fitted to "
+        "the optuna-threads run only, so the other methods' errors are predictions' errors.",
         "",
     ]
     return "\n".join(lines)

@@ -230,6 +230,15 @@ def _run_here(
         Method.WATERWAVE_FIFO: _run_waterwave,
         Method.WATERWAVE: _run_waterwave,
     }[method]
+    if method.gated and cuda:
+        notes.append(_install_pool(device))
+    if method is not Method.SPATIAL:  # spatial's workers are fresh processes: they start cold
+        from waterwave_hpo.bench._calibrate import warm_up
+
+        for p in params:  # every architecture and shape once, so no method pays first use
+            warm_up(run.spec, p, device)
+        if cuda:
+            torch.cuda.synchronize(device)
     run.start_s = time.time()
     if peak is not None:
         with peak:
@@ -242,6 +251,47 @@ def _run_here(
         notes.append(extra)
     run.note = "; ".join(notes)
     return run
+
+
+def _install_pool(device: torch.device) -> str:
+    """Make the stream-aware pool PyTorch's allocator before the warm-up allocates (the
+    executor then finds it installed); says what happened."""
+    from waterwave_hpo.memory import StreamAwarePool
+    from waterwave_hpo.memory import installed_pool
+    from waterwave_hpo.memory import use_pool
+
+    index = device.index or 0
+    if installed_pool(index) is None:
+        try:
+            use_pool(StreamAwarePool(backend="cuda", device=index))
+        except (RuntimeError, ValueError, ImportError, OSError) as error:
+            return f"stream-aware pool NOT installed ({error}); PyTorch's allocator was used"
+    return "stream-aware pool installed"
+
+
+def call_in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a spawned process, its return value sent back (on CUDA, so that the
+    parent never holds device memory or a context while the methods are measured).
+
+    Raises:
+        RuntimeError: If the child failed; the message carries its error.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results: Any = ctx.Queue()
+    child = ctx.Process(target=_child_call, args=(fn, args, results))
+    child.start()
+    ok, value = results.get()
+    child.join()
+    if not ok:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in a child process: {value}")
+    return value
+
+
+def _child_call(fn: Any, args: tuple[Any, ...], results: Any) -> None:
+    try:
+        results.put((True, fn(*args)))
+    except BaseException as error:
+        results.put((False, repr(error)))
 
 
 def _study(params: list[dict[str, Any]]) -> optuna.Study:

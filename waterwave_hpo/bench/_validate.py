@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+from typing import Any
+
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._runners import MethodRun
 from waterwave_hpo.scheduler import TrialProfile
@@ -31,14 +35,41 @@ def sim_trials(temporal: MethodRun, profiles: list[TrialProfile]) -> list[SimTri
     ]
 
 
-def sharing_of(method: Method, k: int) -> Sharing:
-    """How the simulator models ``method``."""
+def _started(device: str, results: Any) -> None:
+    import torch
+
+    import waterwave_hpo.bench._train  # noqa: F401  (what a spatial worker imports)
+
+    if device.startswith("cuda"):
+        torch.cuda.init()
+        torch.zeros(1, device=device)
+    results.put(time.time())
+
+
+def measure_process_start_s(device: str) -> float:
+    """Seconds from starting a spawned process until it has imported torch and the bench (and,
+    on CUDA, created its context): what each of spatial sharing's processes pays first.
+    Measured apart from the spatial run, so the simulator predicts that run, not fits it."""
+    ctx = multiprocessing.get_context("spawn")
+    results: Any = ctx.Queue()
+    t0 = time.time()
+    child = ctx.Process(target=_started, args=(device, results))
+    child.start()
+    ready = float(results.get())
+    child.join()
+    return max(0.0, ready - t0)
+
+
+def sharing_of(method: Method, k: int, process_start_s: float = 0.0) -> Sharing:
+    """How the simulator models ``method`` (``process_start_s``: spatial's start-up)."""
     if method is Method.TEMPORAL:
         return Sharing(1, policy=None, retry_on_oom=False)
     if method in (Method.OPTUNA_THREADS, Method.CUDA_MALLOC_ASYNC):
         return Sharing(k, policy=None, retry_on_oom=False)
     if method is Method.SPATIAL:
-        return Sharing(k, policy=None, processes=True, retry_on_oom=False)
+        return Sharing(
+            k, policy=None, processes=True, retry_on_oom=False, process_start_s=process_start_s
+        )
     policy = "fifo" if method is Method.WATERWAVE_FIFO else "waterwave"
     return Sharing(k, policy=policy, retry_on_oom=True)
 
@@ -57,12 +88,13 @@ def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: flo
 def fit_parallelism(
     threads: MethodRun, trials: list[SimTrial], capacity_bytes: int, cuda: bool
 ) -> float:
-    """The device's compute parallelism (>= 1) that best reproduces the measured Optuna-threads
+    """The device's compute parallelism (0.25 .. k; below 1 when co-running trials interfere,
+    as threads oversubscribing CPU cores do) that best reproduces the measured Optuna-threads
     makespan; the other methods are then predicted with it (not fitted to them)."""
     best, best_err = 1.0, float("inf")
-    steps = 24
-    for i in range(steps + 1):
-        p = 1.0 + (max(threads.k, 1) - 1.0) * i / steps
+    top = float(max(threads.k, 1))
+    grid = [0.25 + 0.05 * i for i in range(16)] + [1.0 + (top - 1.0) * i / 24 for i in range(25)]
+    for p in grid:
         device = device_for(Method.OPTUNA_THREADS, capacity_bytes, cuda, p)
         predicted = simulate(trials, device, sharing_of(Method.OPTUNA_THREADS, threads.k))
         err = abs(predicted.makespan_s - threads.makespan_s)
@@ -72,8 +104,14 @@ def fit_parallelism(
 
 
 def predict(
-    run: MethodRun, trials: list[SimTrial], capacity_bytes: int, cuda: bool, parallelism: float
+    run: MethodRun,
+    trials: list[SimTrial],
+    capacity_bytes: int,
+    cuda: bool,
+    parallelism: float,
+    process_start_s: float = 0.0,
 ) -> float:
     """The simulator's makespan for ``run``'s method, seconds."""
     device = device_for(run.method, capacity_bytes, cuda, parallelism)
-    return simulate(trials, device, sharing_of(run.method, run.k)).makespan_s
+    sharing = sharing_of(run.method, run.k, process_start_s)
+    return simulate(trials, device, sharing).makespan_s
