@@ -11,10 +11,20 @@ from waterwave_hpo.cluster._imports import import_ray
 
 import_ray()  # fail here, with the install command, when Ray is missing
 
+from waterwave_hpo.cluster._leases import LeaseStats  # noqa: E402
 from waterwave_hpo.cluster._leases import MemoryLease  # noqa: E402
 from waterwave_hpo.cluster._shared_gpu import shared_gpu  # noqa: E402
 from waterwave_hpo.cluster._shared_gpu import with_shared_gpu  # noqa: E402
 from waterwave_hpo.cluster._tune import LeaseTimeoutError  # noqa: E402
 from waterwave_hpo.cluster._tune import SharedGPU  # noqa: E402
+from waterwave_hpo.cluster._tune import lease_stats  # noqa: E402
 
-__all__ = ["LeaseTimeoutError", "MemoryLease", "SharedGPU", "shared_gpu", "with_shared_gpu"]
+__all__ = [
+    "LeaseStats",
+    "LeaseTimeoutError",
+    "MemoryLease",
+    "SharedGPU",
+    "lease_stats",
+    "shared_gpu",
+    "with_shared_gpu",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from waterwave_hpo.cluster._leases import LeaseBook
+from waterwave_hpo.cluster._leases import LeaseStats
 
 
 class _Clock:
@@ -23,6 +24,7 @@ def test_leases_are_granted_while_they_fit_the_budget() -> None:
     assert book.poll("b") is not None
     assert book.poll("c") is None  # 40 + 40 + 40 > 100
     assert book.granted_bytes == 80
+    assert book.stats() == LeaseStats(n_held=2, n_waiting=1, granted_bytes=80, budget_bytes=100)
     book.release("a")
     lease = book.poll("c")
     assert lease is not None and lease.nbytes == 40 and lease.budget_bytes == 100
@@ -57,7 +59,10 @@ def test_unrenewed_leases_expire_and_free_their_bytes() -> None:
     assert book.poll("next") is None
     clock.now = 6.0  # "dead" last seen at 0 s, "next" at 3 s
     assert book.poll("next") is not None
-    assert not book.renew("dead")
+    assert book.renew("dead") is None
+    assert book.renew("next") == 5.0
+    book.configure(100, None, ttl_s=1.0)  # a later run on the same GPU asks for another TTL
+    assert book.renew("next") == 1.0  # the holder learns it on its next renewal
     with pytest.raises(KeyError, match="expired"):
         book.poll("dead")
 

@@ -51,10 +51,19 @@ def _intervals_overlap(intervals: list[tuple[float, float]]) -> bool:
     return any(b[0] < a[1] for a, b in itertools.pairwise(ordered))
 
 
+def _rendezvous(directory: str, n: int, timeout_s: float = 5.0) -> None:
+    # Wait (a while) until n trials are running, so "ran at the same time" is not left to luck.
+    Path(directory, f"{os.getpid()}-{time.time_ns()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(directory)) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _train(config: dict[str, Any]) -> None:
     start = time.time()
+    _rendezvous(config["rendezvous"], 2)
     for step in range(1, 4):
-        time.sleep(0.25)
+        time.sleep(0.1)
         tune.report(
             {
                 "score": config["x"] * step,
@@ -77,9 +86,10 @@ def test_shared_gpu_is_a_placement_group_factory_that_pickles() -> None:
 
 
 def test_tune_run_packs_two_trials_on_one_logical_gpu(tmp_path: Path) -> None:
+    (tmp_path / "rendezvous").mkdir()
     analysis = tune.run(
         _train,
-        config={"x": tune.uniform(0.0, 1.0)},
+        config={"x": tune.uniform(0.0, 1.0), "rendezvous": str(tmp_path / "rendezvous")},
         num_samples=4,
         resources_per_trial=ww.shared_gpu(trials_per_gpu=2),
         storage_path=str(tmp_path),
@@ -106,7 +116,7 @@ def test_tuner_with_resources_and_asha_stops_trials(tmp_path: Path) -> None:
 
     tuner = tune.Tuner(
         tune.with_resources(train, ww.shared_gpu(trials_per_gpu=2)),
-        param_space={"x": tune.grid_search([1.0, 0.9, 0.3, 0.2, 0.1, 0.05])},
+        param_space={"x": tune.grid_search([1.0, 0.9, 0.2, 0.1])},
         tune_config=tune.TuneConfig(
             scheduler=ASHAScheduler(
                 metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
@@ -123,10 +133,8 @@ def test_tuner_with_resources_and_asha_stops_trials(tmp_path: Path) -> None:
 
 
 def _broker_stats() -> tuple[int, int]:
-    node_id = ray.get_runtime_context().get_node_id()
-    broker = ray.get_actor(f"waterwave-gpu/{node_id}/0", namespace="waterwave_hpo")
-    n_held, granted_bytes, _ = ray.get(broker.stats.remote())
-    return n_held, granted_bytes
+    stats = ww_tune.lease_stats(gpu_id=0)
+    return stats.n_held, stats.granted_bytes
 
 
 def _long_train(config: dict[str, Any]) -> None:
@@ -188,7 +196,14 @@ def _leased_train(config: dict[str, Any]) -> None:
     resources: Any = config["resources"]
     with resources.lease(nbytes=config["nbytes"]) as lease:
         granted = time.time()
-        time.sleep(0.6)
+        # Hold the lease until a second trial is on the GPU, beside us or waiting for us.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            stats = ww_tune.lease_stats()
+            if stats.n_held + stats.n_waiting >= 2:
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)
         tune.report(
             {
                 "granted": granted,
@@ -208,13 +223,13 @@ def test_memory_leases_keep_co_placed_trials_peaks_apart(
     analysis = tune.run(
         _leased_train,
         config={"resources": resources, "nbytes": nbytes},
-        num_samples=4,
+        num_samples=3,
         resources_per_trial=resources,
         storage_path=str(tmp_path),
         verbose=0,
     )
     results = [t.last_result for t in analysis.trials]
-    assert [t.status for t in analysis.trials] == ["TERMINATED"] * 4
+    assert [t.status for t in analysis.trials] == ["TERMINATED"] * 3
     assert {(r["nbytes"], r["budget"]) for r in results} == {(nbytes, BUDGET)}
     # Ray placed two trials on the GPU either way; only leases that fit together overlap.
     assert _intervals_overlap([(r["granted"], r["released"]) for r in results]) is overlap
@@ -244,6 +259,11 @@ def test_a_failing_trial_fails_alone_and_releases_its_lease(tmp_path: Path) -> N
     status = {t.config["x"]: t.status for t in analysis.trials}
     assert status == {0.25: "TERMINATED", 0.5: "ERROR", 0.75: "TERMINATED"}
     assert _broker_stats() == (0, 0)
+
+
+def test_lease_stats_of_a_gpu_without_a_broker_is_a_lookup_error() -> None:
+    with pytest.raises(LookupError, match="No memory broker for GPU 7"):
+        ww_tune.lease_stats(gpu_id=7)
 
 
 def test_lease_outside_a_gpu_trial_says_how_to_place_it() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._leases import LeaseBook
+from waterwave_hpo.cluster._leases import LeaseStats
 from waterwave_hpo.cluster._leases import MemoryLease
 
 NAMESPACE = "waterwave_hpo"
@@ -29,28 +30,44 @@ class GPUMemoryBroker:
         nbytes: int | None,
         budget_bytes: int | None,
         trials_per_gpu: int | None,
+        ttl_s: float,
     ) -> None:
         # The latest request's settings hold (a new Tune run on a long-lived cluster).
-        self._book.configure(budget_bytes, trials_per_gpu)
+        self._book.configure(budget_bytes, trials_per_gpu, ttl_s)
         self._book.request(holder, nbytes)
 
     def poll(self, holder: str) -> MemoryLease | None:
         return self._book.poll(holder)
 
-    def renew(self, holder: str) -> bool:
+    def renew(self, holder: str) -> float | None:
         return self._book.renew(holder)
 
     def release(self, holder: str, peak_bytes: int | None) -> None:
         self._book.release(holder, peak_bytes)
 
-    def stats(self) -> tuple[int, int, int | None]:
-        """(leases held, bytes granted, budget bytes)."""
-        return self._book.n_held, self._book.granted_bytes, self._book.budget_bytes
+    def stats(self) -> LeaseStats:
+        return self._book.stats()
 
 
 def broker_name(node_id: str, gpu_id: str) -> str:
     """The broker's actor name for GPU ``gpu_id`` of node ``node_id``."""
     return f"waterwave-gpu/{node_id}/{gpu_id}"
+
+
+def find_broker(node_id: str, gpu_id: str) -> Any:
+    """The broker of this GPU.
+
+    Raises:
+        LookupError: If no trial on that GPU has asked for a lease yet.
+    """
+    ray = import_ray()
+    try:
+        return ray.get_actor(broker_name(node_id, gpu_id), namespace=NAMESPACE)
+    except ValueError:
+        raise LookupError(
+            f"No memory broker for GPU {gpu_id} of node {node_id}: no trial there has taken a "
+            "lease (SharedGPU.lease() or SharedGPU.wrap()) yet."
+        ) from None
 
 
 def get_broker(

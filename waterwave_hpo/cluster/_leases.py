@@ -39,6 +39,23 @@ class MemoryLease:
     waited_s: float
 
 
+@dataclass(frozen=True)
+class LeaseStats:
+    """One GPU's leases at one moment.
+
+    Attributes:
+        n_held: Leases granted and not yet released or expired.
+        n_waiting: Requests waiting for room.
+        granted_bytes: Bytes held by the granted leases.
+        budget_bytes: The GPU's budget, or ``None`` (no coordination).
+    """
+
+    n_held: int
+    n_waiting: int
+    granted_bytes: int
+    budget_bytes: int | None
+
+
 @dataclass
 class _Request:
     nbytes: int | None
@@ -76,29 +93,34 @@ class LeaseBook:
         ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s} must be > 0 seconds.")
         self.budget_bytes: int | None = None
         self.trials_per_gpu: int | None = None
-        self.configure(budget_bytes, trials_per_gpu)
-        self.ttl_s = float(ttl_s)
+        self.ttl_s = 0.0
+        self.configure(budget_bytes, trials_per_gpu, ttl_s)
         self._clock = clock
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._held: dict[str, _Held] = {}
         self._peaks: deque[int] = deque(maxlen=32)
 
-    def configure(self, budget_bytes: int | None, trials_per_gpu: int | None) -> None:
-        """Set the budget and the sizing rule; leases already granted are kept.
+    def configure(
+        self, budget_bytes: int | None, trials_per_gpu: int | None, ttl_s: float | None = None
+    ) -> None:
+        """Set the budget, the sizing rule and (unless ``None``) the time-to-live; leases
+        already granted are kept. Holders learn a new time-to-live from :meth:`renew`.
 
         Raises:
-            ValueError: If ``budget_bytes`` or ``trials_per_gpu`` is not > 0.
+            ValueError: If ``budget_bytes``, ``trials_per_gpu`` or ``ttl_s`` is not > 0.
         """
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s} must be > 0 seconds.")
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be > 0 or None.")
         if trials_per_gpu is not None and trials_per_gpu <= 0:
             raise ValueError(f"trials_per_gpu={trials_per_gpu} must be > 0 or None ('auto').")
         self.budget_bytes = budget_bytes
         self.trials_per_gpu = trials_per_gpu
+        if ttl_s is not None:
+            self.ttl_s = float(ttl_s)
 
     @property
     def granted_bytes(self) -> int:
@@ -109,6 +131,11 @@ class LeaseBook:
     def n_held(self) -> int:
         """How many leases are held now."""
         return len(self._held)
+
+    @property
+    def n_waiting(self) -> int:
+        """How many requests wait for a lease now."""
+        return len(self._waiting)
 
     def request(self, holder: str, nbytes: int | None) -> None:
         """Queue a request for ``nbytes`` (``None``: sized by the book). Idempotent per holder."""
@@ -135,12 +162,17 @@ class LeaseBook:
             return None
         raise KeyError(f"No lease or request for {holder!r}; it expired after {self.ttl_s} s.")
 
-    def renew(self, holder: str) -> bool:
-        """Keep ``holder``'s lease alive; ``False`` if it has expired already."""
+    def renew(self, holder: str) -> float | None:
+        """Keep ``holder``'s lease alive.
+
+        Returns:
+            The time-to-live in seconds (renew again well within it), or ``None`` if the lease
+            has expired already.
+        """
         now = self._clock()
         self._touch(holder, now)
         self._expire(now)
-        return holder in self._held
+        return self.ttl_s if holder in self._held else None
 
     def release(self, holder: str, peak_bytes: int | None = None) -> None:
         """Give the lease back; ``peak_bytes`` (measured by the holder) sizes "auto" leases."""
@@ -150,6 +182,11 @@ class LeaseBook:
         now = self._clock()
         self._expire(now)
         self._grant(now)
+
+    def stats(self) -> LeaseStats:
+        """The leases now (expired ones are dropped first)."""
+        self._expire(self._clock())
+        return LeaseStats(self.n_held, self.n_waiting, self.granted_bytes, self.budget_bytes)
 
     def _touch(self, holder: str, now: float) -> None:
         if holder in self._held:

@@ -16,8 +16,10 @@ import uuid
 
 from ray.tune import PlacementGroupFactory
 
+from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
 from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._leases import LeaseStats
 from waterwave_hpo.cluster._leases import MemoryLease
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -136,7 +138,7 @@ class SharedGPU(PlacementGroupFactory):
         broker = get_broker(node_id, gpu_id, budget, per_gpu, self.lease_ttl_s)
         holder = f"{node_id[:8]}/pid{os.getpid()}/{uuid.uuid4().hex[:8]}"
         wanted = nbytes if nbytes is not None else self.memory_per_trial_bytes
-        ray.get(broker.request.remote(holder, wanted, budget, per_gpu))
+        ray.get(broker.request.remote(holder, wanted, budget, per_gpu, self.lease_ttl_s))
         start = time.monotonic()
         try:
             while True:
@@ -196,6 +198,31 @@ class SharedGPU(PlacementGroupFactory):
         return leased
 
 
+def lease_stats(gpu_id: str | int | None = None, node_id: str | None = None) -> LeaseStats:
+    """The memory leases of one GPU now, from its broker.
+
+    Args:
+        gpu_id: The GPU's Ray id (``ray.get_gpu_ids()``); ``None``: this worker's GPU.
+        node_id: The node's Ray id; ``None``: this process's node.
+
+    Raises:
+        LookupError: If no trial on that GPU has taken a lease yet.
+        ValueError: If ``gpu_id`` is ``None`` and this process holds no GPU.
+    """
+    ray = import_ray()
+    if gpu_id is None:
+        ids = ray.get_gpu_ids()
+        if not ids:
+            raise ValueError(
+                "gpu_id=None means this worker's GPU, but it holds none; pass gpu_id=0 (the "
+                "GPU's Ray id)."
+            )
+        gpu_id = ids[0]
+    node = node_id if node_id is not None else ray.get_runtime_context().get_node_id()
+    stats: LeaseStats = ray.get(find_broker(node, str(gpu_id)).stats.remote())
+    return stats
+
+
 def _gpu_share(trials_per_gpu: int) -> float:
     # Ray keeps resource amounts to 4 decimals; round down so k shares fit one GPU.
     return int(10_000 / trials_per_gpu) / 10_000
@@ -226,8 +253,10 @@ def _renew(broker: Any, holder: str, stop: threading.Event, every_s: float) -> N
 
     while not stop.wait(every_s):
         try:
-            if not ray.get(broker.renew.remote(holder)):
-                _logger.warning("The memory lease %s expired while held.", holder)
-                return
+            ttl_s = ray.get(broker.renew.remote(holder))
         except Exception:
             return
+        if ttl_s is None:
+            _logger.warning("The memory lease %s expired while held.", holder)
+            return
+        every_s = ttl_s / 4  # another run may have changed the broker's time-to-live
