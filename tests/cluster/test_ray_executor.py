@@ -156,6 +156,14 @@ def test_out_of_memory_on_a_host_re_queues_the_parameters() -> None:
     assert _states(study) == {TrialState.COMPLETE: 4, TrialState.FAIL: 1}
 
 
+def test_auto_trials_per_device_runs_on_remote_hosts() -> None:
+    study = optuna.create_study()
+    executor = RayExecutor(trials_per_device="auto", memory_budget_bytes=1 << 30)
+    executor.optimize(study, _objective, n_trials=6, catch=(ValueError,))
+    assert sum(_states(study).values()) == 6
+    assert TrialState.RUNNING not in _states(study)
+
+
 def _dies_once(trial: optuna.trial.Trial) -> float:
     x = trial.suggest_float("x", 0.0, 1.0)
     time.sleep(0.2)
