@@ -204,6 +204,44 @@ def test_all_hosts_lost_raises_and_leaves_nothing_running() -> None:
     assert set(states) == {TrialState.FAIL}
 
 
+def _sleeps(trial: optuna.trial.Trial) -> float:
+    time.sleep(1.5)
+    return 0.0
+
+
+def test_ctrl_c_tells_every_running_trial_fail_and_stops_the_hosts() -> None:
+    import _thread
+    import threading
+
+    study = optuna.create_study()
+
+    def interrupt_when_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if len(running) >= 2:
+                _thread.interrupt_main()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        RayExecutor(trials_per_device=2).optimize(study, _sleeps, n_trials=20)
+    states = _states(study)
+    assert TrialState.RUNNING not in states and TrialState.WAITING not in states
+    assert states[TrialState.FAIL] >= 2
+    assert all(
+        "interrupted" in t.user_attrs[ATTR_FAIL_REASON]
+        for t in study.trials
+        if t.state is TrialState.FAIL
+    )
+    # The host actors are gone: their GPUs are free again for the next optimize().
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("GPU", 0) < N_GPUS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("GPU", 0) == N_GPUS
+
+
 def _raises_key_error(trial: optuna.trial.Trial) -> float:
     if trial.number == 1:
         raise KeyError("boom")

@@ -53,7 +53,8 @@ class RayExecutor(WaterwaveExecutor):
     ``study.optimize``. Host actors reach the study through Optuna's gRPC storage proxy
     (``optuna.storages.GrpcStorageProxy``) served by the driver around the study's own storage:
     an in-memory study, a journal file or an RDB URL all work unchanged, and only the driver
-    touches the storage itself.
+    touches the storage itself. The proxy listens, unauthenticated, on the driver's node IP for
+    the length of :meth:`optimize`; run it on a network the cluster alone can reach.
 
     A host actor that dies (killed, crashed, its node lost) has each of its running trials told
     FAIL (``waterwave:fail_reason`` says why) and its parameters re-queued on the remaining hosts
