@@ -191,7 +191,9 @@ class RayExecutor(WaterwaveExecutor):
             ray.init()
         n_hosts = self._resolve_n_hosts(ray)
         host_ip = ray.util.get_node_ip_address()
-        self._server = StorageProxyServer(study._storage, host=host_ip)
+        # One server thread per trial that may call the storage at once, within reason.
+        threads = min(64, max(8, n_hosts * self.trials_per_device))
+        self._server = StorageProxyServer(study._storage, host=host_ip, max_workers=threads)
         self._run_state = _ClusterState(n_hosts)
         try:
             super().optimize(
