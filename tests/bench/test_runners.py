@@ -63,3 +63,32 @@ def test_bad_arguments() -> None:
         run_method(Method.TEMPORAL, SPEC, PARAMS, CPU, k=0, seed=0, capacity_bytes=1)
     with pytest.raises(ValueError, match="params is empty"):
         run_method(Method.TEMPORAL, SPEC, [], CPU, k=1, seed=0, capacity_bytes=1)
+
+
+def test_call_in_child_returns_the_value_or_the_error() -> None:
+    import math
+
+    from waterwave_hpo.bench._runners import call_in_child
+
+    assert call_in_child(math.factorial, 5) == 120
+    with pytest.raises(RuntimeError, match="factorial failed in a child process"):
+        call_in_child(math.factorial, -1)
+
+
+def test_waterwave_reruns_an_evicted_trial_with_the_same_parameters() -> None:
+    # fifo with 4 trials of the same model at a budget that fits 2 peaks but not 3 in step:
+    # a deadlock evicts a trial; the executor re-runs it, and the re-run trains the same
+    # parameter set (same index), so every index completes.
+    from waterwave_hpo.bench import profile_trial
+
+    spec = WorkloadSpec(Workload.GPT, Setting.HIGH, batch_size=8, steps=6, seq_len=16)
+    params = [draw_params(Workload.GPT, 1, seed=0)[0]] * 4
+    peak = profile_trial(spec, params[0]).peak_bytes
+    run = run_method(
+        Method.WATERWAVE_FIFO, spec, params, CPU, k=4, seed=0, capacity_bytes=int(2.2 * peak)
+    )
+    assert run.completed == {0, 1, 2, 3}
+    retried = [r for r in run.records if r.attempt > 0]
+    assert retried, run.note  # the budget forces at least one eviction
+    for r in retried:
+        assert any(o.index == r.index and o.oom for o in run.records if o.attempt == 0)

@@ -324,6 +324,7 @@ def _machine(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -400,8 +401,19 @@ def _readme(
     lines = [f"# waterwave-hpo bench: {device_name(device)}, {started:%Y-%m-%d %H:%M} UTC", ""]
     if device.type != "cuda":
         lines += [f"**{CPU_NOTICE}**", ""]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     lines += [
         "Command: `" + " ".join(config.command) + "`",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        + (
+            f", load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) when "
+            "the run ended: a load above the core count means other jobs shared the machine "
+            "and the timings are noisy"
+            if load is not None
+            else ""
+        )
+        + ".",
         "",
         f"Every workload ran under every method with the same {config.trials} trials (parameter "
         f"sets drawn once, seed {config.seed}), the same batch sizes and steps, {config.k} at a "

@@ -427,20 +427,24 @@ def _run_waterwave(
 
     lock = threading.Lock()
     number_to_index: dict[int, int] = {}
+    fresh = iter(range(len(params)))
 
+    # The trials are not enqueued up front: the executor re-queues an out-of-memory trial with
+    # study.enqueue_trial and expects the next ask() to return it, which pre-enqueued trials
+    # would pre-empt (ask() pops the oldest waiting trial). So each fresh trial takes the next
+    # parameter set from the list, a re-run the set of the trial it repeats; the objective
+    # never calls suggest, so the sampler cannot change the trials.
     def objective(trial: optuna.trial.Trial) -> float:
         ctx = current()
         with lock:
-            if _INDEX_ATTR in trial.user_attrs:
-                index = int(trial.user_attrs[_INDEX_ATTR])
-            else:  # a re-run after OOM: enqueued by the executor with retry_of
-                index = number_to_index[int(trial.user_attrs[ATTR_RETRY_OF])]
+            retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
+            index = next(fresh) if retry_of is None else number_to_index[int(retry_of)]
             number_to_index[trial.number] = index
             record = TrialRecord(index=index, attempt=ctx.attempt, slot=ctx.slot)
             run.records.append(record)
-        trial_params = _suggest_all(trial, run.spec)
+        trial.set_user_attr(_INDEX_ATTR, index)
         return train(
-            run.spec, trial_params, record, ctx.device, seed=seed, gated=True, stream=ctx.stream
+            run.spec, params[index], record, ctx.device, seed=seed, gated=True, stream=ctx.stream
         )
 
     policy = "fifo" if run.method is Method.WATERWAVE_FIFO else "waterwave"
@@ -451,7 +455,9 @@ def _run_waterwave(
         policy=policy,
     )
     logging.getLogger("waterwave_hpo").setLevel(logging.ERROR)
-    executor.optimize(_study(params), objective, n_trials=len(params), catch=(Exception,))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    executor.optimize(study, objective, n_trials=len(params), catch=(Exception,))
     scheduler = executor.schedulers.get(str(device))
     note = ""
     if scheduler is not None:
