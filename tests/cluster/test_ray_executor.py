@@ -185,7 +185,9 @@ def test_a_killed_host_loses_no_trial() -> None:
     reruns = {t.user_attrs[ATTR_RETRY_OF]: t for t in trials if ATTR_RETRY_OF in t.user_attrs}
     assert sorted(reruns) == sorted(t.number for t in lost)
     for t in lost:
-        assert reruns[t.number].params == t.params
+        # What the lost attempt had sampled is run again (a neighbour killed before it sampled
+        # anything has nothing to carry over, and its re-run samples afresh).
+        assert reruns[t.number].params.items() >= t.params.items()
         assert reruns[t.number].user_attrs[ATTR_ATTEMPT] == 1
         assert reruns[t.number].state is TrialState.COMPLETE
 
