@@ -156,13 +156,14 @@ class RemoteHost:
 
     def _poll_loop(self) -> None:
         import ray
-        from ray.exceptions import ActorUnavailableError
 
+        # Transient (Ray >= 2.2x); older Rays report only deaths.
+        transient: Any = getattr(ray.exceptions, "ActorUnavailableError", ())
         unavailable = 0
         while not self._stop.is_set() and not self.lost:
             try:
                 records, snapshot = ray.get(self.actor.poll.remote(_POLL_S))
-            except ActorUnavailableError as error:
+            except transient as error:
                 unavailable += 1
                 if unavailable > _UNAVAILABLE_RETRIES:
                     self._mark_lost(error)
