@@ -325,6 +325,8 @@ def _machine(device: torch.device) -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch_intra_op_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -411,6 +413,12 @@ def _readme(
             "the run ended: a load above the core count means other jobs shared the machine "
             "and the timings are noisy"
             if load is not None
+            else ""
+        )
+        + f"; torch intra-op threads per process: {torch.get_num_threads()}"
+        + (
+            f" (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+            if "OMP_NUM_THREADS" in os.environ
             else ""
         )
         + ".",
