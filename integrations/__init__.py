@@ -2,4 +2,6 @@
 
 - :mod:`waterwave_hpo.integrations.optuna`: ``create_study``/``load_study`` returning a study whose
   ``optimize`` takes ``executor=``.
+- :mod:`waterwave_hpo.integrations.ray_tune`: ``shared_gpu()`` for Ray Tune, memory leases per GPU
+  (needs the ``ray`` extra).
 """
