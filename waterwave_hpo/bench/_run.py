@@ -460,7 +460,9 @@ def _readme(
         "How to read it:",
         "- *peak MiB*: on CUDA the device's used memory above the baseline (cudaMemGetInfo "
         "sampled every 5 ms, all processes); on the CPU only the waterwave scheduler's ledger "
-        "(bytes accounted from NodeGroup profiles), elsewhere empty.",
+        "(bytes accounted from NodeGroup profiles), elsewhere empty. Under waterwave each "
+        "trial's first step profiles its model and runs ungated, so with one step per trial "
+        "the ledger sees nothing.",
         "- *host ms/step*: median time Python takes to issue one training step. On CUDA it is "
         "the dispatch time, spent under the GIL by co-hosted trials; when it is not much "
         "smaller than *device ms/step* (CUDA events on the trial's stream) the model is "
