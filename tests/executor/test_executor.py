@@ -411,3 +411,27 @@ def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry() -> Non
     study = optuna.create_study()
     _cpu(2).optimize(study, objective, n_trials=2)
     assert freed_before_retry == [True]
+
+
+def test_out_of_memory_rerun_runs_even_behind_trials_the_user_enqueued() -> None:
+    inside = threading.Barrier(2, timeout=20)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0, 1)
+        if trial.number < 2:
+            inside.wait()
+        if trial.number == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        time.sleep(0.05)
+        return x
+
+    study = optuna.create_study()
+    for x in (0.1, 0.2, 0.3, 0.4):
+        study.enqueue_trial({"x": x})
+    _cpu(2).optimize(study, objective, n_trials=3)
+    trials = study.get_trials(deepcopy=False)
+    assert all(t.state.is_finished() for t in trials)  # nothing left WAITING or RUNNING
+    reruns = [t for t in trials if t.user_attrs.get("waterwave:retry_of") == 0]
+    assert len(reruns) == 1
+    assert reruns[0].state is TrialState.COMPLETE
+    assert reruns[0].params == trials[0].params

@@ -270,6 +270,8 @@ class _RetryRequest:
     max_running: int | None
     """Run only on a host with at most this many trials running (fewer neighbours than at OOM);
     ``None``: on any host (a re-run after its host was lost)."""
+    enqueued: bool = False
+    """Whether its parameters are in the study's queue (``study.enqueue_trial``) already."""
 
 
 class _OptimizeRun:
@@ -357,12 +359,8 @@ class _OptimizeRun:
                 host = self._host_for(max_running=request.max_running)
                 if host is None:
                     return
-                self.retries.popleft()
-                self.study.enqueue_trial(
-                    request.params,
-                    user_attrs={ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
-                    skip_if_exists=False,
-                )
+                if not self._enqueue(request):
+                    continue
             else:
                 host = self._host_for(max_running=None)
                 if host is None:
@@ -371,11 +369,41 @@ class _OptimizeRun:
             attempt = int(trial.user_attrs.get(ATTR_ATTEMPT, 0))
             retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
             if attempt == 0:
+                # A new trial, sampled or enqueued by the user (ask() pops the oldest WAITING
+                # trial, which may be older than a re-run we enqueued; that one comes next).
                 self.n_started += 1
+            else:
+                for request in list(self.retries):
+                    if (request.retry_of, request.attempt) == (retry_of, attempt):
+                        self.retries.remove(request)
             slot = host.idle_slot()
             assert slot is not None
             host.submit(slot, TrialJob(trial, attempt, retry_of))
             self.asked = None
+
+    def _enqueue(self, request: _RetryRequest) -> bool:
+        """Put ``request``'s parameters in the study's queue, once.
+
+        Returns ``False`` (and forgets the request) when it was enqueued before and is no longer
+        waiting: another process sharing the study took it and runs it.
+        """
+        if not request.enqueued:
+            self.study.enqueue_trial(
+                request.params,
+                user_attrs={ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
+                skip_if_exists=False,
+            )
+            request.enqueued = True
+            return True
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if any(
+            (t.user_attrs.get(ATTR_RETRY_OF), t.user_attrs.get(ATTR_ATTEMPT))
+            == (request.retry_of, request.attempt)
+            for t in waiting
+        ):
+            return True
+        self.retries.remove(request)
+        return False
 
     def _host_for(self, max_running: int | None) -> DeviceHost | None:
         # The host with the most room: fewest running trials among those with an idle slot.
