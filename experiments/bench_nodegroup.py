@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from collections.abc import Iterator
 import contextlib
 import copy
 from dataclasses import asdict
@@ -45,8 +44,8 @@ import time
 import torch
 from torch import nn
 
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor import TrialContext
+from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
 from waterwave_hpo.nodegroup import trial_profile
@@ -102,8 +101,9 @@ class Block(nn.Module):
 class GPTish(nn.Module):
     """GPT-style transformer. Input token ids [B, T=32] -> logits [B, T, vocab=128]."""
 
-    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 3,
-                 ctx: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 3, ctx: int = 32
+    ) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
         self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
@@ -136,23 +136,20 @@ def _token_batch(b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 WORKLOADS = {
     "resnet": Workload("resnet", ResNetish, _image_batch, nn.functional.cross_entropy),
     "gpt": Workload(
-        "gpt", GPTish, _token_batch,
+        "gpt",
+        GPTish,
+        _token_batch,
         lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
     ),
 }
 
 
 # ----------------------------------------------------------------------------- runs
-@contextlib.contextmanager
-def in_trial(scheduler: PipelineScheduler, n: int) -> Iterator[None]:
+def in_trial(
+    scheduler: PipelineScheduler, n: int
+) -> contextlib.AbstractContextManager[TrialContext]:
     """Run the body as trial ``n`` of ``scheduler``, as the executor does."""
-    scheduler.trial_started(n, None)
-    token = _CURRENT.set(TrialContext(None, n, torch.device("cpu"), None, 0, 0, scheduler))  # type: ignore[arg-type]
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-        scheduler.trial_finished(n)
+    return trial_scope(scheduler, n)
 
 
 def gated_model(w: Workload, batch: int, groups: int | str, seed: int = 0) -> nn.Module:
@@ -169,8 +166,9 @@ def train(w: Workload, model: nn.Module, batch: int, steps: int) -> None:
         opt.step()
 
 
-def co_hosted_ok(w: Workload, batch: int, budget: int, policy: str, copies: int,
-                 steps: int, groups: int | str) -> bool:
+def co_hosted_ok(
+    w: Workload, batch: int, budget: int, policy: str, copies: int, steps: int, groups: int | str
+) -> bool:
     """Whether ``copies`` co-hosted trials all finish ``steps`` steps at ``batch``, no trial
     evicted, *and* concurrently: every trial finished a forward pass before any trial ended
     (a policy that serializes whole trials is temporal sharing, not co-hosting)."""
@@ -226,8 +224,9 @@ def per_sample_and_resident(w: Workload, groups: int | str) -> tuple[float, int]
     return (p16.activation_bytes - p8.activation_bytes) / 8, p8.resident_bytes
 
 
-def paired_step_times(w: Workload, bare: nn.Module, gated: nn.Module, batch: int,
-                      steps: int) -> tuple[list[float], list[float]]:
+def paired_step_times(
+    w: Workload, bare: nn.Module, gated: nn.Module, batch: int, steps: int
+) -> tuple[list[float], list[float]]:
     """Alternate one bare and one gated training step, ``steps`` times each, inside one trial
     of an uncontended scheduler (the gates run, never wait). Returns seconds per step."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (bare, gated)]
@@ -276,8 +275,7 @@ class Row:
     gates_per_step: int
 
 
-def measure(w: Workload, solo_target: int, groups: int | str, steps: int,
-            timing_steps: int) -> Row:
+def measure(w: Workload, solo_target: int, groups: int | str, steps: int, timing_steps: int) -> Row:
     per_sample, resident = per_sample_and_resident(w, groups)
     budget = int(resident + solo_target * per_sample)
     hi = solo_target * 2
@@ -305,10 +303,17 @@ def measure(w: Workload, solo_target: int, groups: int | str, steps: int,
     a_s, b_s = paired_step_times(w, bare, copy.deepcopy(bare), batch, timing_steps)
     noise = statistics.median(abs(a - b) for a, b in zip(a_s, b_s, strict=True))
     return Row(
-        model=w.name, budget_bytes=budget, resident_bytes=resident,
-        activation_bytes_per_sample=per_sample, groups=n_groups,
-        solo_batch=solo, no_gates_batch=no_gates, fifo_batch=fifo, waterwave_batch=ww,
-        no_gates_fraction=no_gates / solo, fifo_fraction=fifo / solo,
+        model=w.name,
+        budget_bytes=budget,
+        resident_bytes=resident,
+        activation_bytes_per_sample=per_sample,
+        groups=n_groups,
+        solo_batch=solo,
+        no_gates_batch=no_gates,
+        fifo_batch=fifo,
+        waterwave_batch=ww,
+        no_gates_fraction=no_gates / solo,
+        fifo_fraction=fifo / solo,
         waterwave_fraction=ww / solo,
         step_bare_us=t_bare * 1e6,
         gate_overhead_us=overhead * 1e6,
@@ -322,8 +327,11 @@ def measure(w: Workload, solo_target: int, groups: int | str, steps: int,
 def _git_commit() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-            capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -333,7 +341,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
     parser.add_argument(
-        "--solo-batch", type=int, default=64,
+        "--solo-batch",
+        type=int,
+        default=64,
         help="the budget is set so one trial's accounted peak fits about this batch",
     )
     parser.add_argument("--groups", default="8", help="NodeGroups per model, or 'auto'")
@@ -344,8 +354,10 @@ def main() -> int:
     groups: int | str = args.groups if args.groups == "auto" else int(args.groups)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = [measure(WORKLOADS[m], args.solo_batch, groups, args.steps, args.timing_steps)
-            for m in args.models]
+    rows = [
+        measure(WORKLOADS[m], args.solo_batch, groups, args.steps, args.timing_steps)
+        for m in args.models
+    ]
     wall_s = time.perf_counter() - started
     header = (
         "CPU, ledger-accounted bytes (activations saved for backward + params + grads; "
@@ -398,7 +410,9 @@ def main() -> int:
         md.write_text(
             "# NodeGroup pipeline, CPU ledger\n\n"
             + "".join(f"- {k}: {v}\n" for k, v in meta.items())
-            + "\n```\n" + "\n".join(lines) + "\n```\n"
+            + "\n```\n"
+            + "\n".join(lines)
+            + "\n```\n"
         )
         print(f"wrote {out} and {md}")
     return 0

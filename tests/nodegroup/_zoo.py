@@ -9,46 +9,43 @@ import math
 import torch
 from torch import nn
 
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.scheduler import PipelineScheduler
 
 
 @contextlib.contextmanager
 def in_trial(scheduler: PipelineScheduler | None, trial_number: int = 0) -> Iterator[None]:
     """Run the body as trial ``trial_number`` of ``scheduler``, as the executor would."""
-    if scheduler is not None:
-        scheduler.trial_started(trial_number, None)
-    token = _CURRENT.set(
-        TrialContext(
-            trial=None,  # type: ignore[arg-type]
-            trial_number=trial_number,
-            device=torch.device("cpu"),
-            stream=None,
-            slot=0,
-            scheduler=scheduler,
-        )
-    )
-    try:
+    with trial_scope(scheduler, trial_number):
         yield
-    finally:
-        _CURRENT.reset(token)
-        if scheduler is not None:
-            scheduler.trial_finished(trial_number)
 
 
 def mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.1),
-        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3),
+        nn.Linear(12, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Dropout(0.1),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 3),
     )
 
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(16, 5),
     )
 
@@ -116,8 +113,9 @@ class TransformerBlock(nn.Module):
 class TinyGPT(nn.Module):
     """GPT-style: token + position embeddings, pre-LN blocks, tied head."""
 
-    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, layers: int = 3,
-                 ctx: int = 16) -> None:
+    def __init__(
+        self, vocab: int = 50, d: int = 32, heads: int = 4, layers: int = 3, ctx: int = 16
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(ctx, d)

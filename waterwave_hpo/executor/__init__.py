@@ -4,6 +4,7 @@ from waterwave_hpo.executor._context import NotInTrialError
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._context import current
 from waterwave_hpo.executor._context import current_or_none
+from waterwave_hpo.executor._context import trial_scope
 from waterwave_hpo.executor._executor import WaterwaveExecutor
 from waterwave_hpo.executor._host import TrialInterrupted
 from waterwave_hpo.executor._memory import MemoryPoolMode
@@ -20,4 +21,5 @@ __all__ = [
     "current",
     "current_or_none",
     "is_out_of_memory",
+    "trial_scope",
 ]

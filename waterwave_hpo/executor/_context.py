@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,3 +78,48 @@ def current() -> TrialContext:
 def current_or_none() -> TrialContext | None:
     """Return the running trial's context, or ``None`` outside a trial (never raises)."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def trial_scope(
+    scheduler: Any,
+    trial_number: int,
+    *,
+    trial: optuna.trial.Trial | None = None,
+    device: torch.device | str = "cpu",
+) -> Iterator[TrialContext]:
+    """Run a block as trial ``trial_number`` of ``scheduler``, as the executor's slots do.
+
+    For notebooks, tests and benchmarks that drive a
+    :class:`~waterwave_hpo.scheduler.PipelineScheduler` without the executor: inside the block
+    :func:`current` returns the context and NodeGroup gates reserve memory in ``scheduler``;
+    on exit (normal or not) the trial is finished in the scheduler, releasing all it holds.
+
+    Args:
+        scheduler: The scheduler the gates use, or ``None`` for none.
+        trial_number: The trial's number (its key in the scheduler).
+        trial: The Optuna trial, if there is one (the scheduler reads its reported values).
+        device: The device the block's model runs on.
+
+    Yields:
+        The :class:`TrialContext` that is current in the block.
+    """
+    import torch
+
+    context = TrialContext(
+        trial=trial,  # type: ignore[arg-type]
+        trial_number=trial_number,
+        device=torch.device(device),
+        stream=None,
+        slot=0,
+        scheduler=scheduler,
+    )
+    if scheduler is not None:
+        scheduler.trial_started(trial_number, trial)
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)
+        if scheduler is not None:
+            scheduler.trial_finished(trial_number)
