@@ -36,7 +36,8 @@ def called_leaves(model: nn.Module, x: torch.Tensor) -> list[str]:
 def leaves_under(model: nn.Module, name: str) -> list[str]:
     prefix = f"{name}." if name else ""
     return [
-        n for n, m in model.named_modules()
+        n
+        for n, m in model.named_modules()
         if not list(m.children()) and (n == name or n.startswith(prefix))
     ]
 

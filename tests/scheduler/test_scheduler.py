@@ -21,7 +21,10 @@ from waterwave_hpo.scheduler.testing import run_simulated_trials
 
 
 def blocked_acquire(
-    scheduler: PipelineScheduler, trial: int, group: int, nbytes: int,
+    scheduler: PipelineScheduler,
+    trial: int,
+    group: int,
+    nbytes: int,
     phase: Phase = Phase.FORWARD,
 ) -> tuple[threading.Thread, list[object]]:
     """Start ``acquire`` in a thread; return it and a list that gets its result or error."""
@@ -71,7 +74,12 @@ def test_request_larger_than_the_budget_raises_with_the_fix() -> None:
         s.acquire(5, 1, 70)
     e = info.value
     assert (e.trial_number, e.nbytes, e.held_bytes, e.budget_bytes, e.evicted) == (
-        5, 70, 40, 100, False)
+        5,
+        70,
+        40,
+        100,
+        False,
+    )
     assert isinstance(e, RuntimeError)
     msg = str(e)
     assert "Trial 5 wanted 70 bytes" in msg and "100 bytes" in msg

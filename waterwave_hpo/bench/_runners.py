@@ -207,7 +207,7 @@ def _run_here(
     cuda = device.type == "cuda"
     notes = []
     if cuda:
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         peak: _DevicePeak | None = _DevicePeak(device)
         run.peak_memory_source = "device used bytes above the baseline (cudaMemGetInfo, 5 ms)"
     else:
@@ -333,7 +333,7 @@ def _run_optuna(
             run.records.append(record)
         if per_stream and device.type == "cuda":
             if not hasattr(local, "stream"):
-                local.stream = torch.cuda.Stream(device)
+                local.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             with torch.cuda.stream(local.stream):
                 return train(run.spec, trial_params, record, device, seed=seed, stream=local.stream)
         return train(run.spec, trial_params, record, device, seed=seed)

@@ -146,17 +146,17 @@ def train(
             x, y = batches[step % len(batches)]
             t0 = time.perf_counter()
             if cuda:
-                begin = torch.cuda.Event(enable_timing=True)
+                begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 begin.record(stream)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of(spec, model(x), y)
             held = _trial_bytes(stream)  # the forward peak: activations saved for backward
             if held is not None:
                 record.memory.append((time.time(), held))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             if cuda:
-                end = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 end.record(stream)
                 events.append((begin, end))
             host.append(time.perf_counter() - t0)

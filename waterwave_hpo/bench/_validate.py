@@ -41,7 +41,7 @@ def _started(device: str, results: Any) -> None:
     import waterwave_hpo.bench._train  # noqa: F401  (what a spatial worker imports)
 
     if device.startswith("cuda"):
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.zeros(1, device=device)
     results.put(time.time())
 

@@ -114,7 +114,7 @@ class _Block(nn.Module):
         mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
 
 
 class _Embed(nn.Module):
@@ -124,7 +124,7 @@ class _Embed(nn.Module):
         self.pos = nn.Parameter(torch.zeros(1, max_len, d))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos[:, : idx.shape[1]]
+        return self.tok(idx) + self.pos[:, : idx.shape[1]]  # type: ignore[no-any-return]
 
 
 GPT_VOCAB = 256

@@ -63,9 +63,7 @@ def partition(sizes: Sequence[int], k: int) -> Partition:
     values: list[int] = []
     for i, s in enumerate(sizes):
         if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 0:
-            raise ValueError(
-                f"sizes[{i}] is {s!r}; every size must be a non-negative int (bytes)."
-            )
+            raise ValueError(f"sizes[{i}] is {s!r}; every size must be a non-negative int (bytes).")
         values.append(int(s))
     if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= n:
         raise ValueError(

@@ -153,11 +153,11 @@ def pipeline(
             ``example_input`` leads to no output that requires grad.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"model is of type {type(model).__name__!r} but must be a torch.nn.Module."
-        )
-    if not (groups == "auto" or (isinstance(groups, int) and not isinstance(groups, bool)
-                                 and groups >= 1)):
+        raise TypeError(f"model is of type {type(model).__name__!r} but must be a torch.nn.Module.")
+    if not (
+        groups == "auto"
+        or (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1)
+    ):
         raise ValueError(
             f"groups is {groups!r} but must be 'auto' or an int >= 1 (the number of NodeGroups)."
         )

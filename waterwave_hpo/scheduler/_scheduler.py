@@ -424,9 +424,7 @@ class PipelineScheduler:
         del self._waiting[r.seq]
         state = self._trials[r.trial_number]
         del state.pending[r.seq]
-        state.peak_held_bytes = max(
-            state.peak_held_bytes, self._ledger.held_bytes(r.trial_number)
-        )
+        state.peak_held_bytes = max(state.peak_held_bytes, self._ledger.held_bytes(r.trial_number))
 
     def _dispatch_locked(self) -> None:
         self._drain_deferred_locked()

@@ -96,5 +96,7 @@ class SchedulerStats:
         for t in self.trials:
             if t.trial_number == trial_number:
                 return t
-        raise KeyError(f"trial {trial_number} is not in these stats; known: "
-                       f"{[t.trial_number for t in self.trials]}")
+        raise KeyError(
+            f"trial {trial_number} is not in these stats; known: "
+            f"{[t.trial_number for t in self.trials]}"
+        )

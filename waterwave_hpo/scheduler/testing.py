@@ -126,9 +126,7 @@ def run_simulated_trials(
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     hung = tuple(n for n, t in enumerate(threads) if t.is_alive())
-    return SimulatedRun(
-        tuple(sorted(completed)), tuple(sorted(evicted)), peak[0], hung, scheduler
-    )
+    return SimulatedRun(tuple(sorted(completed)), tuple(sorted(evicted)), peak[0], hung, scheduler)
 
 
 def check_budget_and_liveness(policy_factory: Callable[[], Policy], seeds: int = 6) -> None:

@@ -145,7 +145,7 @@ class _Simulation:
 
     def _max_slots(self) -> int:
         c = self.sharing.concurrency
-        return self.sharing.max_concurrency if c == "auto" else int(c)  # type: ignore[arg-type]
+        return self.sharing.max_concurrency if c == "auto" else int(c)
 
     def _next_seq(self) -> int:
         self.seq += 1
