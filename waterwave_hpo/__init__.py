@@ -17,10 +17,22 @@ from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import current
 from waterwave_hpo.executor import current_or_none
-from waterwave_hpo.integrations.optuna import Study
-from waterwave_hpo.integrations.optuna import create_study
-from waterwave_hpo.integrations.optuna import load_study
-from waterwave_hpo.integrations.optuna import wrap_study
+
+try:
+    from waterwave_hpo.integrations.optuna import Study
+    from waterwave_hpo.integrations.optuna import create_study
+    from waterwave_hpo.integrations.optuna import load_study
+    from waterwave_hpo.integrations.optuna import wrap_study
+except ModuleNotFoundError as _error:  # pragma: no cover - only in a source checkout
+    if _error.name != "waterwave_hpo.integrations":
+        raise
+    raise ImportError(
+        f"waterwave_hpo was imported from a source checkout ({__path__[0]}), where "
+        "integrations/ is not inside the package and the memory pool library is not built. "
+        "Install it (`pip install .` from the repository root) and run from another directory "
+        "(`python -m pytest` and Ray drivers started at the repository root put the checkout "
+        "first on sys.path; use `pytest`)."
+    ) from None
 from waterwave_hpo.nodegroup import NodeGroup
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
