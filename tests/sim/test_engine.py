@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim import AttemptOutcome
 from waterwave_hpo.sim import Sharing
 from waterwave_hpo.sim import SimDevice
 from waterwave_hpo.sim import SimTrial
+from waterwave_hpo.sim import predict_auto_packing
 from waterwave_hpo.sim import simulate
 
 
@@ -145,15 +147,36 @@ def test_host_work_is_shared_by_co_hosted_trials_only() -> None:
     assert separate.makespan_s == pytest.approx(2.0)
 
 
-def test_auto_concurrency_admits_by_policy_fits() -> None:
-    # waterwave fits: sum(resident) + max(activation): 3 trials need 30 + 80 = 110 <= 120,
-    # a 4th would need 120 + ... = 40 + 80 = 120 <= 120 too, a 5th 130 > 120.
+def test_auto_concurrency_does_not_start_trials_that_could_only_wait() -> None:
+    # Capacity 120, each trial 10 resident + two 40-byte groups (peak 90). waterwave's fits
+    # admits 4 (4 * 10 + 80 = 120), but next to one trial's step (90) a second trial's resident
+    # and first group (10 + 40) never fit: only one step runs at a time, so extra trials could
+    # only wait. "auto" runs one at a time and loses nothing against 4 at once.
     t = SimTrial(two_groups(), (1.0, 1.0), (1.0, 1.0))
-    r = simulate([t] * 6, SimDevice(120), Sharing("auto", policy="waterwave"))
-    assert r.max_concurrent == 4
+    assert make_policy("waterwave").fits([two_groups()] * 4, 120)
+    device = SimDevice(120, compute_parallelism=4.0)
+    auto = simulate([t] * 6, device, Sharing("auto", policy="waterwave"))
+    four = simulate([t] * 6, device, Sharing(4, policy="waterwave"))
+    assert auto.max_concurrent == 1
+    assert auto.makespan_s == pytest.approx(24.0) == four.makespan_s
     fifo = simulate([t] * 6, SimDevice(120), Sharing("auto", policy="fifo"))
     assert fifo.max_concurrent == 1  # 2 * 90 > 120
     assert fifo.makespan_s == pytest.approx(24.0)
+
+
+def test_auto_concurrency_stops_where_the_prediction_does_below_what_fits() -> None:
+    # 30 resident + two 20-byte groups, capacity 200: fits admits 5 (150 + 40 <= 200), the
+    # prediction picks fewer; "auto" starts that many and is not slower than 5 at once.
+    profile = TrialProfile.of(30, [20, 20])
+    t = SimTrial.uniform(profile, 1.0, steps=2)
+    fitting = max(k for k in range(1, 9) if make_policy("waterwave").fits([profile] * k, 200))
+    best_k = predict_auto_packing(profile, 200, "waterwave", 16).best_k
+    assert fitting == 5 and 2 <= best_k < fitting
+    device = SimDevice(200, compute_parallelism=16.0)
+    auto = simulate([t] * 10, device, Sharing("auto", policy="waterwave"))
+    at_fit = simulate([t] * 10, device, Sharing(fitting, policy="waterwave"))
+    assert auto.max_concurrent == best_k
+    assert auto.makespan_s <= at_fit.makespan_s + 1e-9
 
 
 def test_memory_timeline_returns_to_zero() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim import SimTrial
+from waterwave_hpo.sim import predict_auto_packing
 from waterwave_hpo.sim import predict_packing
 
 
@@ -33,6 +35,25 @@ def test_packing_that_fails_trials_is_never_chosen() -> None:
     assert not pred.option(2).fits
     assert all(o.n_failed == 0 for o in pred.options if o.k == pred.best_k)
     assert p.peak_bytes == 60
+
+
+def test_auto_packing_stops_where_residents_starve_the_pipeline() -> None:
+    # 100 resident + 220 of activations (peak 320), capacity 1000: the ledger fits 7 at once
+    # (700 + 220 <= 1000), but every trial past the fourth takes 100 bytes the pipeline needs
+    # for the others' forwards, so the simulated makespan gets worse beyond 4.
+    profile = TrialProfile.of(100, [50, 60, 70, 40])
+    assert make_policy("waterwave").fits([profile] * 7, 1000)
+    pred = predict_auto_packing(profile, 1000, "waterwave", max_k=8)
+    assert [o.k for o in pred.options] == list(range(1, 9))
+    assert pred.best_k == 4
+    assert pred.option(5).makespan_s > pred.option(4).makespan_s
+    assert pred.option(7).makespan_s > pred.option(4).makespan_s
+    assert pred.speedup > 3.0  # four trials overlap well on a device that runs them at once
+
+
+def test_auto_packing_of_a_profile_too_big_for_the_device_says_so() -> None:
+    with pytest.raises(ValueError, match="capacity_bytes=100"):
+        predict_auto_packing(TrialProfile.of(60, [60]), 100, "waterwave", max_k=4)
 
 
 def test_bad_arguments() -> None:

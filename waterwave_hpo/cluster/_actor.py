@@ -162,7 +162,13 @@ class HostActor:
             gc_after_trial=spec.gc_after_trial,
             outcomes=queue.SimpleQueue(),
         )
-        memory = make_device_memory(device, spec.memory_pool, spec.memory_budget_bytes, spec.policy)
+        memory = make_device_memory(
+            device,
+            spec.memory_pool,
+            spec.memory_budget_bytes,
+            spec.policy,
+            max_trials=spec.n_slots,
+        )
         self._host = DeviceHost(
             device, spec.n_slots, settings, memory=memory, admit_by_memory=spec.admit_by_memory
         )

@@ -27,6 +27,7 @@ from waterwave_hpo.executor._devices import DeviceSpec
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._outcome import OnOOM
@@ -37,6 +38,7 @@ from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
 from waterwave_hpo.scheduler import make_policy
+from waterwave_hpo.sim import PackingPrediction
 
 _logger = logging.getLogger("waterwave_hpo")
 
@@ -71,7 +73,9 @@ class WaterwaveExecutor:
             up to ``max_trials_per_device``, starting another trial only while the device's
             measured memory demand leaves room (on CUDA, the running trials' peaks in the pool
             plus the median peak of finished ones; with NodeGroup gates, their profiles fitting
-            the pipeline scheduler's budget). ``"auto"`` needs something to measure: CUDA, or
+            the pipeline scheduler's budget, and no more trials than the simulator predicts is
+            fastest for the largest profile seen, see :attr:`packing_predictions`). ``"auto"``
+            needs something to measure: CUDA, or
             ``memory_budget_bytes`` with :func:`waterwave_hpo.pipeline` in the objective;
             otherwise trials run one at a time.
         on_oom: ``"retry"`` (default): a trial that runs out of device memory while it had
@@ -138,6 +142,7 @@ class WaterwaveExecutor:
         )
         self.policy = policy
         self._schedulers: dict[str, PipelineScheduler] = {}
+        self._memories: dict[str, DeviceMemory] = {}
         if not isinstance(policy, Policy):
             make_policy(policy)  # a bad name fails here, before any trial
         try:
@@ -156,7 +161,11 @@ class WaterwaveExecutor:
                 self.trials_per_device,
                 settings,
                 memory=make_device_memory(
-                    device, self.memory_pool, self.memory_budget_bytes, self.policy
+                    device,
+                    self.memory_pool,
+                    self.memory_budget_bytes,
+                    self.policy,
+                    max_trials=self.trials_per_device,
                 ),
                 admit_by_memory=self.auto_trials,
             )
@@ -168,6 +177,16 @@ class WaterwaveExecutor:
         """The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
         recent :meth:`optimize` call, for their ``stats()``; devices without one are left out."""
         return dict(self._schedulers)
+
+    @property
+    def packing_predictions(self) -> dict[str, PackingPrediction]:
+        """What ``trials_per_device="auto"`` follows on each device (``"cpu"``, ``"cuda:0"``,
+        ...) in the most recent :meth:`optimize` call: the simulator's best number of trials at
+        once for the largest NodeGroup profile seen there
+        (:func:`waterwave_hpo.sim.predict_auto_packing`). Devices with no prediction yet (no
+        gates declared a profile, no scheduler, or a fixed ``trials_per_device``) are left out."""
+        predictions = {name: memory.packing for name, memory in self._memories.items()}
+        return {name: p for name, p in predictions.items() if p is not None}
 
     def __repr__(self) -> str:
         devices = ", ".join(str(device) for device in self.devices)
@@ -259,6 +278,11 @@ class WaterwaveExecutor:
             str(host.device): host.scheduler for host in run.hosts if host.scheduler is not None
         }
         self._schedulers = executor_schedulers
+        self._memories = {
+            str(host.device): host.memory
+            for host in run.hosts
+            if isinstance(getattr(host, "memory", None), DeviceMemory)
+        }
         run.execute()
 
 

@@ -6,6 +6,10 @@ and opens one pool account per trial, so each trial's peak bytes are measured. T
 scheduler (Sec. 4) gets one ledger per device; its budget is ``memory_budget_bytes`` when given,
 else the pool's capacity, else the device's total memory. On the CPU there is no pool (CPU
 tensors cannot be routed through it) and a scheduler only when ``memory_budget_bytes`` is given.
+
+``trials_per_device="auto"`` admits another trial while the measured demand leaves room and,
+once NodeGroup gates have declared a profile, while fewer trials run than the simulator
+predicts is best for that profile (:func:`waterwave_hpo.sim.predict_auto_packing`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import torch
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
+from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.sim import PackingPrediction
+from waterwave_hpo.sim import predict_auto_packing
 
 _logger = logging.getLogger("waterwave_hpo")
 _HISTORY = 32  # finished trials' peaks kept per device for admission
@@ -46,6 +53,8 @@ class DeviceMemory:
         pool: The device's installed pool, or ``None``.
         scheduler: The device's scheduler, or ``None``.
         budget_bytes: The device's memory budget in bytes, or ``None`` for no budget.
+        max_trials: The most trials the device may run at once (``max_trials_per_device``); the
+            largest packing :meth:`has_room` simulates.
     """
 
     def __init__(
@@ -54,9 +63,13 @@ class DeviceMemory:
         pool: Any = None,
         scheduler: PipelineScheduler | None = None,
         budget_bytes: int | None = None,
+        max_trials: int = 1,
     ) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
+        self.max_trials = max_trials
+        # (the profile simulated, its prediction); read by other threads, replaced whole.
+        self._packing: tuple[TrialProfile, PackingPrediction | None] | None = None
         self.pool = pool
         self.scheduler = scheduler
         self._lock = threading.Lock()
@@ -102,16 +115,30 @@ class DeviceMemory:
             self._peaks.append(peak)
         return peak
 
+    @property
+    def packing(self) -> PackingPrediction | None:
+        """The simulator's prediction that admission follows now (``None`` before any NodeGroup
+        profile was declared, without a scheduler, or for a profile that does not fit alone)."""
+        packing = self._packing
+        return None if packing is None else packing[1]
+
     def has_room(self) -> bool:
         """Whether measured demand leaves room for another trial (trials_per_device="auto").
 
         Demand is the current peak of every running trial's account plus the typical (median)
         peak of finished trials for the newcomer; it must fit the budget, and the scheduler
-        (when there is one) must admit the largest NodeGroup profile it has seen. Without a pool
-        and without NodeGroup profiles nothing is measured, and trials run one at a time.
+        (when there is one) must admit the largest NodeGroup profile it has seen, with fewer
+        trials running than the simulator's best packing for that profile (:attr:`packing`).
+        Without a pool and without NodeGroup profiles nothing is measured, and trials run one at
+        a time. Call it from one thread (the executor's): it may run the simulator.
         """
         if self.scheduler is not None and not self.scheduler.admits(None):
             return False
+        best_k = self._predicted_k()
+        if best_k is not None:
+            with self._lock:
+                if len(self._running) >= best_k:
+                    return False
         if self.pool is None or self.budget_bytes is None:
             return self.scheduler is not None
         with self._lock:
@@ -127,14 +154,48 @@ class DeviceMemory:
         )
         return running + typical <= self.budget_bytes
 
+    def _predicted_k(self) -> int | None:
+        """The simulator's best trials-at-once for the largest profile seen (cached per profile)."""
+        if self.scheduler is None:
+            return None
+        profile = self.scheduler.largest_profile
+        if profile is None:
+            return None
+        cached = self._packing
+        if cached is None or cached[0] != profile:
+            try:
+                prediction: PackingPrediction | None = predict_auto_packing(
+                    profile, self.scheduler.budget_bytes, self.scheduler.policy, self.max_trials
+                )
+            except ValueError:  # it does not fit alone: such a trial fails alone, runs alone
+                prediction = None
+            cached = self._packing = (profile, prediction)
+            if prediction is not None:
+                _logger.info(
+                    "%s: the simulator predicts %d trial(s) at once is best for the largest "
+                    "NodeGroup profile seen (%d bytes resident + %d in %d groups; %.2fx one at "
+                    "a time); trials_per_device='auto' admits up to that.",
+                    self.device,
+                    prediction.best_k,
+                    profile.resident_bytes,
+                    profile.activation_bytes,
+                    len(profile.group_bytes),
+                    prediction.speedup,
+                )
+        prediction = cached[1]
+        return None if prediction is None else prediction.best_k
+
 
 def make_device_memory(
     device: torch.device,
     pool_mode: MemoryPoolMode,
     budget_bytes: int | None,
     policy: str | PolicyName | Policy,
+    *,
+    max_trials: int,
 ) -> DeviceMemory:
-    """Set up one device's pool and scheduler for an ``optimize`` call.
+    """Set up one device's pool and scheduler for an ``optimize`` call; ``max_trials`` is the
+    most trials the device may run at once.
 
     Raises:
         RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
@@ -148,7 +209,7 @@ def make_device_memory(
             capacity = int(torch.cuda.get_device_properties(device).total_memory)
         budget = int(capacity)
     scheduler = None if budget is None else PipelineScheduler(budget, policy)
-    return DeviceMemory(device, pool, scheduler, budget)
+    return DeviceMemory(device, pool, scheduler, budget, max_trials)
 
 
 def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:

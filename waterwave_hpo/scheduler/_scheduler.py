@@ -174,6 +174,16 @@ class PipelineScheduler:
         with self._cond:
             return self._ledger.used_bytes
 
+    @property
+    def largest_profile(self) -> TrialProfile | None:
+        """The largest (by ``peak_bytes``) of the last 64 profiles declared, or ``None``.
+
+        What :meth:`admits` assumes for a newcomer, and what ``trials_per_device="auto"``
+        simulates (:func:`waterwave_hpo.sim.predict_auto_packing`).
+        """
+        with self._cond:
+            return max(self._profiles_seen, key=lambda p: p.peak_bytes, default=None)
+
     # ---------------------------------------------------------------- executor side
     def trial_started(self, trial_number: int, trial: Any = None) -> None:
         """Register a trial before its objective runs (precondition of :meth:`acquire`).
@@ -217,9 +227,10 @@ class PipelineScheduler:
         with self._cond:
             running = [t for t in self._trials.values() if not t.evicted]
             if profile is None:
-                if not self._profiles_seen:
+                largest = max(self._profiles_seen, key=lambda p: p.peak_bytes, default=None)
+                if largest is None:
                     return not running
-                profile = max(self._profiles_seen, key=lambda p: p.peak_bytes)
+                profile = largest
             elif isinstance(profile, int):
                 profile = TrialProfile(0, (profile,))
             if any(not t.profiles for t in running):

@@ -142,6 +142,8 @@ class _Simulation:
         self.evictions = 0
         self.max_concurrent = 0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
+        self.largest_seen: TrialProfile | None = None
+        self.auto_caps: dict[TrialProfile, int | None] = {}
 
     def _max_slots(self) -> int:
         c = self.sharing.concurrency
@@ -200,8 +202,31 @@ class _Simulation:
                     nxt = _with_context(nxt, self.context_bytes)
                 if not self.fits_policy.fits([*profiles, nxt], self.cap):
                     return
+                cap = self._auto_cap([*profiles, nxt])
+                if cap is not None and len(self.running) >= cap:
+                    return
             source.popleft()
             self._launch(head)
+
+    def _auto_cap(self, profiles: list[TrialProfile]) -> int | None:
+        """``concurrency="auto"`` with a ledger, as the executor: no more trials at once than
+        :func:`~waterwave_hpo.sim.predict_auto_packing` picks for the largest profile seen."""
+        if self.policy is None:
+            return None
+        largest = max(profiles, key=lambda p: p.peak_bytes)
+        if self.largest_seen is None or largest.peak_bytes > self.largest_seen.peak_bytes:
+            self.largest_seen = largest
+        if self.largest_seen not in self.auto_caps:
+            from waterwave_hpo.sim._packing import predict_auto_packing  # it simulates, too
+
+            try:
+                best_k: int | None = predict_auto_packing(
+                    self.largest_seen, self.cap, self.policy, self.sharing.max_concurrency
+                ).best_k
+            except ValueError:  # does not fit alone: it runs (and fails) alone
+                best_k = None
+            self.auto_caps[self.largest_seen] = best_k
+        return self.auto_caps[self.largest_seen]
 
     def _launch(self, queued: _Queued) -> None:
         trial = self.trials[queued.trial_index]

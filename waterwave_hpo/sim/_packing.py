@@ -75,10 +75,9 @@ def predict_packing(
     """Predict the best ``trials_per_device`` for these trials on a device, before launching.
 
     Simulates the trials (:func:`simulate`) with ``k = 1 .. max_k`` at once under ``policy`` and
-    picks the fastest ``k`` in which no trial fails. This is what ``trials_per_device="auto"``
-    can use once it knows the trials' profiles: from the first trial's NodeGroup profile
-    (``waterwave_hpo.nodegroup.trial_profile``) and its measured step time, repeated for the
-    trials still to run.
+    picks the fastest ``k`` in which no trial fails. ``trials_per_device="auto"`` calls it
+    (through :func:`predict_auto_packing`) once a trial's NodeGroup gates have declared its
+    profile (``waterwave_hpo.nodegroup.trial_profile``).
 
     Args:
         trials: The trials to run. A bare :class:`~waterwave_hpo.scheduler.TrialProfile` is
@@ -142,4 +141,51 @@ def predict_packing(
         best_k=best.k,
         speedup=base / best.makespan_s if best.makespan_s > 0 else 1.0,
         options=tuple(options),
+    )
+
+
+#: Trials simulated per candidate ``k`` by :func:`predict_auto_packing`, as a multiple of the
+#: largest ``k`` (enough for each ``k`` to reach a steady state and for its last wave to matter).
+AUTO_TRIALS_PER_K = 2
+#: Training steps per simulated trial in :func:`predict_auto_packing`.
+AUTO_STEPS = 2
+
+
+def predict_auto_packing(
+    profile: TrialProfile, capacity_bytes: int, policy: object, max_k: int
+) -> PackingPrediction:
+    """The prediction ``trials_per_device="auto"`` follows, for trials like ``profile``.
+
+    Simulates ``AUTO_TRIALS_PER_K * max_k`` copies of ``profile`` (the largest NodeGroup
+    profile the device has seen: the conservative choice when an HPO search mixes model sizes)
+    for ``k = 1 .. max_k``. Only memory tells the options apart: each step's time is spread over
+    the groups in proportion to their bytes, and the device is assumed to overlap up to
+    ``max_k`` co-hosted trials' kernels (``compute_parallelism=max_k``: the setting Waterwave
+    targets, trials that each leave the GPU underused). So ``best_k`` is
+    the point past which another trial's resident bytes (parameters, gradients) take more from
+    the NodeGroup pipeline than its extra work gives: more trials would wait at their gates
+    instead of running. The executor then admits a trial only while fewer than ``best_k`` run
+    on the device (and the policy's ``fits`` admits it). Work outside the NodeGroups (the
+    optimizer step, data loading) is not modelled, and would let more trials overlap: the
+    prediction errs towards fewer trials. It takes a fraction of a second (about 0.2-0.5 s on a
+    2-core machine for ``max_k=16``); the executor runs it once per new largest profile.
+
+    Args:
+        profile: Bytes per step of one trial (> 0 groups).
+        capacity_bytes: The device's budget for trials, in bytes (> 0).
+        policy: The scheduler's policy (name or :class:`~waterwave_hpo.scheduler.Policy`).
+        max_k: The most trials at once to consider (>= 1), ``max_trials_per_device``.
+
+    Raises:
+        ValueError: As :func:`predict_packing`; in particular if ``profile`` alone does not fit
+            ``capacity_bytes``.
+    """
+    n = AUTO_TRIALS_PER_K * max_k
+    return predict_packing(
+        [profile] * n,
+        capacity_bytes,
+        policy,
+        max_k=max_k,
+        compute_parallelism=float(max_k),
+        steps=AUTO_STEPS,
     )

@@ -140,8 +140,10 @@ class Sharing:
 
     Attributes:
         concurrency: Trials running at once (>= 1), or ``"auto"``: start another trial while
-            the policy's ``fits`` admits the running profiles plus the next one (the executor's
-            ``trials_per_device="auto"``), up to ``max_concurrency``.
+            the policy's ``fits`` admits the running profiles plus the next one and, with a
+            policy, fewer run than :func:`~waterwave_hpo.sim.predict_auto_packing` picks for the
+            largest profile seen (the executor's ``trials_per_device="auto"``), up to
+            ``max_concurrency``.
         policy: ``"waterwave"``, ``"fifo"`` or a :class:`~waterwave_hpo.scheduler.Policy`: the
             pipeline scheduler's ledger gates every NodeGroup. ``None``: no ledger (PyTorch's
             stock allocator): an allocation that does not fit is an out-of-memory error.
