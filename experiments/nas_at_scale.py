@@ -6,11 +6,15 @@ Three modes, each on a Ray cluster (``--address``) or a local Ray instance start
   ``--trials-per-device`` trials (threads, streams, the pool); a median pruner stops weak
   architectures; the study is the driver's, served to the hosts by Optuna's gRPC storage proxy.
 * ``tune``: Ray Tune with ``waterwave_hpo.shared_gpu(trials_per_gpu=K)``: K trial processes per
-  GPU holding memory leases from the GPU's broker; ASHA stops weak architectures.
+  GPU holding memory leases from the GPU's broker (``--design broker``), or with
+  ``waterwave_hpo.tune_hosts(K)``: the trials' functions co-hosted in one actor per GPU
+  (``--design hosts``); ASHA stops weak architectures.
 * ``compare`` (meant for one CUDA GPU): the same sampled architectures run three ways under Tune,
   one after another on the same GPU, without early stopping so that the work is identical:
   ``shared_gpu`` (K per GPU, memory leases of 1/K of the budget each), ``shared_gpu_auto`` (up
-  to K per GPU, leases sized by measured peaks), ``fractional`` (plain ``{"GPU": 1/K}``, Ray's
+  to K per GPU, leases sized by measured peaks), ``tune_hosts`` (K co-hosted per GPU in one
+  process: streams, one pool; a trial's ``peak_bytes`` there is the host process's peak, not
+  the trial's own), ``fractional`` (plain ``{"GPU": 1/K}``, Ray's
   book-keeping only) and ``one_per_gpu`` (``{"GPU": 1}``). Measured: makespan (s), trials that
   ran out of memory, each trial's peak allocated bytes (``torch.cuda.max_memory_allocated``) and
   the device's peak used bytes (``nvidia-smi``, sampled every 0.1 s).
@@ -328,9 +332,15 @@ def run_tune(
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from waterwave_hpo.integrations.ray_tune import SharedGPU
+    from waterwave_hpo.integrations.ray_tune import TuneHosts
 
     trainable: Any = _make_trainable(workload, oom_counts=True)
-    if isinstance(resources, SharedGPU):
+    hosts: TuneHosts | None = None
+    if isinstance(resources, TuneHosts):  # the functions run co-hosted in one actor per GPU
+        hosts = resources.__enter__()
+        trainable = hosts.wrap(trainable)
+        resources = hosts.resources
+    elif isinstance(resources, SharedGPU):
         trainable = resources.wrap(trainable)
     if configs is None:
         param_space, num_samples = tune_space(args.space), args.samples
@@ -350,6 +360,7 @@ def run_tune(
             mode="max",
             num_samples=num_samples,
             scheduler=ASHAScheduler(max_t=workload.epochs, grace_period=1) if asha else None,
+            max_concurrent_trials=None if hosts is None else hosts.max_concurrent_trials,
         ),
         run_config=tune.RunConfig(
             storage_path=str(Path(args.out).resolve() / "tune"),
@@ -360,9 +371,14 @@ def run_tune(
     )
     sampler = _DeviceMemorySampler() if args.mode == "compare" else None
     start = time.monotonic()
-    with sampler or contextlib.nullcontext():
-        grid = tuner.fit()
-    makespan = time.monotonic() - start
+    try:
+        with sampler or contextlib.nullcontext():
+            grid = tuner.fit()
+        makespan = time.monotonic() - start
+        host_stats = None if hosts is None else [str(h) for h in hosts.stats()]
+    finally:
+        if hosts is not None:
+            hosts.__exit__(None, None, None)
     rows = []
     for result in grid:
         metrics = result.metrics or {}
@@ -379,7 +395,8 @@ def run_tune(
         )
     peaks = [r["peak_bytes"] for r in rows if r["peak_bytes"]]
     return {
-        "resources": str(resources),
+        "resources": str(resources) if hosts is None else f"tune_hosts: {resources}",
+        "host_stats": host_stats,
         "makespan_s": makespan,
         "n_trials": len(rows),
         "n_errors": sum(r["error"] is not None for r in rows),
@@ -427,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=16, help="tune/compare: trials")
     parser.add_argument("--trials-per-device", type=int, default=4, help="optuna: per host")
     parser.add_argument("--trials-per-gpu", default="4", help="tune: int or 'auto'")
+    parser.add_argument(
+        "--design",
+        choices=["broker", "hosts"],
+        default="broker",
+        help="tune: shared_gpu() (processes + lease broker) or tune_hosts() (co-hosted)",
+    )
     parser.add_argument("--k", type=int, default=4, help="compare: trials per GPU")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="cells: batches per epoch")
@@ -472,8 +495,12 @@ def main(argv: list[str] | None = None) -> int:
         per_gpu: int | str = (
             args.trials_per_gpu if args.trials_per_gpu == "auto" else int(args.trials_per_gpu)
         )
-        resources = ww.shared_gpu(per_gpu, cpus_per_trial=args.cpus_per_trial)
-        result["tune"] = run_tune(args, workload, resources, None, "nas_tune", asha=True)
+        resources: Any = ww.shared_gpu(per_gpu, cpus_per_trial=args.cpus_per_trial)
+        if args.design == "hosts":
+            resources = ww.tune_hosts(per_gpu, cpus_per_trial=args.cpus_per_trial)
+        result[f"tune_{args.design}"] = run_tune(
+            args, workload, resources, None, "nas_tune", asha=True
+        )
     else:
         from ray import tune
 
@@ -484,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             "shared_gpu_auto": ww.shared_gpu(
                 "auto", cpus_per_trial=args.cpus_per_trial, max_trials_per_gpu=k
             ),
+            "tune_hosts": ww.tune_hosts(k, cpus_per_trial=args.cpus_per_trial),
             "fractional": tune.PlacementGroupFactory(
                 [{"CPU": args.cpus_per_trial, "GPU": int(10_000 / k) / 10_000}]
             ),

@@ -10,6 +10,7 @@ from waterwave_hpo._version import __version__
 from waterwave_hpo.cluster import AllHostsLostError
 from waterwave_hpo.cluster import RayExecutor
 from waterwave_hpo.cluster import shared_gpu
+from waterwave_hpo.cluster import tune_hosts
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import NotInTrialError
 from waterwave_hpo.executor import OnOOM
@@ -59,5 +60,6 @@ __all__ = [
     "node_groups",
     "pipeline",
     "shared_gpu",
+    "tune_hosts",
     "wrap_study",
 ]

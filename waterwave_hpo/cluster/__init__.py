@@ -5,11 +5,14 @@
   storage proxy.
 - :func:`shared_gpu`: Ray Tune resources that pack several trials on each GPU, with memory
   leases from a per-GPU broker (see :mod:`waterwave_hpo.integrations.ray_tune`).
+- :func:`tune_hosts`: Ray Tune trials whose training functions run co-hosted in one actor per
+  GPU (streams, the pool, the pipeline scheduler), results streamed back to Tune.
 """
 
 from waterwave_hpo.cluster._actor import ATTR_HOST
 from waterwave_hpo.cluster._executor import AllHostsLostError
 from waterwave_hpo.cluster._executor import RayExecutor
 from waterwave_hpo.cluster._shared_gpu import shared_gpu
+from waterwave_hpo.cluster._tune_hosts_api import tune_hosts
 
-__all__ = ["ATTR_HOST", "AllHostsLostError", "RayExecutor", "shared_gpu"]
+__all__ = ["ATTR_HOST", "AllHostsLostError", "RayExecutor", "shared_gpu", "tune_hosts"]

@@ -1,0 +1,194 @@
+"""TrialHost: Tune function trainables co-hosted in one process, without a Ray cluster (the Ray
+actor around it and the Tune side are tested in tests/integrations/test_ray_tune_hosts.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.tune")
+
+from ray import tune
+from ray.train._internal import session as ray_session
+import torch
+
+import waterwave_hpo as ww
+from waterwave_hpo.cluster._hosted import HostedEvent
+from waterwave_hpo.cluster._hosted import TrialHost
+from waterwave_hpo.cluster._hosted import unpack_directory
+
+
+@pytest.fixture
+def host() -> Iterator[TrialHost]:
+    h = TrialHost(torch.device("cpu"), 2, heartbeat_ttl_s=30.0)
+    yield h
+    h.shutdown()
+
+
+def _collect(host: TrialHost, key: str, timeout_s: float = 20.0) -> list[HostedEvent]:
+    events: list[HostedEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events += host.poll(key, 0.2)
+        if events and events[-1].kind != "result":
+            return events
+    raise AssertionError(f"trial {key} did not end within {timeout_s} s: {events}")
+
+
+def _steps(config: dict[str, Any]) -> None:
+    for step in range(1, config["steps"] + 1):
+        time.sleep(config.get("sleep_s", 0.05))
+        tune.report({"step": step, "score": config["x"] * step, "device": str(ww.current().device)})
+
+
+def test_reports_come_back_in_order_and_trials_share_the_device(host: TrialHost) -> None:
+    for i in range(3):
+        host.start(f"t{i}", _steps, {"steps": 4, "x": i, "sleep_s": 0.1})
+    results = {f"t{i}": _collect(host, f"t{i}") for i in range(3)}
+    for i in range(3):
+        events = results[f"t{i}"]
+        assert [e.kind for e in events] == ["result"] * 4 + ["done"]
+        assert [e.metrics["score"] for e in events[:-1]] == [i * s for s in range(1, 5)]
+        assert events[0].metrics["device"] == "cpu"
+    stats = host.stats()
+    assert stats.peak_running == 2  # two at once, never three
+    assert (stats.running, stats.waiting, stats.finished) == (0, 0, 3)
+    with pytest.raises(KeyError, match="t0"):
+        host.poll("t0", 0.0)  # collected after its last event
+
+
+def test_a_failing_trial_fails_alone(host: TrialHost) -> None:
+    def broken(config: dict[str, Any]) -> None:
+        tune.report({"score": 1})
+        raise ValueError("bad learning rate")
+
+    host.start("bad", broken, {})
+    host.start("good", _steps, {"steps": 3, "x": 1})
+    bad, good = _collect(host, "bad"), _collect(host, "good")
+    assert [e.kind for e in bad] == ["result", "error"]
+    assert "ValueError: bad learning rate" in (bad[-1].error or "")
+    assert not bad[-1].out_of_memory
+    assert [e.kind for e in good] == ["result"] * 3 + ["done"]
+
+
+def test_stop_ends_a_running_trial_and_a_waiting_one_never_starts(host: TrialHost) -> None:
+    started: list[str] = []
+
+    def long(config: dict[str, Any]) -> None:
+        started.append(config["name"])
+        for step in range(1000):
+            time.sleep(0.01)
+            tune.report({"step": step})
+
+    for name in ("a", "b", "c"):
+        host.start(name, long, {"name": name})
+    deadline = time.monotonic() + 10
+    while host.stats().running < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    host.stop("c")  # waiting: never runs
+    host.stop("a")
+    host.stop("b")
+    deadline = time.monotonic() + 10
+    while host.stats().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = host.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    assert sorted(started) == ["a", "b"]
+
+
+def test_a_trial_whose_tune_process_stops_polling_is_stopped() -> None:
+    host = TrialHost(torch.device("cpu"), 1, heartbeat_ttl_s=0.3)
+    try:
+        steps: list[int] = []
+
+        def long(config: dict[str, Any]) -> None:
+            for step in range(1000):
+                time.sleep(0.01)
+                steps.append(step)
+                tune.report({"step": step})
+
+        host.start("lost", long, {})
+        deadline = time.monotonic() + 10
+        while host.stats().finished == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host.stats().finished == 1
+        assert len(steps) < 1000
+    finally:
+        host.shutdown()
+
+
+def test_checkpoints_travel_both_ways(host: TrialHost, tmp_path: Path) -> None:
+    def saves(config: dict[str, Any]) -> None:
+        loaded = tune.get_checkpoint()
+        previous = 0
+        if loaded is not None:
+            with loaded.as_directory() as directory:
+                previous = int(Path(directory, "step.txt").read_text())
+        directory = tmp_path / f"ckpt-{previous}"
+        directory.mkdir()
+        (directory / "step.txt").write_text(str(previous + 1))
+        tune.report({"step": previous + 1}, checkpoint=tune.Checkpoint.from_directory(directory))
+
+    host.start("first", saves, {})
+    first = _collect(host, "first")
+    assert first[0].metrics == {"step": 1}
+    assert first[0].checkpoint is not None
+    unpacked = unpack_directory(first[0].checkpoint)
+    assert Path(unpacked, "step.txt").read_text() == "1"
+    host.start("resumed", saves, {}, checkpoint=first[0].checkpoint)
+    assert _collect(host, "resumed")[0].metrics == {"step": 2}
+
+
+def test_reports_from_other_threads_are_refused_and_the_session_goes_with_the_host() -> None:
+    host = TrialHost(torch.device("cpu"), 1)
+    errors: list[BaseException] = []
+
+    def reports_from_a_thread_of_its_own(config: dict[str, Any]) -> None:
+        def side() -> None:
+            try:
+                tune.report({"x": 1})
+            except RuntimeError as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=side)
+        thread.start()
+        thread.join()
+
+    host.start("t", reports_from_a_thread_of_its_own, {})
+    assert [e.kind for e in _collect(host, "t")] == ["done"]
+    assert "outside a hosted trial's own thread" in str(errors[0])
+    host.shutdown()
+    assert ray_session.get_session() is None
+
+
+def test_gates_see_the_hosts_scheduler() -> None:
+    host = TrialHost(torch.device("cpu"), 2, memory_budget_bytes=1 << 30)
+    try:
+        seen: list[Any] = []
+
+        def train(config: dict[str, Any]) -> None:
+            model = ww.pipeline(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+            for _ in range(2):  # the first batch profiles the groups, the second is gated
+                model(torch.randn(4, 8)).sum().backward()
+            seen.append(ww.current().scheduler)
+            tune.report({"ok": 1})
+
+        host.start("g", train, {})
+        assert [e.kind for e in _collect(host, "g")] == ["result", "done"]
+        assert seen == [host.memory.scheduler] and seen[0] is not None
+        assert seen[0].stats().used_bytes == 0  # the finished trial gave everything back
+        assert seen[0].stats().peak_bytes > 0
+    finally:
+        host.shutdown()
+
+
+def test_start_twice_is_refused(host: TrialHost) -> None:
+    host.start("same", _steps, {"steps": 50, "x": 1})
+    with pytest.raises(ValueError, match="'same' is already running or waiting"):
+        host.start("same", _steps, {"steps": 1, "x": 1})
+    host.stop("same")

@@ -1,0 +1,198 @@
+"""tune_hosts() with Ray Tune on a local Ray cluster with one logical GPU: the trials'
+functions run co-hosted in the GPU's host actor (on the CPU here; Ray's placement is real)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import os
+from pathlib import Path
+import sys
+import time
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+tune = pytest.importorskip("ray.tune")
+
+from waterwave_hpo.integrations import ray_tune as ww_tune  # noqa: E402
+
+import waterwave_hpo as ww  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One local Ray instance for the module: 2 CPUs, 1 logical GPU."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cwd = os.getcwd()  # Ray puts it first on its workers' sys.path: not the source tree
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        ray.init(
+            num_cpus=2,
+            num_gpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    finally:
+        os.chdir(cwd)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def _rendezvous(directory: str, n: int, timeout_s: float = 10.0) -> None:
+    # Wait (a while) until n trials are running, so "ran at the same time" is not left to luck
+    # (Tune starts its trial processes one after another).
+    Path(directory, f"{os.getpid()}-{time.time_ns()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(directory)) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _train(config: dict[str, Any]) -> None:
+    pid = os.getpid()
+    if "rendezvous" in config:
+        _rendezvous(config["rendezvous"], 2)
+    for step in range(1, config.get("steps", 4) + 1):
+        time.sleep(config.get("sleep_s", 0.1))
+        if config.get("fail_x") == config["x"]:
+            raise ValueError(f"trial x={config['x']} diverged")
+        tune.report({"score": config["x"] * step, "host_pid": pid})
+
+
+def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
+    (tmp_path / "rendezvous").mkdir()
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5) as hosts:
+        assert hosts.n_hosts == 1 and hosts.max_concurrent_trials == 2
+        analysis = tune.run(
+            hosts.wrap(_train),
+            config={
+                "x": tune.grid_search([0.1, 0.2, 0.3, 0.4]),
+                "rendezvous": str(tmp_path / "rendezvous"),
+            },
+            resources_per_trial=hosts.resources,
+            max_concurrent_trials=hosts.max_concurrent_trials,
+            storage_path=str(tmp_path),
+            verbose=0,
+        )
+        stats = hosts.stats()[0]
+    trials = analysis.trials
+    assert [t.status for t in trials] == ["TERMINATED"] * 4
+    results = [t.last_result for t in trials]
+    assert all(r["training_iteration"] == 4 for r in results)
+    assert [r["score"] for r in results] == pytest.approx([4 * t.config["x"] for t in trials])
+    assert len({r["host_pid"] for r in results}) == 1  # one process ran every trial's function
+    assert results[0]["host_pid"] != os.getpid()
+    assert stats.peak_running == 2 and stats.finished == 4 and stats.running == 0
+
+
+def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path: Path) -> None:
+    from ray.tune.schedulers import ASHAScheduler
+
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5, heartbeat_ttl_s=5.0) as hosts:
+        tuner = tune.Tuner(
+            tune.with_resources(hosts.wrap(_train), hosts.resources),
+            param_space={
+                "x": tune.grid_search([1.0, 0.9, 0.2, 0.1, 0.5]),
+                "steps": 8,
+                "sleep_s": 0.05,
+                "fail_x": 0.5,
+            },
+            tune_config=tune.TuneConfig(
+                scheduler=ASHAScheduler(
+                    metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
+                ),
+                max_concurrent_trials=hosts.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+        )
+        grid = tuner.fit()
+        deadline = time.monotonic() + 5.0
+        while hosts.stats()[0].running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = hosts.stats()[0]
+    assert grid.num_errors == 1
+    failed = [r for r in grid if r.error is not None]
+    assert failed[0].config["x"] == 0.5
+    assert "trial x=0.5 diverged" in str(failed[0].error)
+    iterations = {r.config["x"]: r.metrics["training_iteration"] for r in grid if r.error is None}
+    assert iterations[1.0] == 8  # the best ran to max_t
+    assert min(iterations.values()) < 8  # ASHA stopped the weak ones early
+    assert stats.running == 0 and stats.waiting == 0  # stopped in the host too
+
+
+def _checkpointing(config: dict[str, Any]) -> None:
+    import tempfile
+
+    start = 0
+    loaded = tune.get_checkpoint()
+    if loaded is not None:
+        with loaded.as_directory() as directory:
+            start = int(Path(directory, "state.txt").read_text())
+    for step in range(start + 1, start + 3):
+        with tempfile.TemporaryDirectory() as directory:
+            Path(directory, "state.txt").write_text(str(step))
+            tune.report({"score": step}, checkpoint=tune.Checkpoint.from_directory(directory))
+
+
+def test_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> None:
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5) as hosts:
+        tuner = tune.Tuner(
+            tune.with_resources(hosts.wrap(_checkpointing), hosts.resources),
+            tune_config=tune.TuneConfig(num_samples=2),
+            run_config=tune.RunConfig(storage_path=str(tmp_path), name="ckpt", verbose=0),
+        )
+        grid = tuner.fit()
+    assert grid.num_errors == 0 and len(grid) == 2
+    for result in grid:
+        assert result.metrics["score"] == 2
+        assert result.checkpoint is not None
+        assert Path(result.checkpoint.path).is_relative_to(tmp_path / "ckpt")
+        with result.checkpoint.as_directory() as directory:
+            assert Path(directory, "state.txt").read_text() == "2"
+
+
+def test_the_hosts_go_with_the_with_block() -> None:
+    with ww.tune_hosts(trials_per_gpu=1) as hosts:
+        assert len(hosts.stats()) == 1
+    with pytest.raises(RuntimeError, match="once the hosts started"):
+        _ = hosts.max_concurrent_trials
+    deadline = time.monotonic() + 10.0
+    while ray.available_resources().get("GPU", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("GPU", 0) == 1  # the host's GPU is given back
+
+
+def test_wrap_needs_started_hosts_and_a_function() -> None:
+    hosts = ww.tune_hosts(trials_per_gpu=2)
+    with pytest.raises(RuntimeError, match=r"inside `with ww\.tune_hosts"):
+        hosts.wrap(_train)
+
+    class Trainable(tune.Trainable):
+        pass
+
+    with pytest.raises(TypeError, match="class trainables cannot be hosted"):
+        hosts.wrap(Trainable)
+    assert ww_tune.tune_hosts is ww.tune_hosts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"trials_per_gpu": 0}, ValueError, "trials_per_gpu=0 must be >= 1"),
+        ({"trials_per_gpu": "many"}, ValueError, "trials_per_gpu='many'"),
+        ({"cpus_per_trial": -1}, ValueError, "cpus_per_trial=-1"),
+        ({"policy": "lifo"}, ValueError, "policy='lifo'"),
+        ({"memory_pool": "maybe"}, ValueError, "memory_pool='maybe'"),
+        ({"heartbeat_ttl_s": 0}, ValueError, "heartbeat_ttl_s=0"),
+        ({"n_hosts": 0}, ValueError, "n_hosts=0 must be >= 1"),
+        ({"memory_budget_bytes": 1.5}, TypeError, "memory_budget_bytes=1.5"),
+    ],
+)
+def test_bad_arguments_name_the_argument(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ww.tune_hosts(**kwargs)

@@ -1,0 +1,95 @@
+"""``tune_hosts()``: the entry point of in-process co-hosting for Ray Tune.
+
+Kept apart from :mod:`waterwave_hpo.cluster._tune_hosts` so that ``waterwave_hpo.tune_hosts``
+is importable without Ray; Ray Tune is imported on the first call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._shared_gpu import _check_int
+from waterwave_hpo.cluster._shared_gpu import _check_number
+from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.scheduler import PolicyName
+
+if TYPE_CHECKING:
+    from waterwave_hpo.cluster._tune_hosts import TuneHosts
+
+
+def tune_hosts(
+    trials_per_gpu: int | str = 4,
+    cpus_per_trial: float = 1.0,
+    *,
+    max_trials_per_gpu: int = 8,
+    policy: str = "waterwave",
+    memory_budget_bytes: int | None = None,
+    memory_pool: str = "auto",
+    heartbeat_ttl_s: float = 30.0,
+    n_hosts: int | None = None,
+) -> TuneHosts:
+    """Ray Tune trials whose training functions run co-hosted, in one process per GPU.
+
+    The full Waterwave for Tune (IEEE TC 2023, Secs. 3-4): the trials on a GPU are threads of
+    one host actor, each on its own CUDA stream, drawing from one stream-aware pool, with their
+    NodeGroups ordered by one pipeline scheduler; Tune keeps scheduling, searching, stopping and
+    checkpointing the trials. See :class:`~waterwave_hpo.cluster._tune_hosts.TuneHosts` for how
+    to use it with ``tune.run``/``Tuner``, and :func:`waterwave_hpo.shared_gpu` for the other
+    way (trials stay in their own processes and lease memory from a per-GPU broker).
+
+    Args:
+        trials_per_gpu: Trials each host runs at once (>= 1), or ``"auto"``: up to
+            ``max_trials_per_gpu``, admitted while measured memory leaves room (as
+            ``WaterwaveExecutor(trials_per_device="auto")``).
+        cpus_per_trial: CPUs each Tune trial reserves (>= 0); the work runs in the host.
+        max_trials_per_gpu: The cap for ``"auto"`` (>= 1).
+        policy: The pipeline scheduler's policy, ``"waterwave"`` or ``"fifo"``.
+        memory_budget_bytes: Each GPU's scheduler budget in bytes (> 0); ``None``: the pool's
+            capacity on CUDA, no scheduler on the CPU.
+        memory_pool: ``"auto"``, ``"on"`` or ``"off"`` (the stream-aware pool on CUDA).
+        heartbeat_ttl_s: Seconds after which a hosted trial whose Tune process stopped polling
+            is stopped (> 0).
+        n_hosts: Host actors to start (>= 1); ``None``: one per GPU in the cluster.
+
+    Returns:
+        A :class:`TuneHosts`; enter it (``with``) to start the hosts.
+
+    Raises:
+        ImportError: If Ray Tune is not installed (``pip install "waterwave-hpo[ray]"``).
+        TypeError, ValueError: For a bad argument; the message names it and the fix.
+    """
+    auto = trials_per_gpu == "auto"
+    if not auto:
+        if isinstance(trials_per_gpu, str):
+            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
+        _check_int("trials_per_gpu", trials_per_gpu, 1)
+    _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
+    _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
+    _check_number("heartbeat_ttl_s", heartbeat_ttl_s, allow_zero=False)
+    if policy not in {p.value for p in PolicyName}:
+        raise ValueError(f"policy={policy!r} is not one of {sorted(p.value for p in PolicyName)}.")
+    if memory_pool not in {m.value for m in MemoryPoolMode}:
+        raise ValueError(f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'.")
+    if memory_budget_bytes is not None:
+        _check_int("memory_budget_bytes", memory_budget_bytes, 1)
+    if n_hosts is not None:
+        _check_int("n_hosts", n_hosts, 1)
+    import_ray()
+    from waterwave_hpo.cluster._tune_hosts import TuneHosts
+
+    k = int(max_trials_per_gpu if auto else trials_per_gpu)
+    return TuneHosts(
+        trials_per_gpu=k,
+        auto=auto,
+        cpus_per_trial=float(cpus_per_trial),
+        host_settings={
+            "trials_per_device": k,
+            "auto": auto,
+            "policy": policy,
+            "memory_budget_bytes": memory_budget_bytes,
+            "memory_pool": memory_pool,
+            "heartbeat_ttl_s": float(heartbeat_ttl_s),
+        },
+        n_hosts=n_hosts,
+    )
