@@ -4,10 +4,8 @@ Ray's (one host actor per declared GPU)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 import os
 from pathlib import Path
-import sys
 import time
 
 import optuna
@@ -31,29 +29,8 @@ from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
 N_GPUS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray instance for the module: 2 CPUs, 2 logical GPUs."""
-    if ray.is_initialized():
-        ray.shutdown()
-    # Ray puts the driver's working directory first on its workers' sys.path; from the repo
-    # root that would shadow the installed package with the source tree.
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray"))
-    try:
-        ray.init(
-            num_cpus=2,
-            num_gpus=N_GPUS,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    finally:
-        os.chdir(cwd)
-    # The objectives below live in this test module, which Ray's workers cannot import.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+RAY_GPUS = N_GPUS  # logical GPUs of the module's local Ray instance (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 def _states(study: optuna.Study) -> Counter[TrialState]:

@@ -3,12 +3,10 @@ CPU; Ray's placement is real)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import itertools
 import os
 from pathlib import Path
 import pickle
-import sys
 import time
 from typing import Any
 
@@ -24,26 +22,7 @@ import waterwave_hpo as ww  # noqa: E402
 BUDGET = 100  # bytes per logical GPU the leases share in these tests
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray instance for the module: 2 CPUs, 1 logical GPU."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cwd = os.getcwd()  # Ray puts it first on its workers' sys.path: not the source tree
-    os.chdir(tmp_path_factory.mktemp("ray"))
-    try:
-        ray.init(
-            num_cpus=2,
-            num_gpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    finally:
-        os.chdir(cwd)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 def _intervals_overlap(intervals: list[tuple[float, float]]) -> bool:

@@ -3,10 +3,8 @@ functions run co-hosted in the GPU's host actor (on the CPU here; Ray's placemen
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import os
 from pathlib import Path
-import sys
 import time
 from typing import Any
 
@@ -19,27 +17,7 @@ from waterwave_hpo.integrations import ray_tune as ww_tune  # noqa: E402
 
 import waterwave_hpo as ww  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray instance for the module: 2 CPUs, 1 logical GPU."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cwd = os.getcwd()  # Ray puts it first on its workers' sys.path: not the source tree
-    os.chdir(tmp_path_factory.mktemp("ray"))
-    try:
-        ray.init(
-            num_cpus=2,
-            num_gpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    finally:
-        os.chdir(cwd)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
 
 
 def _rendezvous(directory: str, n: int, timeout_s: float = 10.0) -> None:

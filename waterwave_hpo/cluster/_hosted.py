@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from collections.abc import Iterator
 import contextlib
 import ctypes
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from waterwave_hpo.cluster import _ray_compat
 from waterwave_hpo.executor import _streams
 from waterwave_hpo.executor._context import _CURRENT
 from waterwave_hpo.executor._context import TrialContext
+from waterwave_hpo.executor._host import on_trial_stream
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._oom import is_out_of_memory
@@ -333,7 +333,7 @@ class TrialHost:
                         raise HostedTrialStopped
                     hosted.in_fn = True
                 try:
-                    with _on_stream(device, stream, self.memory.pool):
+                    with on_trial_stream(device, stream, self.memory.pool):
                         hosted.fn(hosted.config)
                 finally:
                     with self._cond:
@@ -396,21 +396,6 @@ class _SessionTrial:
     @property
     def loaded_checkpoint(self) -> Any:
         return self.hosted.loaded_checkpoint
-
-
-@contextlib.contextmanager
-def _on_stream(device: torch.device, stream: Any, pool: Any) -> Iterator[None]:
-    if stream is None:
-        yield
-        return
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        if pool is None:
-            yield
-            return
-        from waterwave_hpo.memory import translate_oom
-
-        with translate_oom():
-            yield
 
 
 def pack_directory(path: str | Path) -> bytes:

@@ -64,13 +64,7 @@ def shared_gpu(
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range; the message names it and the fix.
     """
-    auto = trials_per_gpu == "auto"
-    if not auto:
-        if isinstance(trials_per_gpu, str):
-            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
-        _check_int("trials_per_gpu", trials_per_gpu, 1)
-    _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
-    k = int(max_trials_per_gpu if auto else trials_per_gpu)
+    k, auto = _check_trials_per_gpu(trials_per_gpu, max_trials_per_gpu)
     if k > 10_000:
         raise ValueError(f"trials_per_gpu={k} is more than Ray's GPU resolution (1/10000) allows.")
     _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
@@ -112,6 +106,17 @@ def with_shared_gpu(trainable: Callable[[dict[str, Any]], Any], **shared_gpu_kwa
 
     resources = shared_gpu(**shared_gpu_kwargs)
     return tune.with_resources(resources.wrap(trainable), resources)
+
+
+def _check_trials_per_gpu(trials_per_gpu: object, max_trials_per_gpu: object) -> tuple[int, bool]:
+    """``(k, auto)``: the trials per GPU (the cap ``max_trials_per_gpu`` with ``"auto"``)."""
+    auto = trials_per_gpu == "auto"
+    if not auto:
+        if isinstance(trials_per_gpu, str):
+            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
+        _check_int("trials_per_gpu", trials_per_gpu, 1)
+    _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
+    return int(max_trials_per_gpu if auto else trials_per_gpu), auto  # type: ignore[call-overload]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

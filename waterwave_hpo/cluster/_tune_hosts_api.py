@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._shared_gpu import _check_int
 from waterwave_hpo.cluster._shared_gpu import _check_number
+from waterwave_hpo.cluster._shared_gpu import _check_trials_per_gpu
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.scheduler import PolicyName
 
@@ -59,12 +60,7 @@ def tune_hosts(
         ImportError: If Ray Tune is not installed (``pip install "waterwave-hpo[ray]"``).
         TypeError, ValueError: For a bad argument; the message names it and the fix.
     """
-    auto = trials_per_gpu == "auto"
-    if not auto:
-        if isinstance(trials_per_gpu, str):
-            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
-        _check_int("trials_per_gpu", trials_per_gpu, 1)
-    _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
+    k, auto = _check_trials_per_gpu(trials_per_gpu, max_trials_per_gpu)
     _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
     _check_number("heartbeat_ttl_s", heartbeat_ttl_s, allow_zero=False)
     if policy not in {p.value for p in PolicyName}:
@@ -78,7 +74,6 @@ def tune_hosts(
     import_ray()
     from waterwave_hpo.cluster._tune_hosts import TuneHosts
 
-    k = int(max_trials_per_gpu if auto else trials_per_gpu)
     return TuneHosts(
         trials_per_gpu=k,
         auto=auto,

@@ -205,7 +205,11 @@ class _Slot:
 
 
 @contextlib.contextmanager
-def _on_stream(device: torch.device, stream: torch.cuda.Stream | None, pool: Any) -> Iterator[None]:
+def on_trial_stream(
+    device: torch.device, stream: torch.cuda.Stream | None, pool: Any
+) -> Iterator[None]:
+    """Make ``stream`` current on ``device`` for the block (nothing on the CPU); with the pool
+    installed, turn its exhaustion into ``torch.cuda.OutOfMemoryError``."""
     if stream is None:
         yield
         return
@@ -247,7 +251,7 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         trial.set_user_attr(ATTR_DEVICE, str(device))
         trial.set_user_attr(ATTR_SLOT, slot.index)
         account = memory.open_account(trial.number, stream)
-        with _on_stream(device, stream, memory.pool):
+        with on_trial_stream(device, stream, memory.pool):
             value = settings.func(trial)
     except optuna.TrialPruned:
         pruned = True
