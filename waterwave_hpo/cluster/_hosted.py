@@ -283,9 +283,10 @@ class TrialHost:
             while not self._closed:
                 now = time.monotonic()
                 for hosted in list(self._trials.values()):
-                    if not hosted.ended and now - hosted.last_seen > self.heartbeat_ttl_s:
+                    if now - hosted.last_seen > self.heartbeat_ttl_s:
                         del self._trials[hosted.key]  # its Tune process is gone
-                        self._stop_locked(hosted)
+                        if not hosted.ended:
+                            self._stop_locked(hosted)
                 while self._queue and self._has_room_locked():
                     hosted = self._queue.popleft()
                     hosted.running = True
