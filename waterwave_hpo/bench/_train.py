@@ -60,8 +60,9 @@ class TrialRecord:
     slot: int = 0
 
 
-def _trial_bytes(stream: Any) -> int | None:
-    """Bytes the running trial holds now: its pool stream on CUDA, its ledger on the CPU."""
+def _trial_bytes(stream: Any, *, peak: bool = False) -> int | None:
+    """Bytes the running trial holds now (``peak``: the most it has held): its pool stream on
+    CUDA, its ledger on the CPU; ``None`` outside the executor."""
     from waterwave_hpo.executor import current_or_none
 
     ctx = current_or_none()
@@ -72,20 +73,16 @@ def _trial_bytes(stream: Any) -> int | None:
 
         pool = installed_pool(ctx.device.index or 0)
         if pool is not None:
-            return int(pool.stream_stats(stream).allocated_bytes)
-    if ctx.scheduler is not None:
-        return int(ctx.scheduler.held_bytes(ctx.trial_number))
-    return None
-
-
-def _trial_peak(stream: Any) -> int | None:
-    """The running trial's peak bytes: its pool stream's peak on CUDA, its ledger peak on
-    the CPU; ``None`` outside the executor."""
-    from waterwave_hpo.executor import current_or_none
-
-    ctx = current_or_none()
-    if ctx is None:
+            stats = pool.stream_stats(stream)
+            return int(stats.peak_allocated_bytes if peak else stats.allocated_bytes)
+    if ctx.scheduler is None:
         return None
+    if not peak:
+        return int(ctx.scheduler.held_bytes(ctx.trial_number))
+    for t in ctx.scheduler.stats().trials:
+        if t.trial_number == ctx.trial_number:
+            return int(t.peak_held_bytes)
+    return None
     if ctx.device.type == "cuda" and stream is not None:
         from waterwave_hpo.memory import installed_pool
 
@@ -168,7 +165,7 @@ def train(
             torch.cuda.synchronize(device)
             record.device_s_per_step = statistics.median(b.elapsed_time(e) / 1e3 for b, e in events)
         record.host_s_per_step = statistics.median(host) if host else None
-        peak = _trial_peak(stream)
+        peak = _trial_bytes(stream, peak=True)
         if peak is not None:
             record.peak_bytes = peak
         elif record.memory:
