@@ -14,7 +14,8 @@ from waterwave_hpo.sim import SimDevice
 from waterwave_hpo.sim import SimTrial
 from waterwave_hpo.sim import simulate
 
-#: A CUDA context's device memory, bytes (charged per process under spatial sharing).
+#: A CUDA context's device memory, bytes (charged per process under spatial sharing). An assumed
+#: value for the simulator's prediction, not a measurement; the bench's measured peaks are real.
 CUDA_CONTEXT_BYTES = 300 << 20
 _UNLIMITED = 1 << 62
 

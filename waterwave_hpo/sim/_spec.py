@@ -103,8 +103,8 @@ class SimDevice:
             saturated device); ``K``: K small trials overlap for free; below ``1``: co-running
             pieces interfere and together do less than one alone (e.g. CPU thread
             oversubscription). Running pieces share it equally (processor sharing).
-        context_bytes: Memory each extra process costs (a CUDA context, ~300-500 MiB on a
-            GPU); charged per trial under process sharing.
+        context_bytes: Memory each extra process costs (its CUDA context); charged per trial
+            under process sharing.
         mps: Whether kernels of different processes overlap (CUDA MPS); without it processes
             are time-sliced (parallelism 1 across processes).
         name: A label.
