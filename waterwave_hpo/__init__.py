@@ -18,6 +18,7 @@ from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import current
 from waterwave_hpo.executor import current_or_none
+from waterwave_hpo.executor import trial_memory_stats
 
 try:
     from waterwave_hpo.integrations.optuna import Study
@@ -60,6 +61,7 @@ __all__ = [
     "node_groups",
     "pipeline",
     "shared_gpu",
+    "trial_memory_stats",
     "tune_hosts",
     "wrap_study",
 ]

@@ -92,3 +92,85 @@ def test_waterwave_reruns_an_evicted_trial_with_the_same_parameters() -> None:
     assert retried, run.note  # the budget forces at least one eviction
     for r in retried:
         assert any(o.index == r.index and o.oom for o in run.records if o.attempt == 0)
+
+
+def test_a_pool_method_installs_the_pool_before_cuda_initialises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import waterwave_hpo.bench._runners as runners
+    import waterwave_hpo.memory as memory
+
+    calls: list[str] = []
+    installed: dict[int, object] = {}
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("cuda init"))
+    monkeypatch.setattr(memory, "installed_pool", lambda index=0: installed.get(index))
+    monkeypatch.setattr(memory, "StreamAwarePool", lambda **kwargs: object())
+
+    def use_pool(pool: object) -> None:
+        if "cuda init" in calls:
+            raise RuntimeError("use_pool() must be called before CUDA's first allocation")
+        calls.append("pool installed")
+        installed[0] = pool
+
+    monkeypatch.setattr(memory, "use_pool", use_pool)
+    monkeypatch.setattr(runners, "_DevicePeak", lambda device: None)
+    monkeypatch.setattr(runners, "_run_waterwave", lambda *args: "")
+    monkeypatch.setattr("waterwave_hpo.bench._calibrate.warm_up", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    run = run_method(
+        Method.WATERWAVE,
+        SPEC,
+        PARAMS,
+        torch.device("cuda:0"),
+        k=2,
+        seed=0,
+        capacity_bytes=1 << 20,
+        isolate=False,
+    )
+    assert calls[:2] == ["pool installed", "cuda init"]
+    assert run.available and run.allocator is runners.Allocator.STREAM_AWARE_POOL
+    assert "allocator: waterwave-pool" in run.note
+
+
+def test_a_pool_method_aborts_when_the_pool_cannot_be_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import waterwave_hpo.bench._runners as runners
+    import waterwave_hpo.memory as memory
+
+    ran: list[str] = []
+
+    def refuse(pool: object) -> None:
+        raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(memory, "installed_pool", lambda index=0: None)
+    monkeypatch.setattr(memory, "StreamAwarePool", lambda **kwargs: object())
+    monkeypatch.setattr(memory, "use_pool", refuse)
+    monkeypatch.setattr(torch.cuda, "init", lambda: ran.append("cuda init"))
+    monkeypatch.setattr(runners, "_run_waterwave", lambda *args: ran.append("ran") or "")
+    run = run_method(
+        Method.WATERWAVE_FIFO,
+        SPEC,
+        PARAMS,
+        torch.device("cuda:0"),
+        k=2,
+        seed=0,
+        capacity_bytes=1 << 20,
+        isolate=False,
+    )
+    assert not run.available and ran == []
+    assert run.note.startswith("aborted: the stream-aware pool could not be made")
+    assert "libcuda.so.1" in run.note and run.allocator is None
+
+
+def test_results_say_which_allocator_each_method_ran_on() -> None:
+    run = run_method(Method.TEMPORAL, SPEC, PARAMS[:1], CPU, k=1, seed=0, capacity_bytes=1 << 20)
+    assert run.allocator is not None and run.allocator.value == "cpu"
+    from waterwave_hpo.bench._results import result_of
+
+    assert result_of(run, 1, 1 << 20, 0, None).allocator == "cpu"
+
+
+class _NoStream:
+    def synchronize(self) -> None:
+        pass

@@ -20,7 +20,9 @@ from waterwave_hpo.bench._run import CPU_NOTICE
 from waterwave_hpo.bench._run import BenchConfig
 from waterwave_hpo.bench._run import BenchResult
 from waterwave_hpo.bench._run import run_bench
+from waterwave_hpo.bench._runners import Allocator
 from waterwave_hpo.bench._runners import MethodRun
+from waterwave_hpo.bench._runners import PoolNotInstalledError
 from waterwave_hpo.bench._runners import run_method
 from waterwave_hpo.bench._train import TrialRecord
 from waterwave_hpo.bench._workloads import Setting
@@ -31,11 +33,13 @@ from waterwave_hpo.bench._workloads import draw_params
 __all__ = [
     "CPU_NOTICE",
     "UNITS",
+    "Allocator",
     "BenchConfig",
     "BenchResult",
     "Method",
     "MethodResult",
     "MethodRun",
+    "PoolNotInstalledError",
     "Setting",
     "TrialRecord",
     "Workload",

@@ -42,6 +42,9 @@ class MethodResult:
         device_s_per_step: The same for device seconds (CUDA events); empty on the CPU.
         sim_makespan_s: The simulator's prediction of ``makespan_s``.
         sim_error_pct: ``100 * (sim - measured) / measured``.
+        allocator: The device allocator the method's trials ran on (an :class:`Allocator`
+            value: ``pytorch-caching``, ``cudaMallocAsync``, ``waterwave-pool``, ``cpu``);
+            empty when it did not run.
     """
 
     workload: str
@@ -68,6 +71,7 @@ class MethodResult:
     device_s_per_step: float | None
     sim_makespan_s: float | None = None
     sim_error_pct: float | None = None
+    allocator: str = ""
 
 
 UNITS = {
@@ -118,6 +122,7 @@ def result_of(
         capacity_bytes=capacity_bytes,
         solo_peaks_top_k_bytes=solo_peaks_top_k_bytes,
         peak_memory_source=run.peak_memory_source,
+        allocator="" if run.allocator is None else run.allocator.value,
     )
     if not run.available:
         return MethodResult(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import field
-import logging
+import enum
 import multiprocessing
 import os
 import queue
@@ -26,6 +26,23 @@ _INDEX_ATTR = "bench:index"
 _ASYNC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
 
 
+class Allocator(str, enum.Enum):
+    """The device allocator a method's trials ran on (the bench's results say it per method)."""
+
+    #: PyTorch's caching allocator (the default on CUDA).
+    TORCH_CACHING = "pytorch-caching"
+    #: PyTorch's ``backend:cudaMallocAsync`` (the driver's stream-ordered pool).
+    CUDA_MALLOC_ASYNC = "cudaMallocAsync"
+    #: waterwave's stream-aware pool as PyTorch's allocator.
+    STREAM_AWARE_POOL = "waterwave-pool"
+    #: The CPU (host memory; no device allocator).
+    HOST = "cpu"
+
+
+class PoolNotInstalledError(RuntimeError):
+    """A method that measures the stream-aware pool could not make it PyTorch's allocator."""
+
+
 @dataclass
 class MethodRun:
     """What one method did with one workload.
@@ -42,6 +59,7 @@ class MethodRun:
         end_s: Wall-clock end, seconds since the epoch.
         peak_memory_bytes: Peak device memory of the run, bytes; ``None`` where not measurable.
         peak_memory_source: How ``peak_memory_bytes`` was measured.
+        allocator: The allocator the trials ran on; ``None`` when the method did not run.
     """
 
     method: Method
@@ -55,6 +73,7 @@ class MethodRun:
     end_s: float = 0.0
     peak_memory_bytes: int | None = None
     peak_memory_source: str = ""
+    allocator: Allocator | None = None
 
     @property
     def makespan_s(self) -> float:
@@ -207,21 +226,29 @@ def _run_here(
     cuda = device.type == "cuda"
     notes = []
     if cuda:
+        # The pool must be PyTorch's allocator before anything initialises CUDA (the device
+        # peak sampler, the warm-up): PyTorch cannot swap an initialised allocator.
+        if method.gated:
+            try:
+                notes.append(_install_pool(device))
+            except PoolNotInstalledError as error:
+                run.available = False
+                run.note = f"aborted: {error}"
+                return run
         torch.cuda.init()  # type: ignore[no-untyped-call]
         peak: _DevicePeak | None = _DevicePeak(device)
         run.peak_memory_source = "device used bytes above the baseline (cudaMemGetInfo, 5 ms)"
     else:
         peak = None
         run.peak_memory_source = "not measurable on the CPU"
+    run.allocator = _allocator_of(method, device)
+    notes.append(f"allocator: {run.allocator.value}")
     if method is Method.SPATIAL:
         notes.append(
             ("MPS on" if mps_running() else "MPS not running: processes time-slice")
             if cuda
             else "CPU: K processes share the cores"
         )
-    if method is Method.CUDA_MALLOC_ASYNC:
-        backend = torch.cuda.get_allocator_backend() if cuda else "n/a"
-        notes.append(f"allocator backend: {backend}")
     runner = {
         Method.TEMPORAL: _run_optuna,
         Method.OPTUNA_THREADS: _run_optuna,
@@ -230,15 +257,13 @@ def _run_here(
         Method.WATERWAVE_FIFO: _run_waterwave,
         Method.WATERWAVE: _run_waterwave,
     }[method]
-    if method.gated and cuda:
-        notes.append(_install_pool(device))
     if method is not Method.SPATIAL:  # spatial's workers are fresh processes: they start cold
         from waterwave_hpo.bench._calibrate import warm_up
 
         for p in params:  # every architecture and shape once, so no method pays first use
             warm_up(run.spec, p, device)
-        if cuda:
-            torch.cuda.synchronize(device)
+        if cuda:  # the warm-up ran on this thread's current stream; nothing else runs yet
+            torch.cuda.current_stream(device).synchronize()
     run.start_s = time.time()
     if peak is not None:
         with peak:
@@ -254,8 +279,13 @@ def _run_here(
 
 
 def _install_pool(device: torch.device) -> str:
-    """Make the stream-aware pool PyTorch's allocator before the warm-up allocates (the
-    executor then finds it installed); says what happened."""
+    """Make the stream-aware pool PyTorch's allocator before CUDA is initialised (the executor
+    then finds it installed).
+
+    Raises:
+        PoolNotInstalledError: If it cannot be installed; the method must not run on PyTorch's
+            allocator and be reported as the pool's figures.
+    """
     from waterwave_hpo.memory import StreamAwarePool
     from waterwave_hpo.memory import installed_pool
     from waterwave_hpo.memory import use_pool
@@ -265,8 +295,26 @@ def _install_pool(device: torch.device) -> str:
         try:
             use_pool(StreamAwarePool(backend="cuda", device=index))
         except (RuntimeError, ValueError, ImportError, OSError) as error:
-            return f"stream-aware pool NOT installed ({error}); PyTorch's allocator was used"
-    return "stream-aware pool installed"
+            raise PoolNotInstalledError(
+                f"the stream-aware pool could not be made PyTorch's allocator on {device} "
+                f"({error}); this method measures the pool, so it did not run"
+            ) from error
+    return "stream-aware pool installed before CUDA initialised"
+
+
+def _allocator_of(method: Method, device: torch.device) -> Allocator:
+    """The allocator ``method``'s trials run on in this process (spatial's workers: theirs)."""
+    if device.type != "cuda":
+        return Allocator.HOST
+    if method is Method.SPATIAL:
+        return Allocator.TORCH_CACHING  # fresh processes on PyTorch's default allocator
+    from waterwave_hpo.memory import installed_pool
+
+    if installed_pool(device.index or 0) is not None:
+        return Allocator.STREAM_AWARE_POOL
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        return Allocator.CUDA_MALLOC_ASYNC
+    return Allocator.TORCH_CACHING
 
 
 def call_in_child(fn: Any, *args: Any) -> Any:
@@ -453,8 +501,10 @@ def _run_waterwave(
         trials_per_device=run.k,
         memory_budget_bytes=capacity_bytes,
         policy=policy,
+        # On CUDA the pool is installed by _run_here; "on" makes any fallback an error, never
+        # a hidden warning.
+        memory_pool="on" if device.type == "cuda" else "auto",
     )
-    logging.getLogger("waterwave_hpo").setLevel(logging.ERROR)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     executor.optimize(study, objective, n_trials=len(params), catch=(Exception,))

@@ -39,8 +39,8 @@ class TrialRecord:
         host_s_per_step: Median host (dispatch) seconds per step.
         device_s_per_step: Median device seconds per step (CUDA events); ``None`` on the CPU.
         peak_bytes: The trial's own peak device bytes where measurable per trial (its pool
-            account's stream on CUDA with the pool; its ledger holdings on the CPU with gates),
-            else ``None``.
+            account on CUDA with the pool; its ledger holdings on the CPU with gates), else
+            ``None``.
         memory: ``(wall seconds, bytes)`` after each step, from the same source.
         slot: The worker (thread, process or executor slot) that ran it.
     """
@@ -60,21 +60,22 @@ class TrialRecord:
     slot: int = 0
 
 
-def _trial_bytes(stream: Any, *, peak: bool = False) -> int | None:
-    """Bytes the running trial holds now (``peak``: the most it has held): its pool stream on
-    CUDA, its ledger on the CPU; ``None`` outside the executor."""
+def _trial_bytes(*, peak: bool = False) -> int | None:
+    """Bytes the running trial holds now (``peak``: the most it has held since it started):
+    its pool account on CUDA, its ledger holdings on the CPU; ``None`` outside the executor.
+
+    The account is the trial's own (opened when it started); a slot's stream is reused by the
+    slot's later trials, so the stream's counters would give the slot's running maximum.
+    """
     from waterwave_hpo.executor import current_or_none
+    from waterwave_hpo.executor import trial_memory_stats
 
     ctx = current_or_none()
     if ctx is None:
         return None
-    if ctx.device.type == "cuda" and stream is not None:
-        from waterwave_hpo.memory import installed_pool
-
-        pool = installed_pool(ctx.device.index or 0)
-        if pool is not None:
-            stats = pool.stream_stats(stream)
-            return int(stats.peak_allocated_bytes if peak else stats.allocated_bytes)
+    stats = trial_memory_stats()
+    if stats is not None:
+        return int(stats.peak_allocated_bytes if peak else stats.allocated_bytes)
     if ctx.scheduler is None:
         return None
     if not peak:
@@ -82,17 +83,6 @@ def _trial_bytes(stream: Any, *, peak: bool = False) -> int | None:
     for t in ctx.scheduler.stats().trials:
         if t.trial_number == ctx.trial_number:
             return int(t.peak_held_bytes)
-    return None
-    if ctx.device.type == "cuda" and stream is not None:
-        from waterwave_hpo.memory import installed_pool
-
-        pool = installed_pool(ctx.device.index or 0)
-        if pool is not None:
-            return int(pool.stream_stats(stream).peak_allocated_bytes)
-    if ctx.scheduler is not None:
-        for t in ctx.scheduler.stats().trials:
-            if t.trial_number == ctx.trial_number:
-                return int(t.peak_held_bytes)
     return None
 
 
@@ -147,7 +137,7 @@ def train(
                 begin.record(stream)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of(spec, model(x), y)
-            held = _trial_bytes(stream)  # the forward peak: activations saved for backward
+            held = _trial_bytes()  # the forward peak: activations saved for backward
             if held is not None:
                 record.memory.append((time.time(), held))
             loss.backward()  # type: ignore[no-untyped-call]
@@ -157,15 +147,15 @@ def train(
                 end.record(stream)
                 events.append((begin, end))
             host.append(time.perf_counter() - t0)
-            held = _trial_bytes(stream)
+            held = _trial_bytes()
             if held is not None:
                 record.memory.append((time.time(), held))
         value = float(loss.detach().item())
-        if cuda:
-            torch.cuda.synchronize(device)
+        if cuda:  # this trial's stream only: a device-wide wait would wait for the neighbours
+            stream.synchronize()
             record.device_s_per_step = statistics.median(b.elapsed_time(e) / 1e3 for b, e in events)
         record.host_s_per_step = statistics.median(host) if host else None
-        peak = _trial_bytes(stream, peak=True)
+        peak = _trial_bytes(peak=True)
         if peak is not None:
             record.peak_bytes = peak
         elif record.memory:

@@ -8,6 +8,7 @@ from waterwave_hpo.executor._context import trial_scope
 from waterwave_hpo.executor._executor import WaterwaveExecutor
 from waterwave_hpo.executor._host import TrialInterrupted
 from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._memory import trial_memory_stats
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
 
@@ -21,5 +22,6 @@ __all__ = [
     "current",
     "current_or_none",
     "is_out_of_memory",
+    "trial_memory_stats",
     "trial_scope",
 ]

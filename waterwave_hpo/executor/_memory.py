@@ -15,6 +15,7 @@ predicts is best for that profile (:func:`waterwave_hpo.sim.predict_auto_packing
 from __future__ import annotations
 
 from collections import deque
+from contextvars import ContextVar
 import enum
 import logging
 import threading
@@ -31,6 +32,28 @@ from waterwave_hpo.sim import predict_auto_packing
 
 _logger = logging.getLogger("waterwave_hpo")
 _HISTORY = 32  # finished trials' peaks kept per device for admission
+# The running trial's pool account, set in the trial's thread while the account is open.
+_TRIAL_ACCOUNT: ContextVar[Any] = ContextVar("waterwave_hpo_trial_account", default=None)
+
+
+def trial_memory_stats() -> Any:
+    """The running trial's own device memory counters, from its pool account.
+
+    Use it where ``torch.cuda.max_memory_allocated`` would be used for one trial: that figure
+    is per device, so it counts every co-hosted trial, and the trial's own peak is
+    ``trial_memory_stats().peak_allocated_bytes`` (bytes, since the trial started).
+
+    Call it in the trial's thread (an objective, a forward hook), not in a backward hook: on
+    CUDA those run on autograd's device thread, where no trial is current.
+
+    Returns:
+        The account's :class:`~waterwave_hpo.memory.UsageStats`, or ``None`` outside a trial
+        and for trials that run without the pool (the CPU, ``memory_pool="off"``).
+    """
+    account = _TRIAL_ACCOUNT.get()
+    if account is None or account.closed:
+        return None
+    return account.stats()
 
 
 class MemoryPoolMode(str, enum.Enum):
@@ -101,6 +124,7 @@ class DeviceMemory:
         account = self.pool.open_account(f"trial {trial_number}", streams=(stream,))
         with self._lock:
             self._running[trial_number] = account
+        _TRIAL_ACCOUNT.set(account)
         return account
 
     def close_account(self, trial_number: int, account: Any) -> int | None:
@@ -108,6 +132,8 @@ class DeviceMemory:
         if account is None:
             return None
         peak = int(account.stats().peak_allocated_bytes)
+        if _TRIAL_ACCOUNT.get() is account:
+            _TRIAL_ACCOUNT.set(None)
         account.close()
         with self._lock:
             if trial_number in self._running:

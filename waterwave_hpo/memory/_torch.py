@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from waterwave_hpo.memory._lib import library_path
 from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._pool import Backend
+from waterwave_hpo.memory._torch_api import install_guards
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -41,6 +42,11 @@ def use_pool(pool: StreamAwarePool) -> None:
     Must be called before CUDA's first allocation in this process (PyTorch cannot swap an
     allocator that is initialized). Several pools on several devices may be installed; the first
     call swaps the allocator. The pool stays alive for the rest of the process.
+
+    From then on ``torch.cuda.memory_stats``/``memory_allocated``/``max_memory_allocated``
+    answer from the pool, ``torch.cuda.empty_cache`` releases its cached segments,
+    ``reset_peak_memory_stats`` and cuDNN's benchmark mode are ignored with a one-time warning,
+    and CUDA graph capture raises (see :mod:`waterwave_hpo.memory._torch_api`).
 
     PyTorch turns a pool exhaustion inside an op into a ``RuntimeError`` (pluggable allocators
     cannot raise ``torch.cuda.OutOfMemoryError`` themselves, pytorch/pytorch issue 133280); run
@@ -97,6 +103,8 @@ def use_pool(pool: StreamAwarePool) -> None:
             lib.ww_torch_set_pool(pool.device, pool._handle())
         _installed[pool.device] = pool
         pool._pinned = True  # PyTorch may call into it until the process ends
+    # PyTorch's stats, empty_cache, cuDNN benchmark mode and graph capture under the pool.
+    install_guards(installed_pool)
 
 
 def is_pool_oom(exc: BaseException) -> bool:

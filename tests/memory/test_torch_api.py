@@ -1,0 +1,96 @@
+"""PyTorch's memory API while the pool is its allocator: answered from the pool or refused.
+
+On the CPU build torch has no CUDA, so these tests install the guards around a ``sim`` pool and
+make ``torch.cuda`` report an initialized device 0; what they call is torch's own public API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import warnings
+
+import pytest
+import torch
+
+from waterwave_hpo.memory import StreamAwarePool
+from waterwave_hpo.memory._torch_api import install_guards
+from waterwave_hpo.memory._torch_api import remove_guards
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[StreamAwarePool]:
+    pool = StreamAwarePool(capacity_bytes=1 << 24, backend="sim")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    install_guards(lambda index: pool if index == 0 else None)
+    try:
+        yield pool
+    finally:
+        remove_guards()
+        torch.backends.cudnn.benchmark = False
+        pool.close()
+
+
+def test_memory_allocated_and_its_peak_come_from_the_pool(pool: StreamAwarePool) -> None:
+    p = pool.allocate(1 << 20, stream=1)
+    q = pool.allocate(1 << 20, stream=2)
+    assert torch.cuda.memory_allocated() == pool.stats().allocated_bytes >= 2 << 20
+    pool.free(q, stream=2)
+    assert torch.cuda.memory_allocated(0) == pool.stats().allocated_bytes
+    assert torch.cuda.max_memory_allocated(0) == pool.stats().peak_allocated_bytes >= 2 << 20
+    assert torch.cuda.memory_reserved(0) == pool.stats().reserved_bytes
+    stats = torch.cuda.memory_stats(0)
+    assert stats["allocated_bytes.all.current"] == pool.stats().allocated_bytes
+    assert stats["num_ooms"] == 0
+    pool.free(p, stream=1)
+
+
+def test_a_device_without_a_pool_is_its_own_error(pool: StreamAwarePool) -> None:
+    with pytest.raises(RuntimeError, match="No waterwave pool serves device 1"):
+        torch.cuda.memory_allocated(1)
+
+
+def test_reset_peak_memory_stats_warns_once_and_keeps_every_peak(pool: StreamAwarePool) -> None:
+    p = pool.allocate(1 << 20, stream=1)
+    pool.free(p, stream=1)
+    peak = pool.stats().peak_allocated_bytes
+    with pytest.warns(UserWarning, match="trial_memory_stats"):
+        torch.cuda.reset_peak_memory_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == peak > 0
+
+
+def test_empty_cache_releases_the_pools_free_segments(pool: StreamAwarePool) -> None:
+    p = pool.allocate(1 << 20, stream=1)
+    pool.free(p, stream=1)
+    pool.sim.finish_all()
+    assert pool.stats().reserved_bytes > 0
+    torch.cuda.empty_cache()
+    assert pool.stats().reserved_bytes == 0
+
+
+def test_cudnn_benchmark_mode_is_refused_with_a_warning(pool: StreamAwarePool) -> None:
+    with pytest.warns(UserWarning, match="cacheInfo"):
+        torch.backends.cudnn.benchmark = True
+    assert torch.backends.cudnn.benchmark is False
+
+
+def test_cuda_graph_capture_raises_naming_the_fix(pool: StreamAwarePool) -> None:
+    # torch.cuda.graph(...) and torch.compile's CUDA-graph trees call CUDAGraph.capture_begin;
+    # the CPU build cannot instantiate a graph, so the unbound method is called.
+    with pytest.raises(RuntimeError, match="reduce-overhead"):
+        torch.cuda.CUDAGraph.capture_begin(object())  # type: ignore[arg-type]
+
+
+def test_guards_come_off_cleanly() -> None:
+    before = torch.cuda.graphs.CUDAGraph.capture_begin
+    install_guards(lambda index: None)
+    remove_guards()
+    assert torch.cuda.graphs.CUDAGraph.capture_begin is before
+    torch.backends.cudnn.benchmark = True
+    assert torch.backends.cudnn.benchmark is True
+    torch.backends.cudnn.benchmark = False
