@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.memory import StreamAwarePool
 
@@ -51,3 +53,40 @@ def test_without_a_pool_or_scheduler_nothing_is_measured() -> None:
     assert memory.open_account(0, None) is None
     assert memory.close_account(0, None) is None
     assert not memory.has_room()  # the executor then runs trials one at a time
+
+
+def test_the_default_cuda_budget_leaves_room_outside_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from waterwave_hpo.executor._memory import MemoryPoolMode
+    from waterwave_hpo.executor._memory import make_device_memory
+
+    total = 16 << 30
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total)
+    )
+    memory = make_device_memory(
+        torch.device("cuda:0"), MemoryPoolMode.OFF, None, "fifo", max_trials=2
+    )
+    # The context and cuBLAS/cuDNN state live outside the pool: 5% of 16 GiB is kept back.
+    assert memory.budget_bytes == total - int(total * 0.05)
+    assert memory.scheduler is not None and memory.scheduler.budget_bytes == memory.budget_bytes
+
+
+def test_trial_memory_stats_is_the_running_trials_own_account() -> None:
+    import waterwave_hpo as ww
+
+    pool = StreamAwarePool(capacity_bytes=1 << 26, backend="sim")
+    memory = DeviceMemory(torch.device("cuda:0"), pool=pool)
+    assert ww.trial_memory_stats() is None  # outside a trial
+    with trial_scope(None, 3, device="cuda:0"):
+        account = memory.open_account(3, 5)
+        p = pool.allocate(1 << 20, stream=5)
+        q = pool.allocate(1 << 20, stream=6)  # a neighbour's stream: not this trial's
+        stats = ww.trial_memory_stats()
+        assert stats is not None and stats.allocated_bytes == 1 << 20
+        pool.free(p, stream=5)
+        pool.free(q, stream=6)
+        memory.close_account(3, account)
+        assert ww.trial_memory_stats() is None
+    pool.close()

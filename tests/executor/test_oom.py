@@ -31,3 +31,13 @@ def test_other_errors_are_not_oom() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(MemoryError())
     assert not is_out_of_memory(RuntimeError("host out of memory"))
+
+
+def test_cublas_and_cudnn_allocation_failures_are_out_of_memory() -> None:
+    cublas = RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    )
+    cudnn = RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")
+    assert is_out_of_memory(cublas)
+    assert is_out_of_memory(cudnn)
+    assert not is_out_of_memory(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"))

@@ -188,3 +188,20 @@ def test_frozen_model_falls_back_to_sequential_cuts() -> None:
     out = model(torch.randn(3, 4))  # grad enabled, but no autograd graph at all
     assert out.grad_fn is None
     assert [g.modules for g in node_groups(model)] == [("0",), ("1",), ("2.0",), ("2.1",)]
+
+
+def test_profiling_rewinds_no_other_devices_random_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Co-hosted trials on other GPUs draw from their devices' generators while this model
+    # profiles; rewinding them would replay their random numbers. A CPU model touches none.
+    touched: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: touched.append("get all") or [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: touched.append("set all"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d=0: touched.append(f"get {d}"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d=0: touched.append(f"set {d}"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    before = torch.random.get_rng_state()
+    pipeline(model, example_input=x)
+    assert touched == []
+    assert torch.equal(torch.random.get_rng_state(), before)  # the CPU generator is rewound

@@ -84,8 +84,9 @@ class WaterwaveExecutor:
             ``max_oom_retries`` times. ``"fail"``: it is told FAIL. Either way the others go on.
         max_oom_retries: How many times one set of parameters is re-queued after OOM (>= 0).
         memory_budget_bytes: Bytes each device's pipeline scheduler may hand to NodeGroups
-            (> 0). ``None``: on CUDA, the pool's capacity or the device's total memory; on the
-            CPU, no scheduler (NodeGroup gates pass straight through).
+            (> 0). ``None``: on CUDA, the device's total memory less a reserve for the CUDA
+            context and libraries (``executor._memory.default_budget_bytes``), or the pool's
+            capacity if smaller; on the CPU, no scheduler (NodeGroup gates pass through).
         policy: The pipeline scheduler's policy: ``"waterwave"`` (NodeGroup pipeline, default)
             or ``"fifo"``, or a :class:`waterwave_hpo.scheduler.Policy`.
         memory_pool: ``"auto"`` (default): on CUDA, make the stream-aware pool PyTorch's

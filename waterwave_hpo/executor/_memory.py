@@ -4,8 +4,10 @@ On CUDA, ``WaterwaveExecutor(memory_pool="auto")`` makes one :class:`StreamAware
 PyTorch's allocator (Waterwave, IEEE TC 2023, Sec. 3: memory freed by one trial flows to another)
 and opens one pool account per trial, so each trial's peak bytes are measured. The pipeline
 scheduler (Sec. 4) gets one ledger per device; its budget is ``memory_budget_bytes`` when given,
-else the pool's capacity, else the device's total memory. On the CPU there is no pool (CPU
-tensors cannot be routed through it) and a scheduler only when ``memory_budget_bytes`` is given.
+else the device's total memory less a reserve for the CUDA context and the libraries' own
+workspaces (:func:`default_budget_bytes`), or the pool's capacity if smaller. On the CPU there
+is no pool (CPU tensors cannot be routed through it) and a scheduler only when
+``memory_budget_bytes`` is given.
 
 ``trials_per_device="auto"`` admits another trial while the measured demand leaves room and,
 once NodeGroup gates have declared a profile, while fewer trials run than the simulator
@@ -31,6 +33,23 @@ from waterwave_hpo.sim import PackingPrediction
 from waterwave_hpo.sim import predict_auto_packing
 
 _logger = logging.getLogger("waterwave_hpo")
+#: Device memory the default budget leaves outside the pool and the scheduler's ledger: the CUDA
+#: context, the loaded kernel modules, and cuBLAS/cuDNN handles' own state are allocated by the
+#: driver and the libraries directly, not through PyTorch's allocator. A few hundred MiB on
+#: current GPUs (an assumption, not measured here: this project has no GPU); the reserve is
+#: the larger of 512 MiB and 5% of the device. Pass ``memory_budget_bytes`` to override it.
+CUDA_RESERVE_MIN_BYTES = 512 << 20
+CUDA_RESERVE_FRACTION = 0.05
+
+
+def default_budget_bytes(total_bytes: int) -> int:
+    """The default memory budget of a CUDA device with ``total_bytes`` (bytes): the total less
+    the reserve for what lives outside the pool (:data:`CUDA_RESERVE_MIN_BYTES`,
+    :data:`CUDA_RESERVE_FRACTION`)."""
+    reserve = max(CUDA_RESERVE_MIN_BYTES, int(total_bytes * CUDA_RESERVE_FRACTION))
+    return max(total_bytes - reserve, total_bytes // 2)
+
+
 _HISTORY = 32  # finished trials' peaks kept per device for admission
 # The running trial's pool account, set in the trial's thread while the account is open.
 _TRIAL_ACCOUNT: ContextVar[Any] = ContextVar("waterwave_hpo_trial_account", default=None)
@@ -50,8 +69,10 @@ def trial_memory_stats() -> Any:
         The account's :class:`~waterwave_hpo.memory.UsageStats`, or ``None`` outside a trial
         and for trials that run without the pool (the CPU, ``memory_pool="off"``).
     """
+    from waterwave_hpo.executor._context import current_or_none
+
     account = _TRIAL_ACCOUNT.get()
-    if account is None or account.closed:
+    if current_or_none() is None or account is None or account.closed:
         return None
     return account.stats()
 
@@ -230,10 +251,11 @@ def make_device_memory(
     pool = _device_pool(device, pool_mode) if device.type == "cuda" else None
     budget = budget_bytes
     if budget is None and device.type == "cuda":
+        total = int(torch.cuda.get_device_properties(device).total_memory)
         capacity = None if pool is None else pool.capacity_bytes
-        if capacity is None or capacity >= 1 << 62:
-            capacity = int(torch.cuda.get_device_properties(device).total_memory)
-        budget = int(capacity)
+        budget = default_budget_bytes(total)
+        if capacity is not None and capacity < budget:
+            budget = int(capacity)
     scheduler = None if budget is None else PipelineScheduler(budget, policy)
     return DeviceMemory(device, pool, scheduler, budget, max_trials)
 

@@ -8,6 +8,10 @@ from waterwave_hpo.memory._torch import OOM_MARKER
 from waterwave_hpo.scheduler import BudgetExceededError
 
 _OOM_MESSAGES = ("cuda out of memory", "cuda error: out of memory", "out of memory")
+# cuBLAS and cuDNN report a failed workspace or handle allocation with these statuses (the
+# message PyTorch raises carries them, e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+# `cublasCreate(handle)`"): the device had no memory for them, which fewer neighbours cure.
+_LIBRARY_ALLOC_FAILED = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -15,7 +19,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
     Recognises ``torch.cuda.OutOfMemoryError`` (raised by PyTorch's allocators, including a
     pluggable allocator returning null), a ``RuntimeError`` whose message says CUDA ran out of
-    memory (older code paths and some extensions), and
+    memory (older code paths and some extensions) or that cuBLAS or cuDNN could not allocate
+    (``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``), and
     :class:`waterwave_hpo.scheduler.BudgetExceededError` (the NodeGroup scheduler evicting a
     trial). The ``__cause__``/``__context__`` chain is followed, so an objective that wraps the
     error in its own exception is still recognised.
@@ -30,6 +35,8 @@ def is_out_of_memory(error: BaseException) -> bool:
             return True
         if isinstance(current, RuntimeError):
             if OOM_MARKER in str(current):  # the stream-aware pool, through PyTorch
+                return True
+            if any(status in str(current) for status in _LIBRARY_ALLOC_FAILED):
                 return True
             message = str(current).lower()
             if any(text in message for text in _OOM_MESSAGES) and (

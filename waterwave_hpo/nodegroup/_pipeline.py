@@ -177,8 +177,9 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
     grads = {p: p.grad for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_rng = torch.random.get_rng_state()
-    cuda_on = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    cuda_rng = torch.cuda.get_rng_state_all() if cuda_on else None
+    # Only the generators of the devices this model runs on: another device's generator is
+    # its trials' (co-hosted trials on other GPUs draw from it while this one profiles).
+    cuda_rng = {index: torch.cuda.get_rng_state(index) for index in _cuda_devices(model, args)}
     try:
         with torch.enable_grad():
             out = model(*args)
@@ -201,8 +202,14 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
         for p, g in grads.items():
             p.grad = g
         torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        for index, state in cuda_rng.items():
+            torch.cuda.set_rng_state(state, index)
+
+
+def _cuda_devices(model: nn.Module, args: tuple[Any, ...]) -> list[int]:
+    """Indices of the CUDA devices the model's parameters, buffers and ``args`` are on."""
+    tensors = [*model.parameters(), *model.buffers(), *iter_tensors(args)]
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
 
 def _pipeline_of(model: nn.Module) -> _Pipeline:
