@@ -16,7 +16,9 @@ Three modes, each on a Ray cluster (``--address``) or a local Ray instance start
   process: streams, one pool; a trial's ``peak_bytes`` there is the host process's peak, not
   the trial's own), ``fractional`` (plain ``{"GPU": 1/K}``, Ray's
   book-keeping only) and ``one_per_gpu`` (``{"GPU": 1}``). Measured: makespan (s), trials that
-  ran out of memory, each trial's peak allocated bytes (``torch.cuda.max_memory_allocated``) and
+  ran out of memory, each trial's peak allocated bytes (its pool account,
+  ``waterwave_hpo.trial_memory_stats()``, where the pool is PyTorch's allocator; else
+  ``torch.cuda.max_memory_allocated``) and
   the device's peak used bytes (``nvidia-smi``, sampled every 0.1 s).
 
 Search spaces (``--space``):
@@ -168,6 +170,27 @@ def build(config: dict[str, Any], space: str, width_scale: float) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+
+def _pool_installed(device: torch.device) -> bool:
+    """Whether waterwave's stream-aware pool is PyTorch's allocator on ``device``."""
+    from waterwave_hpo.memory import installed_pool
+
+    return installed_pool(device.index or 0) is not None
+
+
+def _trial_peak_bytes(device: torch.device) -> int:
+    """The running trial's peak allocated bytes since it started: its pool account under the
+    pool (torch's per-device peak would count the co-hosted trials, and the pluggable allocator
+    has no per-device stats to reset), else PyTorch's ``max_memory_allocated``; 0 on the CPU."""
+    import waterwave_hpo as ww
+
+    if device.type != "cuda":
+        return 0
+    stats = ww.trial_memory_stats()
+    if stats is not None:
+        return int(stats.peak_allocated_bytes)
+    return int(torch.cuda.max_memory_allocated(device))
+
 class Workload:
     """Training data and settings shared by every trial of one run (picklable)."""
 
@@ -192,8 +215,8 @@ class Workload:
         optimizer = torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         loss_fn = nn.CrossEntropyLoss()
         batch = max(1, int(int(config["batch_size"]) * self.batch_scale))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if device.type == "cuda" and not _pool_installed(device):
+            torch.cuda.reset_peak_memory_stats(device)  # a pool account starts at the trial
         accuracy = 0.0
         for epoch in range(self.epochs):
             model.train()
@@ -202,8 +225,7 @@ class Workload:
                 loss_fn(model(x), y).backward()
                 optimizer.step()
             accuracy = self._accuracy(model, device, generator)
-            peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
-            report(epoch, accuracy, peak)
+            report(epoch, accuracy, _trial_peak_bytes(device))
         return accuracy
 
     def _batches(self, batch: int, device: torch.device, generator: torch.Generator) -> Any:
