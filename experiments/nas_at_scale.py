@@ -170,7 +170,6 @@ def build(config: dict[str, Any], space: str, width_scale: float) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-
 def _pool_installed(device: torch.device) -> bool:
     """Whether waterwave's stream-aware pool is PyTorch's allocator on ``device``."""
     from waterwave_hpo.memory import installed_pool
@@ -190,6 +189,7 @@ def _trial_peak_bytes(device: torch.device) -> int:
     if stats is not None:
         return int(stats.peak_allocated_bytes)
     return int(torch.cuda.max_memory_allocated(device))
+
 
 class Workload:
     """Training data and settings shared by every trial of one run (picklable)."""

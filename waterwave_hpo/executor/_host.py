@@ -208,12 +208,20 @@ class _Slot:
 def on_trial_stream(
     device: torch.device, stream: torch.cuda.Stream | None, pool: Any
 ) -> Iterator[None]:
-    """Make ``stream`` current on ``device`` for the block (nothing on the CPU); with the pool
-    installed, turn its exhaustion into ``torch.cuda.OutOfMemoryError``."""
+    """Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy (nothing on the
+    CPU); with the pool installed, turn its exhaustion into ``torch.cuda.OutOfMemoryError``."""
     if stream is None:
         yield
         return
-    with torch.cuda.device(device), torch.cuda.stream(stream):
+    from waterwave_hpo.memory._cupy import cupy_on_stream
+
+    index = device.index if device.index is not None else 0
+    # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work.
+    with (
+        torch.cuda.device(device),
+        torch.cuda.stream(stream),
+        cupy_on_stream(stream.cuda_stream, index, pool),
+    ):
         if pool is None:
             yield
             return

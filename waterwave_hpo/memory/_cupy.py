@@ -1,4 +1,5 @@
-"""CuPy integration: the ``cupy`` segment upstream and ``pool.cupy_allocator()``.
+"""CuPy integration: the ``cupy`` segment upstream, ``pool.cupy_allocator()`` and a trial's
+stream as CuPy's current stream (:func:`cupy_on_stream`).
 
 Segments come from CuPy's default memory pool, so a CuPy-backed deployment keeps one accounting
 of the device; segment requests are rare (a Python call there costs little). The pool calls them
@@ -8,6 +9,7 @@ against a Python thread that holds the GIL and waits for the pool.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 from typing import Any
@@ -16,6 +18,7 @@ from waterwave_hpo.memory._errors import PoolOutOfMemoryError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from collections.abc import Iterator
 
     from waterwave_hpo.memory._pool import StreamAwarePool
 
@@ -117,3 +120,31 @@ def make_cupy_allocator(pool: StreamAwarePool) -> Callable[[int], Any]:
         return cupy.cuda.MemoryPointer(mem, 0)
 
     return allocate
+
+
+@contextlib.contextmanager
+def cupy_on_stream(stream_ptr: int, device: int, pool: StreamAwarePool | None) -> Iterator[None]:
+    """Make ``stream_ptr`` CuPy's current stream in this thread for the block, and, with a pool,
+    route CuPy's allocations in this thread to it.
+
+    A trial's CuPy arrays then run in its stream's order and are charged to its pool account,
+    instead of going to CuPy's default stream (unordered with the trial's PyTorch work). CuPy's
+    current stream and ``using_allocator`` are thread-local, as a trial's thread is. Nothing
+    happens when CuPy is not installed. (Issue 14 §1.10.)
+
+    Args:
+        stream_ptr: The trial's raw ``cudaStream_t`` (``torch.cuda.Stream.cuda_stream``).
+        device: Its CUDA device ordinal.
+        pool: The device's installed pool, or ``None`` (CuPy keeps its own allocator).
+    """
+    try:
+        import cupy
+    except ImportError:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cupy.cuda.Device(device))
+        stack.enter_context(cupy.cuda.ExternalStream(stream_ptr, device))
+        if pool is not None:
+            stack.enter_context(cupy.cuda.using_allocator(make_cupy_allocator(pool)))
+        yield
