@@ -1,0 +1,107 @@
+"""``waterwave-hpo doctor`` on the CPU: the simulated device's checks, the report, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from waterwave_hpo.cli import main
+from waterwave_hpo.doctor import CheckResult
+from waterwave_hpo.doctor import CheckStatus
+from waterwave_hpo.doctor import _checks
+
+CHECKS = [
+    "pool_library",
+    "install_order",
+    "alloc_latency",
+    "canary",
+    "oom",
+    "cudnn_conv",
+    "cohosted_study",
+    "cupy_stream",
+]
+
+
+@pytest.mark.slow
+def test_the_command_runs_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    exe = shutil.which("waterwave-hpo", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [exe, "doctor", "--device", "cpu", "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "No GPU was found" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["gpu_found"] is False and report["device"] == "sim"
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    assert {c["status"] for c in report["checks"]} <= {"PASS", "SKIP"}
+    assert report["versions"]["torch"] and report["versions"]["optuna"]
+    assert report["exit_code"] == 0
+
+
+def test_a_failed_check_fails_the_command_and_is_in_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def overwritten() -> CheckResult:
+        return CheckResult("canary", CheckStatus.FAIL, 3.0, "overwritten blocks", "3 overwritten")
+
+    def crashes() -> CheckResult:
+        raise RuntimeError("illegal memory access")
+
+    monkeypatch.setattr(_checks, "check_canary_sim", overwritten)
+    monkeypatch.setattr(_checks, "check_oom_sim", crashes)
+    monkeypatch.setattr(_checks, "check_cohosted", lambda device: _skip("cohosted_study"))
+    out = tmp_path / "r.json"
+    assert main(["doctor", "--device", "cpu", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert by_name["canary"]["status"] == "FAIL" and by_name["canary"]["figure"] == 3.0
+    assert by_name["oom"]["status"] == "FAIL"
+    assert "RuntimeError: illegal memory access" in by_name["oom"]["detail"]
+    assert by_name["pool_library"]["status"] == "PASS"  # the others still ran
+    assert report["exit_code"] == 1
+    assert "FAIL  canary" in capsys.readouterr().out
+
+
+def test_a_device_that_does_not_exist_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["doctor", "--device", "cuda:7", "--json", str(tmp_path / "r.json")]) == 2
+    assert "no such CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_simulated_canary_catches_an_overwrite(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pool that hands out a live block again must fail the canary.
+    from waterwave_hpo.memory import StreamAwarePool
+
+    original = StreamAwarePool.allocate
+    first: dict[str, int] = {}
+
+    def reuse_live(self: StreamAwarePool, nbytes: int, stream: object = None) -> int:
+        ptr = original(self, nbytes, stream)  # type: ignore[arg-type]
+        if "ptr" not in first:
+            first["ptr"] = ptr
+            return ptr
+        if nbytes <= 4096:
+            return first["ptr"]  # the first block, still live: any write overwrites it
+        return ptr
+
+    monkeypatch.setattr(StreamAwarePool, "allocate", reuse_live)
+    result = _checks.check_canary_sim(rounds=200)
+    assert result.status is CheckStatus.FAIL
+    assert result.figure is not None and result.figure > 0  # overwritten blocks were seen
+
+
+def _skip(name: str) -> CheckResult:
+    return CheckResult(name, CheckStatus.SKIP, None, "", "skipped in this test")
