@@ -20,6 +20,14 @@ inside a trial whose context carries a scheduler:
   is released when the next forward of the model starts in that thread; and
   ``trial_finished`` releases everything.
 * Outside a trial (no context, or a context without scheduler) every gate returns at once.
+* Inside a backward pass every gate returns at once (:func:`in_backward`): a checkpointed
+  forward re-run by ``torch.utils.checkpoint`` during backward holds memory its original
+  forward's reservation already covers, and on CUDA it runs on autograd's device thread, which
+  every co-hosted trial's backward shares, so a gate that waited there would stall them all.
+
+Backward hooks here never call :func:`~waterwave_hpo.current` (on CUDA they run on autograd's
+device thread under an empty ``contextvars`` context, where no trial is current) and never wait:
+they carry their scheduler and reservation, and releasing only takes the ledger's lock briefly.
 
 The hooks never change a tensor: they return ``None``, so losses and gradients equal the
 bare model's exactly.
@@ -42,6 +50,13 @@ if TYPE_CHECKING:
     from waterwave_hpo.nodegroup._group import NodeGroup
     from waterwave_hpo.scheduler._scheduler import PipelineScheduler
     from waterwave_hpo.scheduler._trial_profile import TrialProfile
+
+
+def in_backward() -> bool:
+    """Whether the calling code runs inside an autograd backward pass (a hook, or a forward
+    that ``torch.utils.checkpoint`` re-runs during backward); torch's own checkpoint reads the
+    same ``torch._C._current_graph_task_id()`` (-1 outside backward)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _current_scheduler() -> tuple[PipelineScheduler, int] | None:
@@ -151,6 +166,8 @@ class GateSet:
     # ------------------------------------------------------------------ hooks
     def root_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         """Group 0's gate: the start of a forward pass."""
+        if in_backward():  # a checkpointed forward re-run during backward: already reserved
+            return
         stale: _Pass | None = getattr(self._local, "current", None)
         if stale is not None:  # the previous forward in this thread raised
             self._local.current = None
@@ -188,7 +205,7 @@ class GateSet:
     def _sub_gate(self, g: int) -> Any:
         def gate(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             p: _Pass | None = getattr(self._local, "current", None)
-            if p is not None:
+            if p is not None and not in_backward():
                 self._enter(p, g, args, kwargs)
 
         return gate

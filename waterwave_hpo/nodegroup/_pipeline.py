@@ -13,6 +13,7 @@ from torch import nn
 
 from waterwave_hpo.nodegroup._gates import GateSet
 from waterwave_hpo.nodegroup._gates import _current_scheduler
+from waterwave_hpo.nodegroup._gates import in_backward
 from waterwave_hpo.nodegroup._group import NodeGroup
 from waterwave_hpo.nodegroup._partition import partition
 from waterwave_hpo.nodegroup._profile import Profiler
@@ -73,6 +74,8 @@ class _Pipeline:
         return self.gates
 
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if in_backward():  # a checkpointed re-run: never build (it reads timings) there
+            return
         gates = self.gates if self.gates is not None else self.build()
         if gates is not None:
             gates.root_pre(module, args, kwargs)

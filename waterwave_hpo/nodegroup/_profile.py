@@ -53,9 +53,45 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _sync(t: torch.Tensor | None) -> None:
-    if t is not None and t.is_cuda:
-        torch.cuda.synchronize(t.device)
+class StepClock:
+    """Timestamps of the profiled step, without a device-wide ``torch.cuda.synchronize``.
+
+    On CUDA a mark is a timing event recorded on the current stream of the model's device: in
+    the trial's thread that is the trial's stream; in a backward hook (autograd's device thread)
+    it is the stream the forward op ran on, which autograd makes current for the op's backward.
+    Nothing waits while marking (a backward hook must never block: it would stall every
+    co-hosted trial's backward on that thread). Durations are read once, after the step, by
+    waiting on the last event only (``cudaEventSynchronize``). On the CPU a mark is
+    ``time.perf_counter()``. (Issue 14 §1.8.)
+
+    Args:
+        device: The model's device; CUDA events only for a ``cuda`` device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        """A timestamp now, in stream order on CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, begin: Any, end: Any) -> float:
+        """Seconds from mark ``begin`` to mark ``end`` (waits for ``end`` on CUDA)."""
+        if not self.cuda:
+            return float(end - begin)
+        end.synchronize()
+        return float(begin.elapsed_time(end)) / 1e3
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -65,7 +101,7 @@ class _Call:
     module: nn.Module
     parent: int
     start_event: int
-    t_start: float
+    t_start: Any
     grad_input: torch.Tensor | None
     n_grad_inputs: int
     input_bytes: int
@@ -103,8 +139,9 @@ class Profiler:
     ``atoms()`` and ``groups(k)`` then describe the model.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, clock: StepClock | None = None) -> None:
         self.model = model
+        self.clock = clock if clock is not None else StepClock(_model_device(model))
         self._names: dict[int, str] = {}
         for name, m in model.named_modules():
             self._names.setdefault(id(m), name)
@@ -121,10 +158,10 @@ class Profiler:
         self.ready = False
         self._atoms: tuple[Atom, ...] = ()
         self._output_bytes = 0
-        self._t_end_forward = 0.0
-        self._bw_times: dict[int, float] = {}
-        self._bw_start: float | None = None
-        self._bw_end: float | None = None
+        self._t_end_forward: Any = None
+        self._bw_times: dict[int, Any] = {}
+        self._bw_start: Any = None
+        self._bw_end: Any = None
 
     # ------------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -146,6 +183,8 @@ class Profiler:
             self._saved_hooks = None
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpointed forward re-run inside backward is not the profiled step
         if module is self.model:
             if self.ready:
                 return
@@ -163,7 +202,6 @@ class Profiler:
             return
         tensors = list(iter_tensors((args, kwargs)))
         grad_inputs = [t for t in tensors if t.requires_grad]
-        _sync(tensors[0] if tensors else None)
         self._events += 1
         call = _Call(
             index=len(self._calls),
@@ -171,7 +209,7 @@ class Profiler:
             module=module,
             parent=self._stack[-1] if self._stack else -1,
             start_event=self._events,
-            t_start=time.perf_counter(),
+            t_start=self.clock.mark(),
             grad_input=grad_inputs[0] if len(grad_inputs) == 1 else None,
             n_grad_inputs=len(grad_inputs),
             input_bytes=sum(tensor_bytes(t) for t in tensors),
@@ -191,8 +229,7 @@ class Profiler:
         outputs = list(iter_tensors(output))
         call.out_nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
         if module is self.model:
-            _sync(outputs[0] if outputs else None)
-            self._t_end_forward = time.perf_counter()
+            self._t_end_forward = self.clock.mark()
             self._output_bytes = sum(tensor_bytes(t) for t in outputs)
             self._leave_saved_hooks()
             self._active = False
@@ -296,17 +333,18 @@ class Profiler:
                 end, t_end, out_bytes = nxt.index, nxt.t_start, nxt.input_bytes
             else:
                 end, t_end, out_bytes = len(self._calls), self._t_end_forward, self._output_bytes
-            atoms.append(Atom(c.index, end, c.module, saved[a], out_bytes, t_end - c.t_start))
+            forward_s = self.clock.seconds(c.t_start, t_end)
+            atoms.append(Atom(c.index, end, c.module, saved[a], out_bytes, forward_s))
         return tuple(atoms)
 
     def _install_backward_timers(self, cuts: list[_Call], outputs: list[torch.Tensor]) -> None:
+        # These run on autograd's device thread on CUDA: they only record marks, never wait.
         def at_end() -> None:
-            self._bw_end = time.perf_counter()
+            self._bw_end = self.clock.mark()
 
         def at_start(_grad: torch.Tensor) -> None:
             if self._bw_start is None:
-                _sync(_grad)
-                self._bw_start = time.perf_counter()
+                self._bw_start = self.clock.mark()
                 torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
         for t in outputs:
@@ -318,8 +356,8 @@ class Profiler:
                 continue
 
             def record(grad: torch.Tensor, a: int = a) -> None:
-                _sync(grad)
-                self._bw_times.setdefault(a, time.perf_counter())
+                if a not in self._bw_times:
+                    self._bw_times[a] = self.clock.mark()
 
             x.register_hook(record)  # type: ignore[no-untyped-call]
 
@@ -338,7 +376,7 @@ class Profiler:
         for a in range(n):
             finished = self._bw_times.get(a, end) if a > 0 else end
             began = self._bw_times.get(a + 1, self._bw_start) if a + 1 < n else self._bw_start
-            out.append(max(0.0, finished - began))
+            out.append(max(0.0, self.clock.seconds(began, finished)))
         return out
 
     def groups(self, k: int) -> tuple[tuple[NodeGroup, ...], tuple[nn.Module, ...]]:
