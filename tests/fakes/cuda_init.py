@@ -1,0 +1,77 @@
+"""A fake CUDA for call-order checks: which happened first, the pool's install or CUDA's init.
+
+PyTorch swaps its allocator only before CUDA initialises (``change_current_allocator`` refuses
+an initialised allocator), and everything that touches a device initialises it
+(``torch.cuda._lazy_init``: ``get_device_properties``, ``set_device``, ``mem_get_info``, the
+first tensor). :class:`FakeCuda` makes ``torch.cuda`` report ``n`` devices, records every
+initialisation and every pool install in :attr:`events`, and, like the real ``use_pool``,
+refuses the first install once CUDA is initialised.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+
+class _FakePool:
+    def __init__(self, *, backend: str = "cuda", device: int = 0, **_: Any) -> None:
+        self.backend = backend
+        self.device = device
+        self.capacity_bytes = None
+
+    def open_account(self, name: str, streams: tuple[Any, ...] = ()) -> Any:
+        raise AssertionError("no trial runs under the fake CUDA")
+
+
+class FakeCuda:
+    """``n`` fake CUDA devices; see the module docstring."""
+
+    def __init__(self, n: int = 2, total_memory: int = 16 << 30) -> None:
+        self.n = n
+        self.total_memory = total_memory
+        self.initialised = False
+        self.swapped = False
+        self.events: list[str] = []
+        self.pools: dict[int, _FakePool] = {}
+
+    def _init(self, *_: Any, **__: Any) -> None:
+        if not self.initialised:
+            self.events.append("cuda init")
+        self.initialised = True
+
+    def _properties(self, device: Any = None) -> Any:
+        self._init()
+        return SimpleNamespace(total_memory=self.total_memory, name="fake GPU")
+
+    def _use_pool(self, pool: _FakePool) -> None:
+        if not self.swapped and self.initialised:
+            raise RuntimeError(
+                "use_pool() must be called before CUDA's first allocation (fake CUDA: "
+                "already initialised)"
+            )
+        self.swapped = True
+        self.pools[pool.device] = pool
+        self.events.append(f"pool {pool.device}")
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+        import waterwave_hpo.memory as memory
+
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.n)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialised)
+        for name in ("_lazy_init", "init", "set_device", "synchronize"):
+            monkeypatch.setattr(cuda, name, self._init)
+        monkeypatch.setattr(cuda, "current_device", lambda: self._init() or 0)
+        monkeypatch.setattr(cuda, "get_device_properties", self._properties)
+        monkeypatch.setattr(
+            cuda, "mem_get_info", lambda device=None: self._init() or (self.total_memory,) * 2
+        )
+        monkeypatch.setattr(memory, "StreamAwarePool", _FakePool)
+        monkeypatch.setattr(memory, "use_pool", self._use_pool)
+        monkeypatch.setattr(memory, "installed_pool", lambda device=0: self.pools.get(device))
+        return self
