@@ -44,6 +44,7 @@ def test_memory_allocated_and_its_peak_come_from_the_pool(pool: StreamAwarePool)
     stats = torch.cuda.memory_stats(0)
     assert stats["allocated_bytes.all.current"] == pool.stats().allocated_bytes
     assert stats["num_ooms"] == 0
+    assert "PyTorch CUDA memory summary" in torch.cuda.memory_summary(0)  # every key it reads
     pool.free(p, stream=1)
 
 

@@ -86,10 +86,13 @@ def _stat(current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[s
 def nested_memory_stats(pool: StreamAwarePool) -> dict[str, Any]:
     """The pool's counters in the shape of ``torch.cuda.memory_stats_as_nested_dict``.
 
-    Keys filled: ``allocated_bytes``, ``reserved_bytes``, ``requested_bytes``, ``segment``,
-    ``allocation`` (each ``{all,large_pool,small_pool}.{current,peak,allocated,freed}``; the pool
-    has no small/large split, so ``large_pool`` repeats ``all`` and ``small_pool`` is zero),
-    ``num_ooms``, ``num_alloc_retries`` (0). Sizes in bytes.
+    Every key ``torch.cuda.memory_summary`` reads is there. From the pool: ``allocated_bytes``,
+    ``active_bytes``, ``reserved_bytes``, ``requested_bytes`` (its peak is its current value:
+    the pool keeps no requested peak), ``segment``, ``allocation``, ``active`` (each
+    ``{all,large_pool,small_pool}.{current,peak,allocated,freed}``; the pool has no small/large
+    split, so ``large_pool`` repeats ``all`` and ``small_pool`` is zero), ``num_ooms``,
+    ``num_device_alloc`` (segments taken). Zero: the inactive-split and oversize counters,
+    retries. Sizes in bytes.
     """
     s = pool.stats()
     zero = _stat(0, 0)
@@ -105,8 +108,18 @@ def nested_memory_stats(pool: StreamAwarePool) -> dict[str, Any]:
         "active_bytes": pools(_stat(s.allocated_bytes, s.peak_allocated_bytes)),
         "segment": pools(_stat(s.num_segments, s.num_segments)),
         "allocation": pools(_stat(allocations, allocations, s.num_allocs, s.num_frees)),
+        "active": pools(_stat(allocations, allocations, s.num_allocs, s.num_frees)),
+        # The pool coalesces on free; nothing it caches is pinned by a live neighbour block.
+        "inactive_split": pools(dict(zero)),
+        "inactive_split_bytes": pools(dict(zero)),
+        "oversize_allocations": dict(zero),
+        "oversize_segments": dict(zero),
         "num_ooms": s.ooms,
         "num_alloc_retries": 0,
+        "num_sync_all_streams": 0,
+        "num_device_alloc": s.new_segment,
+        "num_device_free": 0,
+        "max_split_size": -1,
     }
 
 
