@@ -43,6 +43,7 @@ def test_every_method_has_a_row_per_setting(bench) -> None:
     assert (ran["completed_trials"] + ran["failed_trials"] == 2).all()
     temporal = ran[ran["method"] == "temporal"]
     assert (temporal["ratio_to_temporal"] == 1.0).all()
+    assert (ran["allocator"] == "cpu").all()  # which allocator each method ran on
     assert (ran["samples_per_s"] > 0).all()
     assert ran["sim_makespan_s"].notna().all() and ran["sim_error_pct"].notna().all()
     async_rows = table[table["method"] == "cuda-malloc-async"]

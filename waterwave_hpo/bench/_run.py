@@ -300,7 +300,7 @@ def _line(r: MethodResult) -> str:
     return (
         f"   {r.method:<18} {r.makespan_s:7.2f} s  {r.samples_per_s:9.1f} samples/s  "
         f"{r.ratio_to_temporal or 0:.2f}x temporal  {r.failed_trials} failed, {r.ooms} OOM"
-        f"{peak}{sim}"
+        f"{peak}{sim}  [{r.allocator}]"
     )
 
 
@@ -428,13 +428,15 @@ def _readme(
         "time (temporal: 1). *light*: the trials fit together; *high*: the sum of the "
         f"{config.k} largest solo peaks exceeds the capacity (the paper's high memory demand).",
         "",
-        "| workload | setting | method | makespan s | samples/s | x temporal | failed | OOM | "
-        "peak MiB | host ms/step | device ms/step | sim s (err) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | setting | method | allocator | makespan s | samples/s | x temporal | "
+        "failed | OOM | peak MiB | host ms/step | device ms/step | sim s (err) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if not r.available:
-            lines.append(f"| {r.workload} | {r.setting} | {r.method} | {r.note} | | | | | | | | |")
+            lines.append(
+                f"| {r.workload} | {r.setting} | {r.method} | | {r.note} | | | | | | | | |"
+            )
             continue
         sim = (
             f"{r.sim_makespan_s:.2f} ({r.sim_error_pct:+.0f}%)"
@@ -443,7 +445,8 @@ def _readme(
         )
         peak = "" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f}"
         lines.append(
-            f"| {r.workload} | {r.setting} | {r.method} | {_fmt(r.makespan_s, '.2f')} | "
+            f"| {r.workload} | {r.setting} | {r.method} | {r.allocator} | "
+            f"{_fmt(r.makespan_s, '.2f')} | "
             f"{_fmt(r.samples_per_s, '.1f')} | {_fmt(r.ratio_to_temporal, '.2f')} | "
             f"{r.failed_trials} | {r.ooms} | {peak} | "
             f"{_fmt(None if r.host_s_per_step is None else r.host_s_per_step * 1e3, '.2f')} | "
