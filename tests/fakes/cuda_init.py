@@ -30,9 +30,12 @@ class _FakePool:
 class FakeCuda:
     """``n`` fake CUDA devices; see the module docstring."""
 
-    def __init__(self, n: int = 2, total_memory: int = 16 << 30) -> None:
+    def __init__(self, n: int = 2, total_memory: int = 16 << 30, pool_factory: Any = None) -> None:
         self.n = n
         self.total_memory = total_memory
+        self.pool_factory = pool_factory if pool_factory is not None else _FakePool
+        #: Every device-wide ``torch.cuda.synchronize`` call (none may happen in a trial).
+        self.device_syncs: list[str] = []
         self.initialised = False
         self.swapped = False
         self.events: list[str] = []
@@ -64,14 +67,17 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "is_available", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: self.n)
         monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialised)
-        for name in ("_lazy_init", "init", "set_device", "synchronize"):
+        for name in ("_lazy_init", "init", "set_device"):
             monkeypatch.setattr(cuda, name, self._init)
+        monkeypatch.setattr(
+            cuda, "synchronize", lambda device=None: self.device_syncs.append(str(device))
+        )
         monkeypatch.setattr(cuda, "current_device", lambda: self._init() or 0)
         monkeypatch.setattr(cuda, "get_device_properties", self._properties)
         monkeypatch.setattr(
             cuda, "mem_get_info", lambda device=None: self._init() or (self.total_memory,) * 2
         )
-        monkeypatch.setattr(memory, "StreamAwarePool", _FakePool)
+        monkeypatch.setattr(memory, "StreamAwarePool", self.pool_factory)
         monkeypatch.setattr(memory, "use_pool", self._use_pool)
         monkeypatch.setattr(memory, "installed_pool", lambda device=0: self.pools.get(device))
         return self
