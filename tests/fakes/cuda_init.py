@@ -67,13 +67,16 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "is_available", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: self.n)
         monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialised)
-        for name in ("_lazy_init", "init", "set_device"):
-            monkeypatch.setattr(cuda, name, self._init)
+        # One distinct function per name: torch._dynamo's trace rules (built on the first
+        # optimizer step) refuse one object registered under two names.
+        monkeypatch.setattr(cuda, "_lazy_init", lambda: self._init())
+        monkeypatch.setattr(cuda, "init", lambda: self._init())
+        monkeypatch.setattr(cuda, "set_device", lambda device: self._init())
         monkeypatch.setattr(
             cuda, "synchronize", lambda device=None: self.device_syncs.append(str(device))
         )
         monkeypatch.setattr(cuda, "current_device", lambda: self._init() or 0)
-        monkeypatch.setattr(cuda, "get_device_properties", self._properties)
+        monkeypatch.setattr(cuda, "get_device_properties", lambda d=None: self._properties(d))
         monkeypatch.setattr(
             cuda, "mem_get_info", lambda device=None: self._init() or (self.total_memory,) * 2
         )
