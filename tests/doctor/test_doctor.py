@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from waterwave_hpo.cli import main
 from waterwave_hpo.doctor import CheckResult
@@ -105,3 +106,29 @@ def test_the_simulated_canary_catches_an_overwrite(monkeypatch: pytest.MonkeyPat
 
 def _skip(name: str) -> CheckResult:
     return CheckResult(name, CheckStatus.SKIP, None, "", "skipped in this test")
+
+
+def test_on_a_gpu_nothing_initialises_cuda_before_the_pool_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fakes.cuda_init import FakeCuda
+
+    from waterwave_hpo.doctor import run_doctor
+
+    cuda = FakeCuda(n=1).install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: cuda._init() or "fake GPU")
+    order: list[str] = []
+
+    def install_order(device: torch.device) -> CheckResult:
+        order.append("cuda init" if cuda.initialised else "clean")
+        return _skip("install_order")
+
+    monkeypatch.setattr(_checks, "check_install_order_cuda", install_order)
+    for name in ("alloc_latency", "canary", "oom"):
+        monkeypatch.setattr(_checks, f"check_{name}_cuda", lambda d, _n=name: _skip(_n))
+    monkeypatch.setattr(_checks, "check_cohosted", lambda d: _skip("cohosted_study"))
+    monkeypatch.setattr(_checks, "check_cudnn", lambda d: _skip("cudnn_conv"))
+    report = run_doctor("cuda:0")
+    assert report.gpu_found and report.device == "cuda:0"
+    assert order == ["clean"]  # versions and device lookup did not initialise CUDA
+    assert report.machine["gpu"] == "fake GPU"

@@ -105,7 +105,7 @@ def run_doctor(device: str = "auto") -> DoctorReport:
             "cpus": os.cpu_count(),
             "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "executable": sys.executable,
-            "gpu": torch.cuda.get_device_name(gpu) if gpu is not None else None,
+            "gpu": None,  # filled after the checks: asking for it initialises CUDA
         },
     )
     plan = [("pool_library", checks.check_pool_library)]
@@ -130,4 +130,6 @@ def run_doctor(device: str = "auto") -> DoctorReport:
     plan.append(("cupy_stream", lambda: checks.check_cupy(gpu)))
     for name, check in plan:
         report.checks.append(checks.guarded(name, check))
+    if gpu is not None:
+        report.machine["gpu"] = torch.cuda.get_device_name(gpu)
     return report
