@@ -26,6 +26,7 @@ def topology(monkeypatch: pytest.MonkeyPatch) -> Iterator[cuda_topology.Topology
     cuda_topology.uninstall()
 
 
+@pytest.mark.slow
 def test_the_waterwave_method_on_cuda_measures_the_pool_without_device_waits(
     topology: cuda_topology.Topology,
 ) -> None:
