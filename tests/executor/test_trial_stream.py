@@ -64,3 +64,20 @@ def test_without_cupy_the_trial_stream_needs_nothing_else(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     with on_trial_stream(torch.device("cuda:0"), _Stream(7), None):  # type: ignore[arg-type]
         pass
+
+
+@pytest.mark.usefixtures("no_torch_cuda")
+def test_a_cupy_that_cannot_reach_cuda_does_not_fail_the_trial(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cupy = fake_cupy.install(monkeypatch)
+
+    def broken(ptr: int, device_id: int = -1) -> Any:
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", broken)
+    ran = False
+    with on_trial_stream(torch.device("cuda:0"), _Stream(5), None):  # type: ignore[arg-type]
+        ran = True
+    assert ran
+    assert "could not be set to the trial's" in caplog.text

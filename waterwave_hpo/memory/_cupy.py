@@ -143,8 +143,30 @@ def cupy_on_stream(stream_ptr: int, device: int, pool: StreamAwarePool | None) -
         yield
         return
     with contextlib.ExitStack() as stack:
-        stack.enter_context(cupy.cuda.Device(device))
-        stack.enter_context(cupy.cuda.ExternalStream(stream_ptr, device))
-        if pool is not None:
-            stack.enter_context(cupy.cuda.using_allocator(make_cupy_allocator(pool)))
+        try:
+            stack.enter_context(cupy.cuda.Device(device))
+            stack.enter_context(cupy.cuda.ExternalStream(stream_ptr, device))
+            if pool is not None:
+                stack.enter_context(cupy.cuda.using_allocator(make_cupy_allocator(pool)))
+        except Exception as error:  # a CuPy that cannot reach this CUDA: the trial goes on
+            stack.close()
+            _warn_cupy_unusable(error)
         yield
+
+
+_cupy_warned = False
+
+
+def _warn_cupy_unusable(error: BaseException) -> None:
+    global _cupy_warned
+    if not _cupy_warned:
+        _cupy_warned = True
+        import logging
+
+        logging.getLogger("waterwave_hpo").warning(
+            "CuPy is installed but its current stream could not be set to the trial's (%s: %s); "
+            "CuPy work in trials runs on CuPy's own stream, unordered with PyTorch's. Install "
+            "the CuPy build for your torch's CUDA (waterwave-hpo[cuda12] or [cuda13]).",
+            type(error).__name__,
+            error,
+        )
