@@ -141,6 +141,7 @@ class Profiler:
 
     def __init__(self, model: nn.Module, clock: StepClock | None = None) -> None:
         self.model = model
+        self._clock_given = clock is not None
         self.clock = clock if clock is not None else StepClock(_model_device(model))
         self._names: dict[int, str] = {}
         for name, m in model.named_modules():
@@ -196,6 +197,8 @@ class Profiler:
             if not torch.is_grad_enabled():
                 return
             self._active = True
+            if not self._clock_given:  # the model may have moved since pipeline(model)
+                self.clock = StepClock(_model_device(self.model))
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saved_hooks.__enter__()
         elif not self._active:
