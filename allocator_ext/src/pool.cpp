@@ -224,6 +224,7 @@ Block* Pool::take_locked(Block* b, std::size_t size, Stream stream, int source,
   t.stream = stream;
   t.account = account;
   trace_->add(t);
+  upstream_->check_handout(b->addr, b->size, stream);
   return b;
 }
 
@@ -269,6 +270,13 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
     return WW_OOM_QUOTA;
   };
   if (over_quota()) return quota_oom();
+  auto backend_failed = [&](const std::string& why) {
+    set_last_error("backend error (not out of memory): " + why);
+    return WW_BACKEND_ERROR;
+  };
+  // A poisoned context (illegal address, device assert) serves nothing, not even cached blocks:
+  // the trial must fail as a backend error, never be retried as an OOM.
+  if (std::string sticky = upstream_->sticky_error(); !sticky.empty()) return backend_failed(sticky);
 
   int status = WW_OOM_CAPACITY;
   for (int attempt = 0; attempt < 2; ++attempt) {
@@ -281,6 +289,10 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
       b = find_free_locked(size, stream, &src);
     }
     if (b != nullptr) {
+      // The search may have met the driver error (an event query): hand nothing out then.
+      if (std::string sticky = upstream_->sticky_error(); !sticky.empty()) {
+        return backend_failed(sticky);
+      }
       take_locked(b, size, stream, src, nbytes, account);
       *out = b->addr;
       *source = src;
@@ -294,9 +306,12 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
     if (seg_size != 0) {
       pending_reserve_ += seg_size;
       lk.unlock();
+      take_upstream_error();
       void* p = upstream_->alloc_segment(seg_size, stream);
+      std::string upstream_error = p == nullptr ? take_upstream_error() : std::string();
       lk.lock();
       pending_reserve_ -= seg_size;
+      if (!upstream_error.empty()) return backend_failed(upstream_error);
       if (p != nullptr) {
         Segment* seg = new Segment;
         seg->addr = reinterpret_cast<std::uintptr_t>(p);
@@ -520,6 +535,7 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
   }
   b->stream = s;
   b->free_order = ++free_counter_;
+  upstream_->note_use(b->addr, b->size, s);
   ww_trace_entry t{};
   t.kind = WW_TRACE_FREE;
   t.ptr = b->addr;

@@ -7,6 +7,7 @@ as it is *scheduled* safe. See :class:`StreamAwarePool`.
 from __future__ import annotations
 
 from waterwave_hpo.memory._errors import OOMReason
+from waterwave_hpo.memory._errors import PoolBackendError
 from waterwave_hpo.memory._errors import PoolOutOfMemoryError
 from waterwave_hpo.memory._lib import LIBRARY_ENV_VAR
 from waterwave_hpo.memory._lib import library_path
@@ -21,6 +22,7 @@ from waterwave_hpo.memory._sim import FreeRecord
 from waterwave_hpo.memory._sim import OOMRecord
 from waterwave_hpo.memory._sim import SegmentRecord
 from waterwave_hpo.memory._sim import SimDevice
+from waterwave_hpo.memory._sim import StreamHazard
 from waterwave_hpo.memory._sim import StreamWaitRecord
 from waterwave_hpo.memory._sim import SubmitRecord
 from waterwave_hpo.memory._sim import TraceKind
@@ -49,11 +51,13 @@ __all__ = [
     "FreeRecord",
     "OOMReason",
     "OOMRecord",
+    "PoolBackendError",
     "PoolOutOfMemoryError",
     "PoolStats",
     "SegmentRecord",
     "SimDevice",
     "StreamAwarePool",
+    "StreamHazard",
     "StreamWaitRecord",
     "SubmitRecord",
     "TraceKind",
