@@ -66,8 +66,10 @@ __attribute__((visibility("default"))) int cuInit(unsigned) {
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuDeviceGet(int* dev, int ordinal) {
-  if (ordinal != 0) return kInvalidValue;
-  *dev = 0;
+  // $FAKE_CUDA_DEVICES devices (default 1); they share the fake's memory and primary context.
+  const char* n = std::getenv("FAKE_CUDA_DEVICES");
+  if (ordinal < 0 || ordinal >= (n != nullptr ? std::atoi(n) : 1)) return kInvalidValue;
+  *dev = ordinal;
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuDevicePrimaryCtxRetain(void** ctx, int) {

@@ -205,3 +205,76 @@ def test_a_device_without_a_pool_is_its_own_error_never_an_oom(fault_run: dict[s
     assert OOM_MARKER not in message and "out of memory" not in message
     status, message = out["no_pool_reason"]
     assert status == 6 and "cuInit failed on device 1: fake" in message
+
+
+SWAP_SCRIPT = r"""
+import ctypes, json, logging
+import torch
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory._lib import load_library, last_error
+from waterwave_hpo.executor._memory import MemoryPoolMode, _device_pool
+
+made = []
+class FakePluggable:
+    def __init__(self, path, alloc, free):
+        made.append([path, alloc, free])
+torch.cuda.is_initialized = lambda: False
+torch.cuda.device_count = lambda: 3  # the fake driver has 2: device 2 cannot get a pool
+torch.cuda.memory.CUDAPluggableAllocator = FakePluggable
+torch.cuda.memory.change_current_allocator = lambda a: None
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger().addHandler(Keep())
+
+lib = load_library()
+try_malloc = lib.waterwave_torch_try_malloc
+try_malloc.restype = ctypes.c_int
+VP = ctypes.c_void_p
+try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, VP, ctypes.POINTER(VP)]
+free = lib.waterwave_torch_free
+free.argtypes = [VP, ctypes.c_size_t, ctypes.c_int, VP]
+out = {}
+wm.use_pool(wm.StreamAwarePool(backend="cuda", device=0))
+info = wm.allocator_info()
+out["made"] = made
+unavailable = {str(k): v for k, v in info.unavailable_devices.items()}
+out["info"] = [info.swapped, info.typed_oom, list(info.pool_devices),
+               list(info.passthrough_devices), unavailable]
+ptr = VP()
+out["device1"] = try_malloc(4096, 1, 0, ctypes.byref(ptr))
+free(ptr, 4096, 1, None)
+out["device2"] = [try_malloc(4096, 2, 0, ctypes.byref(ptr)), last_error()]
+try:
+    _device_pool(torch.device("cuda", 2), MemoryPoolMode.AUTO)
+    out["exec2"] = "no error"
+except RuntimeError as exc:
+    out["exec2"] = str(exc)
+pool1 = _device_pool(torch.device("cuda", 1), MemoryPoolMode.AUTO)
+out["exec1_replaced"] = wm.installed_pool(1) is pool1 and wm.device_pool(1) is pool1
+out["logs"] = records
+print(json.dumps(out))
+"""
+
+
+def test_every_visible_device_gets_a_pool_or_a_clear_no_pool_error_at_swap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setenv("WATERWAVE_HPO_CACHE", str(tmp_path / "cache"))
+    out = run_against_fake_driver(tmp_path, SWAP_SCRIPT)
+    [[path, alloc, free]] = out["made"]
+    assert path.endswith("libwaterwave_torch_shim.so")  # typed OOM through the shim
+    assert (alloc, free) == ("waterwave_shim_malloc", "waterwave_shim_free")
+    swapped, typed_oom, pools, passthrough, unavailable = out["info"]
+    assert swapped and typed_oom
+    assert pools == [0] and passthrough == [1]
+    assert list(unavailable) == ["2"] and "could not be created" in unavailable["2"]
+    assert out["device1"] == 0  # the pass-through pool serves device 1
+    status, message = out["device2"]
+    assert status == 6 and "no waterwave pool is installed for CUDA device 2" in message
+    assert "could not be created" in message and OOM_MARKER not in message
+    assert "cannot use PyTorch's allocator" in out["exec2"]
+    assert out["exec1_replaced"] is True
+    assert not any("PyTorch's own CUDA allocator" in m for m in out["logs"]), out["logs"]

@@ -32,7 +32,12 @@ from waterwave_hpo.memory._stats import BlockInfo
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
 from waterwave_hpo.memory._streams import stream_handle
+from waterwave_hpo.memory._torch import NO_POOL_MARKER
 from waterwave_hpo.memory._torch import OOM_MARKER
+from waterwave_hpo.memory._torch import TorchAllocatorInfo
+from waterwave_hpo.memory._torch import allocator_info
+from waterwave_hpo.memory._torch import allocator_swapped
+from waterwave_hpo.memory._torch import device_pool
 from waterwave_hpo.memory._torch import installed_pool
 from waterwave_hpo.memory._torch import is_pool_oom
 from waterwave_hpo.memory._torch import translate_oom
@@ -40,6 +45,7 @@ from waterwave_hpo.memory._torch import use_pool
 
 __all__ = [
     "LIBRARY_ENV_VAR",
+    "NO_POOL_MARKER",
     "OOM_MARKER",
     "SIM_DEFAULT_CAPACITY_BYTES",
     "Account",
@@ -60,9 +66,13 @@ __all__ = [
     "StreamHazard",
     "StreamWaitRecord",
     "SubmitRecord",
+    "TorchAllocatorInfo",
     "TraceKind",
     "TraceRecord",
     "UsageStats",
+    "allocator_info",
+    "allocator_swapped",
+    "device_pool",
     "installed_pool",
     "is_pool_oom",
     "library_path",
