@@ -11,42 +11,42 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_driver_api.hpp"
 #include "upstream.hpp"
 
 namespace ww {
 
 namespace {
 
-using CUresult = int;
-using CUdevice = int;
-using CUcontext = void*;
-using CUstream = void*;
-using CUevent = void*;
-using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's definition
+using namespace cuda_api;  // NOLINT(build/namespaces): the driver's types and constants
+using CUresult = cuda_api::Result;
+using CUdevice = cuda_api::Device;
+using CUcontext = cuda_api::Context;
+using CUstream = cuda_api::StreamHandle;
+using CUevent = cuda_api::EventHandle;
+using CUdeviceptr = cuda_api::DevicePtr;
 
-constexpr CUresult kSuccess = 0;
-constexpr CUresult kOutOfMemory = 2;         // CUDA_ERROR_OUT_OF_MEMORY: the only "out of memory"
-constexpr CUresult kNotReady = 600;          // CUDA_ERROR_NOT_READY
-constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+constexpr CUresult kOutOfMemory = kErrorOutOfMemory;
+constexpr CUresult kNotReady = kErrorNotReady;
 
 struct Driver {
   void* handle = nullptr;
-  CUresult (*cuInit)(unsigned) = nullptr;
-  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
-  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
-  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuMemAlloc)(CUdeviceptr*, std::size_t) = nullptr;
-  CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
-  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
-  CUresult (*cuEventDestroy)(CUevent) = nullptr;
-  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
-  CUresult (*cuEventQuery)(CUevent) = nullptr;
-  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
-  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
-  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  cuInit_t cuInit = nullptr;
+  cuDeviceGet_t cuDeviceGet = nullptr;
+  cuDevicePrimaryCtxRetain_t cuDevicePrimaryCtxRetain = nullptr;
+  cuDevicePrimaryCtxRelease_t cuDevicePrimaryCtxRelease = nullptr;
+  cuCtxGetCurrent_t cuCtxGetCurrent = nullptr;
+  cuCtxPushCurrent_t cuCtxPushCurrent = nullptr;
+  cuCtxPopCurrent_t cuCtxPopCurrent = nullptr;
+  cuMemAlloc_t cuMemAlloc = nullptr;
+  cuMemFree_t cuMemFree = nullptr;
+  cuEventCreate_t cuEventCreate = nullptr;
+  cuEventDestroy_t cuEventDestroy = nullptr;
+  cuEventRecord_t cuEventRecord = nullptr;
+  cuEventQuery_t cuEventQuery = nullptr;
+  cuStreamWaitEvent_t cuStreamWaitEvent = nullptr;
+  cuStreamSynchronize_t cuStreamSynchronize = nullptr;
+  cuGetErrorString_t cuGetErrorString = nullptr;
 };
 
 template <typename F>
@@ -232,7 +232,6 @@ class CudaUpstream final : public Upstream {
   CUcontext ctx_ = nullptr;
 };
 
-static_assert(kNotReady == 600, "CUDA_ERROR_NOT_READY");
 
 }  // namespace
 
