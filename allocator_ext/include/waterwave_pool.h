@@ -147,6 +147,13 @@ WW_API uint64_t ww_pool_release_cached(void* pool);
 WW_API void ww_pool_stats(void* pool, ww_counters* out);
 WW_API void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out);
 WW_API void ww_pool_reset_peaks(void* pool);
+/* Contention of the pool's mutex: out6 = {acquisitions, contended acquisitions, ns waited,
+ * frees of waterwave_torch_free queued because the mutex was held, waterwave_torch_free calls that
+ * waited for it (only with the knob below), ns they waited}. */
+WW_API void ww_pool_lock_stats(void* pool, uint64_t* out6);
+/* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the behaviour before issue 14),
+ * 0 (default) queues the free when the mutex is held. */
+WW_API void ww_pool_set_torch_free_blocking(void* pool, int blocking);
 WW_API uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries);
 
 WW_API int64_t ww_account_open(void* pool);

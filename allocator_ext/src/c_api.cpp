@@ -140,6 +140,12 @@ void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out) {
 
 void ww_pool_reset_peaks(void* pool) { as_pool(pool)->reset_peaks(); }
 
+void ww_pool_lock_stats(void* pool, uint64_t* out6) { as_pool(pool)->lock_stats(out6); }
+
+void ww_pool_set_torch_free_blocking(void* pool, int blocking) {
+  as_pool(pool)->set_blocking_torch_free(blocking != 0);
+}
+
 uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries) {
   return as_pool(pool)->snapshot(out, max_entries);
 }
@@ -262,7 +268,9 @@ void waterwave_torch_free(void* ptr, size_t size, int device, void* stream) {
   ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
                                                               : nullptr;
   if (pool == nullptr) return;
-  pool->free(reinterpret_cast<std::uintptr_t>(ptr), reinterpret_cast<std::uintptr_t>(stream), true);
+  // PyTorch calls this with the GIL held (tensor deallocation): never wait for the pool's mutex.
+  pool->free_nonblocking(reinterpret_cast<std::uintptr_t>(ptr),
+                         reinterpret_cast<std::uintptr_t>(stream));
 }
 
 // For CUDAPluggableAllocator's record_stream hook (set_record_stream_fn(void*, cudaStream_t)),

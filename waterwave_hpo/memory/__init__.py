@@ -29,6 +29,7 @@ from waterwave_hpo.memory._sim import TraceKind
 from waterwave_hpo.memory._sim import TraceRecord
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import LockStats
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
 from waterwave_hpo.memory._streams import stream_handle
@@ -55,6 +56,7 @@ __all__ = [
     "BlockInfo",
     "FinishRecord",
     "FreeRecord",
+    "LockStats",
     "OOMReason",
     "OOMRecord",
     "PoolBackendError",

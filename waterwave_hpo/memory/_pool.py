@@ -25,6 +25,7 @@ from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._sim import SimDevice
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import LockStats
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
 from waterwave_hpo.memory._streams import StreamLike
@@ -501,6 +502,12 @@ class StreamAwarePool:
     def reset_peaks(self) -> None:
         """Sets every peak (pool, streams, accounts) to its current value."""
         self._lib.ww_pool_reset_peaks(self._handle())
+
+    def lock_stats(self) -> LockStats:
+        """How often the pool's mutex was contended, and for how long (see :class:`LockStats`)."""
+        out = (ctypes.c_uint64 * 6)()
+        self._lib.ww_pool_lock_stats(self._handle(), out)
+        return LockStats(*(int(x) for x in out))
 
     def snapshot(self) -> list[BlockInfo]:
         """Every block of every segment, in address order (what PyTorch's snapshot gives back)."""
