@@ -661,8 +661,10 @@ int Pool::record_stream(std::uintptr_t ptr, Stream stream) {
     return WW_INVALID;
   }
   Block* b = it->second;
-  if (stream != b->stream &&
-      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end()) {
+  // Kept even for the allocating stream: the block may be freed on another stream (the free's
+  // stream argument), and then the allocating stream's use must be waited for too. At the free,
+  // only the freeing stream itself is skipped (stream order covers it).
+  if (std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end()) {
     b->extra_streams.push_back(stream);
   }
   return WW_OK;

@@ -113,3 +113,23 @@ def test_use_names_a_bad_length() -> None:
     pool = make_pool()
     with pytest.raises(ValueError, match="nbytes"):
         pool.sim.use(pool.allocate(512, A), 0, A)
+
+
+def test_record_stream_on_the_allocating_stream_is_kept_when_freed_on_another() -> None:
+    # The free's stream argument may differ from the allocating stream; a record_stream on the
+    # allocating stream must then still hold the block until that stream's use completed.
+    pool = make_pool()
+    p = pool.allocate(12 * MiB, A)
+    pool.sim.submit(A)
+    pool.sim.use(p, 12 * MiB, A)
+    pool.record_stream(p, A)
+    pool.free(p, B)
+    pool.sim.finish(B)
+    q = pool.allocate(12 * MiB, C)
+    assert q != p  # still in use on A: a new segment
+    assert pool.sim.hazards() == []
+    pool.sim.finish(A)
+    pool.free(q, C)
+    pool.sim.finish(C)
+    assert p in {pool.allocate(12 * MiB, C), pool.allocate(12 * MiB, C)}
+    assert pool.sim.hazards() == []
