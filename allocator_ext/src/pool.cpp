@@ -307,7 +307,7 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
   };
   if (over_quota()) return quota_oom();
   auto backend_failed = [&](const std::string& why) {
-    set_last_error("backend error (not out of memory): " + why);
+    set_last_error("CUDA backend error, not a memory shortage: " + why);
     return WW_BACKEND_ERROR;
   };
   // A poisoned context (illegal address, device assert) serves nothing, not even cached blocks:

@@ -186,6 +186,11 @@ def test_only_cuda_out_of_memory_is_an_oom_other_driver_errors_are_backend_error
     status, message = out["torch_alloc_illegal"]
     assert status == 5  # WW_BACKEND_ERROR
     assert "illegal memory access" in message and OOM_MARKER not in message
+    # What PyTorch raises with that message is not an OOM for the executor either.
+    from waterwave_hpo.executor._oom import is_out_of_memory
+
+    assert not is_out_of_memory(RuntimeError(message))
+    assert not is_out_of_memory(RuntimeError(out["alloc_illegal"][1]))
     assert out["alloc_oom"][0] == "oom"
     status, message = out["torch_alloc_oom"]
     assert status == 3 and message.startswith(OOM_MARKER)
