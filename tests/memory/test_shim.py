@@ -16,6 +16,7 @@ from waterwave_hpo.memory import StreamAwarePool
 from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._shim import ShimBuildError
 from waterwave_hpo.memory._shim import build_shim
+from waterwave_hpo.memory._shim import record_stream_build_error
 from waterwave_hpo.memory._shim import shim_command
 
 torch = pytest.importorskip("torch")
@@ -71,4 +72,26 @@ def test_record_stream_registration_compiles_against_a_cuda_torch(tmp_path: Path
         pytest.skip("no CUDA runtime headers (CUDA_HOME, /usr/local/cuda or nvidia-* wheels)")
     path = build_shim(tmp_path)
     lib = ctypes.CDLL(str(path))
-    assert lib.waterwave_shim_has_record_stream() == 1
+    assert lib.waterwave_shim_has_record_stream() == 1, record_stream_build_error(path)
+
+
+def test_a_failing_record_stream_build_falls_back_to_the_typed_oom_shim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waterwave_hpo.memory import _shim
+
+    real = _shim.shim_command
+
+    def cuda_variant_breaks(
+        output: Path, *, cxx: str | None = None, with_record_stream: bool = True
+    ) -> tuple[list[str], bool]:
+        argv, _ = real(output, cxx=cxx, with_record_stream=False)
+        if with_record_stream:  # as if torch's CUDA headers disagreed with the CUDA found
+            return [*argv, "-include", "no/such/cuda_header.h"], True
+        return argv, False
+
+    monkeypatch.setattr(_shim, "shim_command", cuda_variant_breaks)
+    path = build_shim(tmp_path)
+    lib = ctypes.CDLL(str(path))
+    assert lib.waterwave_shim_has_record_stream() == 0
+    assert "no/such/cuda_header.h" in record_stream_build_error(path)

@@ -79,8 +79,16 @@ def _cuda_include_dirs(torch_dir: Path) -> list[Path]:
     return found[:1]
 
 
-def shim_command(output: Path, *, cxx: str | None = None) -> tuple[list[str], bool]:
+def shim_command(
+    output: Path, *, cxx: str | None = None, with_record_stream: bool = True
+) -> tuple[list[str], bool]:
     """The compiler command that builds the shim into ``output`` for the torch that runs.
+
+    Args:
+        output: The shared library to write.
+        cxx: The C++ compiler (default ``$CXX``, then ``g++``, then ``c++``).
+        with_record_stream: Build the record-stream registration where torch is a CUDA build
+            (False: the typed OOM only).
 
     Returns:
         ``(argv, with_record_stream)``: with_record_stream is True when torch is a CUDA build
@@ -118,7 +126,8 @@ def shim_command(output: Path, *, cxx: str | None = None) -> tuple[list[str], bo
     ]
     cuda_includes = _cuda_include_dirs(torch_dir)
     with_cuda = (
-        torch.version.cuda is not None
+        with_record_stream
+        and torch.version.cuda is not None
         and (torch_lib / "libtorch_cuda.so").is_file()
         and (include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file()
         and bool(cuda_includes)
@@ -169,14 +178,29 @@ def build_shim(cache_dir: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        argv, _ = shim_command(out)
+        argv, with_cuda = shim_command(out)
         done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0 and with_cuda:
+            # The record-stream part needs torch's CUDA headers and libraries to agree with the
+            # CUDA headers found; without it the typed OOM still works (said once at run time).
+            (target.parent / "record_stream_build_error.txt").write_text(
+                f"{' '.join(argv)}\n{done.stderr[-3000:]}"
+            )
+            argv, _ = shim_command(out, with_record_stream=False)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise ShimBuildError(
                 f"Building the torch shim failed ({' '.join(argv)}):\n{done.stderr[-3000:]}"
             )
         os.replace(out, target)  # atomic: concurrent processes build the same file
     return target
+
+
+def record_stream_build_error(shim_path: Path) -> str:
+    """Why the shim at ``shim_path`` was built without the record-stream part ("" if it was not
+    attempted or succeeded)."""
+    note = shim_path.parent / "record_stream_build_error.txt"
+    return note.read_text() if note.is_file() else ""
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,6 +36,7 @@ from waterwave_hpo.memory._pool import StreamAwarePool
 from waterwave_hpo.memory._shim import SHIM_FREE
 from waterwave_hpo.memory._shim import SHIM_MALLOC
 from waterwave_hpo.memory._shim import ShimBuildError
+from waterwave_hpo.memory._shim import record_stream_build_error
 from waterwave_hpo.memory._shim import torch_shim
 
 if TYPE_CHECKING:
@@ -155,6 +156,14 @@ def _swap_allocator_locked(pool: StreamAwarePool) -> None:
     _typed_oom = shim is not None
     if shim is not None and shim.has_record_stream:
         _record_stream = shim.library.waterwave_shim_register_record_stream() == 0
+    if not _record_stream:
+        why = record_stream_build_error(shim.path) if shim is not None else _shim_error
+        _logger.warning(
+            "Tensor.record_stream does not reach the waterwave pool in this process (%s); a "
+            "tensor used on a stream other than its own must be declared with "
+            "pool.record_stream(tensor.untyped_storage().data_ptr(), stream).",
+            why.splitlines()[-1] if why else "torch has no CUDA allocator hook here",
+        )
     # The swapped allocator serves every device: give each other visible device a pool now.
     for device in range(int(torch.cuda.device_count())):
         if device == pool.device:
