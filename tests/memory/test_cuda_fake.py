@@ -86,17 +86,39 @@ print(json.dumps(out))
 """
 
 
+_FAKE_DIRS: dict[str, Path] = {}
+
+
+def _fake_driver_dir(tmp_path: Path) -> Path:
+    """A directory holding the fake libcuda.so.1, compiled once per test session."""
+    if "dir" not in _FAKE_DIRS:
+        cxx = shutil.which("g++") or shutil.which("c++")
+        if cxx is None:
+            pytest.skip("no C++ compiler to build the fake CUDA driver")
+        out = tmp_path / "fake_driver"
+        out.mkdir()
+        subprocess.run(
+            [
+                cxx,
+                "-std=c++17",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(out / "libcuda.so.1"),
+                str(FAKE),
+            ],
+            check=True,
+        )
+        _FAKE_DIRS["dir"] = out
+    return _FAKE_DIRS["dir"]
+
+
 def run_against_fake_driver(tmp_path: Path, script: str) -> dict[str, Any]:
-    """Builds the fake libcuda.so.1, runs ``script`` in a subprocess that loads it, returns its
-    last stdout line as JSON."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the fake CUDA driver")
-    lib = tmp_path / "libcuda.so.1"
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(FAKE)], check=True
-    )
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    """Runs ``script`` in a subprocess that loads the fake libcuda.so.1; returns its last stdout
+    line as JSON."""
+    fake_dir = _fake_driver_dir(tmp_path)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     done = subprocess.run(
         [sys.executable, "-c", script],
         cwd=tmp_path,
@@ -176,6 +198,7 @@ def fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_against_fake_driver(tmp_path_factory.mktemp("fault"), FAULT_SCRIPT)
 
 
+@pytest.mark.slow
 def test_only_cuda_out_of_memory_is_an_oom_other_driver_errors_are_backend_errors(
     fault_run: dict[str, Any],
 ) -> None:
@@ -202,6 +225,7 @@ def test_only_cuda_out_of_memory_is_an_oom_other_driver_errors_are_backend_error
         assert "cuEventQuery" in message and "illegal memory access" in message
 
 
+@pytest.mark.slow
 def test_a_device_without_a_pool_is_its_own_error_never_an_oom(fault_run: dict[str, Any]) -> None:
     out = fault_run
     status, message = out["no_pool"]
@@ -263,6 +287,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_every_visible_device_gets_a_pool_or_a_clear_no_pool_error_at_swap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
