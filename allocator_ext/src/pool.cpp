@@ -602,6 +602,14 @@ int Pool::free_locked(std::uintptr_t ptr, Stream stream, bool has_stream) {
   Block* b = it->second;
   live_.erase(it);
   const Stream s = has_stream ? stream : b->stream;
+  // Freed on another stream than the one it was allocated on: the work already queued on the
+  // allocating stream may still use the block (it is the stream PyTorch and CuPy order the
+  // block's uses by), so it is waited for like a record_stream stream. Found by the sim's
+  // stream-hazard checker (issue 14, section 2).
+  if (s != b->stream && std::find(b->extra_streams.begin(), b->extra_streams.end(), b->stream) ==
+                            b->extra_streams.end()) {
+    b->extra_streams.push_back(b->stream);
+  }
   total_.on_free(b->size, b->requested);
   stream_counters_locked(b->stream).on_free(b->size, b->requested);
   if (Account* a = account_locked(b->account)) a->counters.on_free(b->size, b->requested);

@@ -116,7 +116,10 @@ class PoolMachine(RuleBasedStateMachine):
         free_stream = stream if on_other_stream else self.live[ptr][2]
         if busy:  # the freeing stream still has a kernel queued that uses the block
             self.pool.sim.submit(free_stream)
+        alloc_stream = self.live[ptr][2]
         del self.live[ptr]
+        if on_other_stream and stream != alloc_stream:
+            self.recorded_freed.add(ptr)  # waits for the allocating stream too
         if ptr in self.recorded:
             self.recorded.discard(ptr)
             self.recorded_freed.add(ptr)

@@ -133,3 +133,21 @@ def test_record_stream_on_the_allocating_stream_is_kept_when_freed_on_another() 
     pool.sim.finish(C)
     assert p in {pool.allocate(12 * MiB, C), pool.allocate(12 * MiB, C)}
     assert pool.sim.hazards() == []
+
+
+def test_a_block_freed_on_another_stream_waits_for_its_allocating_streams_queued_work() -> None:
+    # Found by the checker (hypothesis): the first owner's kernel on A still reads p; p is reused
+    # on A (safe, stream order), then freed on B by the second owner. Handing it to B at once
+    # would let B overwrite memory A's queued kernel still reads.
+    pool = make_pool()
+    p = pool.allocate(512, A)
+    pool.sim.submit(A)
+    pool.free(p)  # pending on A
+    assert pool.allocate(512, A) == p  # same stream: safe
+    pool.free(p, B)  # B is declared the last user; A's first kernel is still queued
+    q = pool.allocate(512, B)
+    assert q != p
+    assert pool.sim.hazards() == []
+    pool.sim.finish(A)
+    assert pool.allocate(512, B) == p
+    assert pool.sim.hazards() == []

@@ -17,8 +17,10 @@ error naming the reason, never with an out-of-memory error (issue 14, section 1.
 
 The cross-stream rule (issue 14, section 1.4): a block used on streams other than its own (PyTorch
 ``Tensor.record_stream``, or :meth:`StreamAwarePool.record_stream`) is handed out again only after
-the work queued on every such stream at the free has completed; the freeing stream's own use
-follows the pool's usual order (same stream, completed event, or a GPU-side wait).
+the work queued on every such stream at the free has completed (so is a block freed on a
+stream other than its allocating one, for the allocating stream's queued work); the freeing
+stream's own use follows the pool's usual order (same stream, completed event, or a GPU-side
+wait).
 """
 
 from __future__ import annotations
