@@ -378,6 +378,93 @@ def run_sim(quick: bool) -> list[dict[str, Any]]:
     return [result]
 
 
+def run_contention(threads: int, ops_per_thread: int, *, blocking_free: bool) -> dict[str, Any]:
+    """The pool's mutex under K trial threads through PyTorch's entry points (issue 14, 1.11).
+
+    Each thread allocates with ``waterwave_torch_try_malloc`` (ctypes releases the GIL, as
+    PyTorch's ops do) and frees with ``waterwave_torch_free`` called through ``ctypes.PyDLL``, which
+    keeps the GIL held for the call, as PyTorch's tensor deallocation does. A free that waits for
+    the pool's mutex then stalls every Python thread. Sim backend; sizes <= 1 MiB.
+
+    Args:
+        threads: K, the trial threads.
+        ops_per_thread: Allocations per thread.
+        blocking_free: The behaviour before issue 14 (a free waits for the mutex, GIL held);
+            False: the fix (a free that finds the mutex held is queued).
+
+    Returns:
+        ops/s, free latency (median, p99, max; microseconds, GIL held) and the pool's lock stats.
+    """
+    import ctypes
+
+    import waterwave_hpo.memory as wm
+    from waterwave_hpo.memory._lib import library_path
+    from waterwave_hpo.memory._lib import load_library
+
+    device = 63  # a C-level slot no real device uses; the sim pool never touches CUDA
+    lib = load_library()
+    gil_held = ctypes.PyDLL(str(library_path()))
+    free = gil_held.waterwave_torch_free
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    malloc = lib.waterwave_torch_try_malloc
+    malloc.restype = ctypes.c_int
+    malloc.argtypes = [
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+    ]
+    pool = wm.StreamAwarePool(4 << 30, backend="sim")
+    lib.ww_torch_set_pool(device, pool._handle())
+    lib.ww_pool_set_torch_free_blocking(pool._handle(), int(blocking_free))
+    sizes = [n for n in size_mix(4 * ops_per_thread) if n <= MiB][:ops_per_thread]
+    free_ns: list[list[int]] = [[] for _ in range(threads)]
+    barrier = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        stream = i + 1
+        live: list[tuple[int, int]] = []
+        out = ctypes.c_void_p()
+        barrier.wait()
+        for n in sizes:
+            if malloc(n, device, stream, ctypes.byref(out)) == 0:
+                live.append((int(out.value or 0), n))
+            if len(live) > 16:
+                ptr, m = live.pop(0)
+                t0 = time.perf_counter_ns()
+                free(ptr, m, device, stream)
+                free_ns[i].append(time.perf_counter_ns() - t0)
+        for ptr, m in live:
+            free(ptr, m, device, stream)
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    load_before = os.getloadavg()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in workers:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    lock = pool.lock_stats()
+    lib.ww_torch_set_pool(device, None)
+    pool.close()
+    lat = [x / 1000 for xs in free_ns for x in xs]
+    return {
+        "threads": threads,
+        "free": "blocking (before)" if blocking_free else "queued when held (after)",
+        "ops_per_s": 2 * threads * len(sizes) / elapsed,
+        "free_us_gil_held": {
+            "median": statistics.median(lat),
+            "p99": percentile(lat, 0.99),
+            "max": max(lat),
+        },
+        "lock": dataclasses.asdict(lock) | {"contended_fraction": lock.contended_fraction},
+        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+    }
+
+
 def to_markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = [
         f"# bench_allocator: {meta['mode']}",
@@ -427,9 +514,35 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--force-sim", action="store_true", help="run the sim backend even on CUDA")
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="only the pool-mutex contention run (sim backend, K = 1 and 8 threads)",
+    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.quick)))
+        return
+    if args.contention:
+        ops = 5000 if args.quick else 40000
+        # Before and after, interleaved in one run (the host's load drifts).
+        runs = [
+            run_contention(k, ops, blocking_free=blocking)
+            for k in (1, 8)
+            for _ in range(1 if k == 1 else 3)
+            for blocking in (True, False)
+        ]
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+        meta = {
+            "mode": "contention (sim backend, no GPU)",
+            "when": when,
+            "where": f"{platform.node()} {platform.processor() or 'cpu'}, {os.cpu_count()} cpus",
+        }
+        print(json.dumps({"meta": meta, "runs": runs}, indent=2))
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"bench_allocator-contention-{when}.json"
+        path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
+        print(f"wrote {path}", file=sys.stderr)
         return
     try:
         import torch

@@ -46,7 +46,9 @@ enum ww_status {
   WW_OOM_QUOTA = 2,    /* the stream's account quota would be exceeded */
   WW_OOM_UPSTREAM = 3, /* the upstream (device) refused a new segment */
   WW_INVALID = 4,      /* bad argument (unknown pointer, unknown account, ...) */
-  WW_BACKEND_ERROR = 5 /* the backend could not start (no driver, no device) */
+  WW_BACKEND_ERROR = 5, /* the backend failed: no driver or device, or a driver error other than
+                          CUDA_ERROR_OUT_OF_MEMORY (illegal address, ...): never an OOM */
+  WW_NO_POOL = 6        /* PyTorch entry points: no pool is installed for that device */
 };
 
 /* Where an allocation was served from (the priority order above). */
@@ -113,11 +115,26 @@ typedef struct ww_block_info {
   int32_t event_pending;  /* free blocks: 1 if the freeing stream's event has not completed */
 } ww_block_info;
 
+/* One stream hazard the sim's checker found: [ptr, ptr + size) was handed to `stream` while
+ * `other_stream`'s use of it (its first `use_seq` units of work) had neither completed (only
+ * `completed` units had) nor been waited on by `stream`. */
+typedef struct ww_hazard {
+  uint64_t ptr;
+  uint64_t size;
+  uint64_t stream;
+  uint64_t other_stream;
+  uint64_t use_seq;
+  uint64_t completed;
+} ww_hazard;
+
 /* Segment upstream callbacks (backends EXTERNAL and SIM_EXTERNAL). Called without the pool's lock. */
 typedef uint64_t (*ww_segment_alloc_fn)(void* ctx, uint64_t nbytes, uint64_t stream); /* 0 = fail */
 typedef void (*ww_segment_free_fn)(void* ctx, uint64_t ptr, uint64_t nbytes);
 
 WW_API const char* ww_last_error(void); /* this thread's last error message */
+/* For segment callbacks: the failure about to be returned (0) is not "out of memory" but a backend
+ * error with this message; the allocation then fails with WW_BACKEND_ERROR. */
+WW_API void ww_set_upstream_error(const char* message);
 WW_API uint64_t ww_round_size(uint64_t nbytes);
 
 WW_API void* ww_pool_create(int backend, int device, uint64_t capacity_bytes, ww_segment_alloc_fn seg_alloc,
@@ -130,6 +147,13 @@ WW_API uint64_t ww_pool_release_cached(void* pool);
 WW_API void ww_pool_stats(void* pool, ww_counters* out);
 WW_API void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out);
 WW_API void ww_pool_reset_peaks(void* pool);
+/* Contention of the pool's mutex: out6 = {acquisitions, contended acquisitions, ns waited,
+ * frees of waterwave_torch_free queued because the mutex was held, waterwave_torch_free calls that
+ * waited for it (only with the knob below), ns they waited}. */
+WW_API void ww_pool_lock_stats(void* pool, uint64_t* out6);
+/* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the behaviour before issue 14),
+ * 0 (default) queues the free when the mutex is held. */
+WW_API void ww_pool_set_torch_free_blocking(void* pool, int blocking);
 WW_API uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries);
 
 WW_API int64_t ww_account_open(void* pool);
@@ -148,11 +172,20 @@ WW_API void ww_trace_clear(void* pool);
 /* sim backends only; return -1 when the pool has no simulated device. */
 WW_API int64_t ww_sim_submit(void* pool, uint64_t stream);
 WW_API int ww_sim_finish(void* pool, uint64_t stream, int all_streams);
+/* Stream-hazard checker: `stream`'s work queued so far uses [ptr, ptr + size). -1 if not sim. */
+WW_API int ww_sim_use(void* pool, uint64_t ptr, uint64_t size, uint64_t stream);
+/* Hazards found so far (copies up to max_entries); the total, or -1 if not sim. */
+WW_API int64_t ww_sim_hazards(void* pool, ww_hazard* out, uint64_t max_entries);
 
 /* PyTorch bridge: torch.cuda.memory.CUDAPluggableAllocator(path, "waterwave_torch_malloc",
  * "waterwave_torch_free"); signatures match torch/csrc/cuda/CUDAPluggableAllocator.h
  * (std::function<void*(size_t, int, cudaStream_t)>, std::function<void(void*, size_t, int, cudaStream_t)>). */
 WW_API int ww_torch_set_pool(int device, void* pool);
+/* Why `device` has no pool (named by the WW_NO_POOL error of the PyTorch entry points). */
+WW_API int ww_torch_set_unavailable(int device, const char* reason);
+/* The non-throwing core of waterwave_torch_malloc: a ww_status; the message in ww_last_error().
+ * The torch-facing shim (allocator_ext/torch_shim/) turns it into PyTorch's own exception types. */
+WW_API int waterwave_torch_try_malloc(size_t size, int device, void* stream, void** out);
 WW_API void* waterwave_torch_malloc(size_t size, int device, void* stream);
 WW_API void waterwave_torch_free(void* ptr, size_t size, int device, void* stream);
 WW_API void waterwave_torch_record_stream(void* ptr, void* stream);

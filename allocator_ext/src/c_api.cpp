@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 #include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -14,9 +15,16 @@ namespace ww {
 
 namespace {
 thread_local std::string g_last_error;
+thread_local std::string g_upstream_error;
 }  // namespace
 
 void set_last_error(const std::string& msg) { g_last_error = msg; }
+void set_upstream_error(const std::string& msg) { g_upstream_error = msg; }
+std::string take_upstream_error() {
+  std::string out;
+  out.swap(g_upstream_error);
+  return out;
+}
 
 namespace {
 
@@ -24,6 +32,8 @@ Pool* as_pool(void* p) { return static_cast<Pool*>(p); }
 
 constexpr int kMaxDevices = 64;
 std::array<std::atomic<Pool*>, kMaxDevices> g_torch_pools{};
+std::mutex g_unavailable_mu;
+std::array<std::string, kMaxDevices> g_unavailable;  // why a device has no pool (under the mutex)
 
 // Thrown by waterwave_torch_malloc when the pool is exhausted. PyTorch's pluggable allocator does
 // not check alloc_fn's result for nullptr (torch/csrc/cuda/CUDAPluggableAllocator.cpp, malloc:
@@ -31,6 +41,9 @@ std::array<std::atomic<Pool*>, kMaxDevices> g_torch_pools{};
 // RuntimeError carrying what(). waterwave_hpo.memory.translate_oom recognises the marker and
 // re-raises torch.cuda.OutOfMemoryError (pytorch/pytorch issue 133280). A std::runtime_error, not
 // std::bad_alloc: pybind11 would turn the latter into a bare MemoryError on some bindings.
+// Since issue 14 the torch-facing shim (allocator_ext/torch_shim/) is the allocator PyTorch
+// loads where it can be built: it throws c10::OutOfMemoryError itself, so PyTorch's internal
+// fallbacks (cuDNN's smaller workspace) run. This class remains for the plain entry points.
 class OutOfMemory : public std::runtime_error {
  public:
   explicit OutOfMemory(const std::string& msg) : std::runtime_error(msg) {}
@@ -45,6 +58,10 @@ using ww::as_pool;
 extern "C" {
 
 const char* ww_last_error(void) { return ww::g_last_error.c_str(); }
+
+void ww_set_upstream_error(const char* message) {
+  ww::set_upstream_error(message != nullptr && *message != 0 ? message : "unknown upstream error");
+}
 
 uint64_t ww_round_size(uint64_t nbytes) { return ww::round_size(nbytes); }
 
@@ -123,6 +140,12 @@ void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out) {
 
 void ww_pool_reset_peaks(void* pool) { as_pool(pool)->reset_peaks(); }
 
+void ww_pool_lock_stats(void* pool, uint64_t* out6) { as_pool(pool)->lock_stats(out6); }
+
+void ww_pool_set_torch_free_blocking(void* pool, int blocking) {
+  as_pool(pool)->set_blocking_torch_free(blocking != 0);
+}
+
 uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries) {
   return as_pool(pool)->snapshot(out, max_entries);
 }
@@ -160,6 +183,16 @@ int ww_sim_finish(void* pool, uint64_t stream, int all_streams) {
   return ww::sim_finish(as_pool(pool)->upstream(), stream, all_streams != 0) ? 0 : -1;
 }
 
+int ww_sim_use(void* pool, uint64_t ptr, uint64_t size, uint64_t stream) {
+  return ww::sim_use(as_pool(pool)->upstream(), ptr, size, stream) ? 0 : -1;
+}
+
+int64_t ww_sim_hazards(void* pool, ww_hazard* out, uint64_t max_entries) {
+  ww::Upstream* up = as_pool(pool)->upstream();
+  if (up == nullptr || !up->is_sim()) return -1;
+  return static_cast<int64_t>(ww::sim_hazards(up, out, max_entries));
+}
+
 int ww_torch_set_pool(int device, void* pool) {
   if (device < 0 || device >= ww::kMaxDevices) {
     ww::set_last_error("device " + std::to_string(device) + " out of range");
@@ -169,24 +202,61 @@ int ww_torch_set_pool(int device, void* pool) {
   return WW_OK;
 }
 
-// Matches torch/csrc/cuda/CUDAPluggableAllocator.h: alloc_fn is
-// std::function<void*(size_t size, int device, cudaStream_t stream)>.
-void* waterwave_torch_malloc(size_t size, int device, void* stream) {
-  if (size == 0) return nullptr;  // as PyTorch's own caching allocator
+int ww_torch_set_unavailable(int device, const char* reason) {
+  if (device < 0 || device >= ww::kMaxDevices) {
+    ww::set_last_error("device " + std::to_string(device) + " out of range");
+    return WW_INVALID;
+  }
+  std::lock_guard<std::mutex> g(ww::g_unavailable_mu);
+  ww::g_unavailable[device] = reason != nullptr ? reason : "";
+  return WW_OK;
+}
+
+int waterwave_torch_try_malloc(size_t size, int device, void* stream, void** out) {
+  *out = nullptr;
+  if (size == 0) return WW_OK;  // as PyTorch's own caching allocator: no block for 0 bytes
   ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
                                                               : nullptr;
   if (pool == nullptr) {
-    throw ww::OutOfMemory("WATERWAVE_POOL_OOM: no waterwave pool is installed for CUDA device " +
-                          std::to_string(device) + " (call waterwave_hpo.memory.use_pool)");
+    // Not an OOM: retrying with fewer neighbours cannot help (issue 14, section 1.6).
+    std::string why;
+    if (device >= 0 && device < ww::kMaxDevices) {
+      std::lock_guard<std::mutex> g(ww::g_unavailable_mu);
+      why = ww::g_unavailable[device];
+    }
+    ww::set_last_error("WATERWAVE_POOL_NO_POOL: no waterwave pool is installed for CUDA device " +
+                       std::to_string(device) +
+                       (why.empty() ? std::string() : " (" + why + ")") +
+                       ", and PyTorch's allocator is swapped process-wide; call "
+                       "waterwave_hpo.memory.use_pool(StreamAwarePool(device=" +
+                       std::to_string(device) + ")) before CUDA's first allocation");
+    return WW_NO_POOL;
   }
   std::uintptr_t p = 0;
   int src = 0;
   int r = pool->allocate(size, reinterpret_cast<std::uintptr_t>(stream), &p, &src);
-  if (r != WW_OK) {
-    throw ww::OutOfMemory("WATERWAVE_POOL_OOM: CUDA out of memory on device " +
-                          std::to_string(device) + ": " + ww::g_last_error);
+  if (r == WW_OK) {
+    *out = reinterpret_cast<void*>(p);
+  } else if (r == WW_BACKEND_ERROR) {
+    ww::set_last_error("WATERWAVE_POOL_BACKEND_ERROR: CUDA error on device " +
+                       std::to_string(device) + ": " + ww::g_last_error);
+  } else {
+    ww::set_last_error("WATERWAVE_POOL_OOM: CUDA out of memory on device " +
+                       std::to_string(device) + ": " + ww::g_last_error);
   }
-  return reinterpret_cast<void*>(p);
+  return r;
+}
+
+// Matches torch/csrc/cuda/CUDAPluggableAllocator.h: alloc_fn is
+// std::function<void*(size_t size, int device, cudaStream_t stream)>.
+void* waterwave_torch_malloc(size_t size, int device, void* stream) {
+  void* p = nullptr;
+  int r = waterwave_torch_try_malloc(size, device, stream, &p);
+  if (r == WW_OK) return p;
+  if (r == WW_OOM_CAPACITY || r == WW_OOM_QUOTA || r == WW_OOM_UPSTREAM) {
+    throw ww::OutOfMemory(ww::g_last_error);
+  }
+  throw std::runtime_error(ww::g_last_error);  // no OOM marker: a backend error or no pool
 }
 
 // Matches torch/csrc/cuda/CUDAPluggableAllocator.h: free_fn is
@@ -198,7 +268,9 @@ void waterwave_torch_free(void* ptr, size_t size, int device, void* stream) {
   ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
                                                               : nullptr;
   if (pool == nullptr) return;
-  pool->free(reinterpret_cast<std::uintptr_t>(ptr), reinterpret_cast<std::uintptr_t>(stream), true);
+  // PyTorch calls this with the GIL held (tensor deallocation): never wait for the pool's mutex.
+  pool->free_nonblocking(reinterpret_cast<std::uintptr_t>(ptr),
+                         reinterpret_cast<std::uintptr_t>(stream));
 }
 
 // For CUDAPluggableAllocator's record_stream hook (set_record_stream_fn(void*, cudaStream_t)),

@@ -5,6 +5,7 @@
 #include "pool.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <string>
 
@@ -80,6 +81,7 @@ Pool::Pool(std::unique_ptr<Upstream> upstream, std::unique_ptr<Trace> trace, std
 
 Pool::~Pool() {
   std::lock_guard<std::mutex> g(mu_);
+  drain_pending_locked();
   for (auto& kv : segments_) {
     Segment* seg = kv.second;
     bool idle = seg->live_blocks == 0;
@@ -96,6 +98,40 @@ Pool::~Pool() {
     delete seg;
   }
   for (Event e : event_cache_) upstream_->destroy_event(e);
+}
+
+std::unique_lock<std::mutex> Pool::acquire() {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    lk.lock();
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    lock_contended_.fetch_add(1, std::memory_order_relaxed);
+    lock_wait_ns_.fetch_add(
+        static_cast<std::uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()),
+        std::memory_order_relaxed);
+  }
+  lock_acquisitions_.fetch_add(1, std::memory_order_relaxed);
+  drain_pending_locked();
+  return lk;
+}
+
+void Pool::lock_stats(std::uint64_t* out) {
+  out[0] = lock_acquisitions_.load(std::memory_order_relaxed);
+  out[1] = lock_contended_.load(std::memory_order_relaxed);
+  out[2] = lock_wait_ns_.load(std::memory_order_relaxed);
+  out[3] = deferred_frees_.load(std::memory_order_relaxed);
+  out[4] = torch_free_waits_.load(std::memory_order_relaxed);
+  out[5] = torch_free_wait_ns_.load(std::memory_order_relaxed);
+}
+
+void Pool::lock_stats(std::uint64_t* acquisitions, std::uint64_t* contended,
+                      std::uint64_t* wait_ns, std::uint64_t* deferred_frees) {
+  *deferred_frees = deferred_frees_.load(std::memory_order_relaxed);
+  *acquisitions = lock_acquisitions_.load(std::memory_order_relaxed);
+  *contended = lock_contended_.load(std::memory_order_relaxed);
+  *wait_ns = lock_wait_ns_.load(std::memory_order_relaxed);
 }
 
 Event Pool::get_event_locked() {
@@ -224,6 +260,7 @@ Block* Pool::take_locked(Block* b, std::size_t size, Stream stream, int source,
   t.stream = stream;
   t.account = account;
   trace_->add(t);
+  upstream_->check_handout(b->addr, b->size, stream);
   return b;
 }
 
@@ -244,7 +281,7 @@ void Pool::trace_oom_locked(std::size_t nbytes, Stream s, int status, std::int64
 int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* source) {
   *out = 0;
   *source = WW_SOURCE_NONE;
-  std::unique_lock<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk = acquire();
   std::int64_t account = -1;
   auto ai = stream_to_account_.find(stream);
   if (ai != stream_to_account_.end()) account = ai->second;
@@ -269,6 +306,13 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
     return WW_OOM_QUOTA;
   };
   if (over_quota()) return quota_oom();
+  auto backend_failed = [&](const std::string& why) {
+    set_last_error("CUDA backend error, not a memory shortage: " + why);
+    return WW_BACKEND_ERROR;
+  };
+  // A poisoned context (illegal address, device assert) serves nothing, not even cached blocks:
+  // the trial must fail as a backend error, never be retried as an OOM.
+  if (std::string sticky = upstream_->sticky_error(); !sticky.empty()) return backend_failed(sticky);
 
   int status = WW_OOM_CAPACITY;
   for (int attempt = 0; attempt < 2; ++attempt) {
@@ -281,6 +325,10 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
       b = find_free_locked(size, stream, &src);
     }
     if (b != nullptr) {
+      // The search may have met the driver error (an event query): hand nothing out then.
+      if (std::string sticky = upstream_->sticky_error(); !sticky.empty()) {
+        return backend_failed(sticky);
+      }
       take_locked(b, size, stream, src, nbytes, account);
       *out = b->addr;
       *source = src;
@@ -294,9 +342,12 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
     if (seg_size != 0) {
       pending_reserve_ += seg_size;
       lk.unlock();
+      take_upstream_error();
       void* p = upstream_->alloc_segment(seg_size, stream);
+      std::string upstream_error = p == nullptr ? take_upstream_error() : std::string();
       lk.lock();
       pending_reserve_ -= seg_size;
+      if (!upstream_error.empty()) return backend_failed(upstream_error);
       if (p != nullptr) {
         Segment* seg = new Segment;
         seg->addr = reinterpret_cast<std::uintptr_t>(p);
@@ -480,7 +531,7 @@ void Pool::release_segments_unlocked(std::unique_lock<std::mutex>& lk,
 }
 
 std::uint64_t Pool::release_cached() {
-  std::unique_lock<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk = acquire();
   if (!deferred_.empty()) process_deferred_locked();
   coalesce_all_locked();
   std::vector<Segment*> segs = collect_releasable_locked();
@@ -491,7 +542,57 @@ std::uint64_t Pool::release_cached() {
 }
 
 int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
+  return free_locked(ptr, stream, has_stream);
+}
+
+// PyTorch frees a tensor's block from its deallocator with the GIL held: waiting there for the
+// pool's mutex stalls every Python thread of the process for as long as the holder runs (on a
+// loaded host, milliseconds when the holder is preempted). So a free that finds the mutex held
+// queues the block (a push under a lock held for nothing else) and returns; the next thread that
+// takes the mutex frees it first. Later is safe: the event recorded then on `stream` covers at
+// least the work queued at the free, and the block is nobody's meanwhile. Measured by
+// experiments/bench_allocator.py --contention (issue 14, section 1.11).
+int Pool::free_nonblocking(std::uintptr_t ptr, Stream stream) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock() && blocking_torch_free_.load(std::memory_order_relaxed)) {
+    // The behaviour before issue 14 (kept as a knob for experiments/bench_allocator.py).
+    const auto t0 = std::chrono::steady_clock::now();
+    lk.lock();
+    const auto ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
+    lock_contended_.fetch_add(1, std::memory_order_relaxed);
+    lock_wait_ns_.fetch_add(ns, std::memory_order_relaxed);
+    torch_free_waits_.fetch_add(1, std::memory_order_relaxed);
+    torch_free_wait_ns_.fetch_add(ns, std::memory_order_relaxed);
+  }
+  if (lk.owns_lock()) {
+    lock_acquisitions_.fetch_add(1, std::memory_order_relaxed);
+    drain_pending_locked();
+    return free_locked(ptr, stream, true);
+  }
+  {
+    std::lock_guard<std::mutex> q(pending_mu_);
+    pending_frees_.push_back(PendingFree{ptr, stream});
+    has_pending_.store(true, std::memory_order_release);
+  }
+  deferred_frees_.fetch_add(1, std::memory_order_relaxed);
+  return WW_OK;
+}
+
+void Pool::drain_pending_locked() {
+  if (!has_pending_.load(std::memory_order_acquire)) return;
+  std::vector<PendingFree> todo;
+  {
+    std::lock_guard<std::mutex> q(pending_mu_);
+    todo.swap(pending_frees_);
+    has_pending_.store(false, std::memory_order_release);
+  }
+  for (const PendingFree& f : todo) free_locked(f.ptr, f.stream, true);
+}
+
+int Pool::free_locked(std::uintptr_t ptr, Stream stream, bool has_stream) {
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     set_last_error("free: pointer " + std::to_string(ptr) +
@@ -501,6 +602,14 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
   Block* b = it->second;
   live_.erase(it);
   const Stream s = has_stream ? stream : b->stream;
+  // Freed on another stream than the one it was allocated on: the work already queued on the
+  // allocating stream may still use the block (it is the stream PyTorch and CuPy order the
+  // block's uses by), so it is waited for like a record_stream stream. Found by the sim's
+  // stream-hazard checker (issue 14, section 2).
+  if (s != b->stream && std::find(b->extra_streams.begin(), b->extra_streams.end(), b->stream) ==
+                            b->extra_streams.end()) {
+    b->extra_streams.push_back(b->stream);
+  }
   total_.on_free(b->size, b->requested);
   stream_counters_locked(b->stream).on_free(b->size, b->requested);
   if (Account* a = account_locked(b->account)) a->counters.on_free(b->size, b->requested);
@@ -520,6 +629,7 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
   }
   b->stream = s;
   b->free_order = ++free_counter_;
+  upstream_->note_use(b->addr, b->size, s);
   ww_trace_entry t{};
   t.kind = WW_TRACE_FREE;
   t.ptr = b->addr;
@@ -552,33 +662,35 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
 }
 
 int Pool::record_stream(std::uintptr_t ptr, Stream stream) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     set_last_error("record_stream: pointer " + std::to_string(ptr) + " is not live in this pool");
     return WW_INVALID;
   }
   Block* b = it->second;
-  if (stream != b->stream &&
-      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end()) {
+  // Kept even for the allocating stream: the block may be freed on another stream (the free's
+  // stream argument), and then the allocating stream's use must be waited for too. At the free,
+  // only the freeing stream itself is skipped (stream order covers it).
+  if (std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end()) {
     b->extra_streams.push_back(stream);
   }
   return WW_OK;
 }
 
 void Pool::stats(ww_counters* out) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   *out = total_.c;
 }
 
 void Pool::stream_stats(Stream s, ww_counters* out) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   auto it = streams_.find(s);
   *out = it == streams_.end() ? ww_counters{} : it->second.c;
 }
 
 void Pool::reset_peaks() {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   auto reset = [](Counters& c) {
     c.c.peak_allocated_bytes = c.c.allocated_bytes;
     c.c.peak_reserved_bytes = c.c.reserved_bytes;
@@ -589,7 +701,7 @@ void Pool::reset_peaks() {
 }
 
 std::uint64_t Pool::snapshot(ww_block_info* out, std::uint64_t max) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   std::uint64_t n = 0;
   for (auto& kv : segments_) {
     Segment* seg = kv.second;
@@ -613,14 +725,14 @@ std::uint64_t Pool::snapshot(ww_block_info* out, std::uint64_t max) {
 }
 
 std::int64_t Pool::account_open() {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   std::int64_t id = next_account_++;
   accounts_[id] = Account{};
   return id;
 }
 
 int Pool::account_close(std::int64_t id) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   auto it = accounts_.find(id);
   if (it == accounts_.end()) {
     set_last_error("account " + std::to_string(id) + " is not open");
@@ -632,7 +744,7 @@ int Pool::account_close(std::int64_t id) {
 }
 
 int Pool::account_bind(std::int64_t id, Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   Account* a = account_locked(id);
   if (a == nullptr) {
     set_last_error("account " + std::to_string(id) + " is not open");
@@ -651,7 +763,7 @@ int Pool::account_bind(std::int64_t id, Stream s) {
 }
 
 int Pool::account_unbind(std::int64_t id, Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   Account* a = account_locked(id);
   auto it = stream_to_account_.find(s);
   if (a == nullptr || it == stream_to_account_.end() || it->second != id) {
@@ -665,7 +777,7 @@ int Pool::account_unbind(std::int64_t id, Stream s) {
 }
 
 int Pool::account_set_quota(std::int64_t id, std::uint64_t quota) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   Account* a = account_locked(id);
   if (a == nullptr) {
     set_last_error("account " + std::to_string(id) + " is not open");
@@ -676,7 +788,7 @@ int Pool::account_set_quota(std::int64_t id, std::uint64_t quota) {
 }
 
 int Pool::account_stats(std::int64_t id, ww_counters* out) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   Account* a = account_locked(id);
   if (a == nullptr) {
     set_last_error("account " + std::to_string(id) + " is not open");
@@ -687,7 +799,7 @@ int Pool::account_stats(std::int64_t id, ww_counters* out) {
 }
 
 std::int64_t Pool::stream_account(Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  auto g = acquire();
   auto it = stream_to_account_.find(s);
   return it == stream_to_account_.end() ? -1 : it->second;
 }

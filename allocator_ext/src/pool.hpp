@@ -3,6 +3,7 @@
 // the prioritized order of Waterwave (IEEE TC 2023), see waterwave_pool.h.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -81,6 +82,9 @@ class Pool {
 
   int allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* source);
   int free(std::uintptr_t ptr, Stream stream, bool has_stream);
+  // For PyTorch's entry point: never waits for the pool's mutex (queues the free if it is held).
+  // An unknown pointer is then not reported. Always WW_OK when queued.
+  int free_nonblocking(std::uintptr_t ptr, Stream stream);
   int record_stream(std::uintptr_t ptr, Stream stream);
   std::uint64_t release_cached();
 
@@ -97,13 +101,25 @@ class Pool {
   int account_stats(std::int64_t id, ww_counters* out);
   std::int64_t stream_account(Stream s);
 
+  // The pool mutex's acquisitions, how many found it held, and the nanoseconds spent waiting.
+  void lock_stats(std::uint64_t* acquisitions, std::uint64_t* contended, std::uint64_t* wait_ns,
+                  std::uint64_t* deferred_frees);
+  // out[6]: the four above, then PyTorch-path frees that waited for the mutex and their ns.
+  void lock_stats(std::uint64_t* out);
+  // Benchmark knob: make free_nonblocking wait for the mutex as before issue 14.
+  void set_blocking_torch_free(bool on) { blocking_torch_free_.store(on); }
+
   Trace* trace() { return trace_.get(); }
   Upstream* upstream() { return upstream_.get(); }
 
  private:
   using FreeSet = std::set<Block*, BlockOrder>;
 
+  // Locks mu_, counting contention.
+  std::unique_lock<std::mutex> acquire();
   // All *_locked functions require mu_.
+  int free_locked(std::uintptr_t ptr, Stream stream, bool has_stream);
+  void drain_pending_locked();
   Block* find_free_locked(std::size_t size, Stream stream, int* source);
   Block* take_locked(Block* b, std::size_t size, Stream stream, int source, std::size_t requested,
                      std::int64_t account);
@@ -126,6 +142,20 @@ class Pool {
   std::unique_ptr<Upstream> upstream_;
   std::uint64_t capacity_;
   std::mutex mu_;
+  std::atomic<std::uint64_t> lock_acquisitions_{0};
+  std::atomic<std::uint64_t> lock_contended_{0};
+  std::atomic<std::uint64_t> lock_wait_ns_{0};
+  std::atomic<std::uint64_t> deferred_frees_{0};
+  std::atomic<std::uint64_t> torch_free_waits_{0};
+  std::atomic<std::uint64_t> torch_free_wait_ns_{0};
+  std::atomic<bool> blocking_torch_free_{false};
+  struct PendingFree {
+    std::uintptr_t ptr;
+    Stream stream;
+  };
+  std::mutex pending_mu_;  // guards pending_frees_ only; never held with anything else
+  std::vector<PendingFree> pending_frees_;
+  std::atomic<bool> has_pending_{false};
   std::uint64_t pending_reserve_ = 0;  // capacity promised to in-flight segment requests
   std::uint64_t pending_release_ = 0;  // segments being handed back (not yet freed upstream)
   std::uint64_t free_counter_ = 0;

@@ -54,10 +54,19 @@ class Trace {
   std::vector<ww_trace_entry> entries_;
 };
 
+// The calling thread's upstream error: an upstream whose alloc_segment fails for any reason other
+// than "out of memory" (an illegal address, a device assert, a lost device) sets it before it
+// returns nullptr; the pool then reports WW_BACKEND_ERROR with this message instead of an OOM.
+// CUDA: only CUDA_ERROR_OUT_OF_MEMORY is out of memory. Defined in c_api.cpp.
+void set_upstream_error(const std::string& msg);
+// Returns and clears the calling thread's upstream error (empty: none).
+std::string take_upstream_error();
+
 class Upstream {
  public:
   virtual ~Upstream() = default;
-  // A new segment of `nbytes`, or nullptr. Called WITHOUT the pool's lock (it may call into Python).
+  // A new segment of `nbytes`, or nullptr: out of memory, or (after set_upstream_error) a backend
+  // error. Called WITHOUT the pool's lock (it may call into Python).
   virtual void* alloc_segment(std::size_t nbytes, Stream stream) = 0;
   // Called WITHOUT the pool's lock, only for segments whose blocks are all free and synchronized.
   virtual void free_segment(void* ptr, std::size_t nbytes) = 0;
@@ -73,6 +82,14 @@ class Upstream {
   virtual std::uint64_t event_seq(Event) { return 0; }
   virtual Stream event_stream(Event) { return 0; }
   virtual bool is_sim() const { return false; }
+  // A driver error that poisons the device context (e.g. CUDA_ERROR_ILLEGAL_ADDRESS from an event
+  // query): once set, the pool serves no allocation and reports WW_BACKEND_ERROR with it. Empty
+  // while the device is healthy. Thread-safe.
+  virtual std::string sticky_error() { return std::string(); }
+  // Stream-hazard checker hooks (sim only): `stream` used [addr, addr + size) with the work it
+  // has queued so far; the pool hands [addr, addr + size) to `stream`. Called under the pool's lock.
+  virtual void note_use(std::uintptr_t, std::size_t, Stream) {}
+  virtual void check_handout(std::uintptr_t, std::size_t, Stream) {}
 };
 
 // A simulated device: host memory, virtual streams and events whose completion the caller controls.
@@ -95,5 +112,11 @@ std::unique_ptr<Upstream> make_cuda_upstream(int device, SegmentAllocFn seg_allo
 // sim-only controls (nullptr-safe casts done by the caller).
 std::int64_t sim_submit(Upstream* up, Stream stream);
 bool sim_finish(Upstream* up, Stream stream, bool all_streams);
+// Records that `stream`'s work queued so far reads or writes [addr, addr + size) (a kernel on a
+// stream that is not the block's own: the cross-stream use of section 1.4 of issue 14).
+bool sim_use(Upstream* up, std::uintptr_t addr, std::size_t size, Stream stream);
+// Hazards the checker found so far (handouts to a stream while another stream's use of the range
+// was neither complete nor waited on); copies up to `max` into `out`, returns the total.
+std::uint64_t sim_hazards(Upstream* up, ww_hazard* out, std::uint64_t max);
 
 }  // namespace ww

@@ -7,44 +7,46 @@
 // so PyTorch and CuPy, use): if the calling thread has another or none, it is pushed and popped.
 #include <dlfcn.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
+#include "cuda_driver_api.hpp"
 #include "upstream.hpp"
 
 namespace ww {
 
 namespace {
 
-using CUresult = int;
-using CUdevice = int;
-using CUcontext = void*;
-using CUstream = void*;
-using CUevent = void*;
-using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's definition
+using namespace cuda_api;  // NOLINT(build/namespaces): the driver's types and constants
+using CUresult = cuda_api::Result;
+using CUdevice = cuda_api::Device;
+using CUcontext = cuda_api::Context;
+using CUstream = cuda_api::StreamHandle;
+using CUevent = cuda_api::EventHandle;
+using CUdeviceptr = cuda_api::DevicePtr;
 
-constexpr CUresult kSuccess = 0;
-constexpr CUresult kNotReady = 600;          // CUDA_ERROR_NOT_READY
-constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+constexpr CUresult kOutOfMemory = kErrorOutOfMemory;
+constexpr CUresult kNotReady = kErrorNotReady;
 
 struct Driver {
   void* handle = nullptr;
-  CUresult (*cuInit)(unsigned) = nullptr;
-  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
-  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
-  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuMemAlloc)(CUdeviceptr*, std::size_t) = nullptr;
-  CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
-  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
-  CUresult (*cuEventDestroy)(CUevent) = nullptr;
-  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
-  CUresult (*cuEventQuery)(CUevent) = nullptr;
-  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
-  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
-  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  cuInit_t cuInit = nullptr;
+  cuDeviceGet_t cuDeviceGet = nullptr;
+  cuDevicePrimaryCtxRetain_t cuDevicePrimaryCtxRetain = nullptr;
+  cuDevicePrimaryCtxRelease_t cuDevicePrimaryCtxRelease = nullptr;
+  cuCtxGetCurrent_t cuCtxGetCurrent = nullptr;
+  cuCtxPushCurrent_t cuCtxPushCurrent = nullptr;
+  cuCtxPopCurrent_t cuCtxPopCurrent = nullptr;
+  cuMemAlloc_t cuMemAlloc = nullptr;
+  cuMemFree_t cuMemFree = nullptr;
+  cuEventCreate_t cuEventCreate = nullptr;
+  cuEventDestroy_t cuEventDestroy = nullptr;
+  cuEventRecord_t cuEventRecord = nullptr;
+  cuEventQuery_t cuEventQuery = nullptr;
+  cuStreamWaitEvent_t cuStreamWaitEvent = nullptr;
+  cuStreamSynchronize_t cuStreamSynchronize = nullptr;
+  cuGetErrorString_t cuGetErrorString = nullptr;
 };
 
 template <typename F>
@@ -118,7 +120,7 @@ class ContextGuard {
 class CudaUpstream final : public Upstream {
  public:
   CudaUpstream(int device, SegmentAllocFn a, SegmentFreeFn f, void* ctx)
-      : d_(driver()), seg_alloc_(a), seg_free_(f), cb_ctx_(ctx) {
+      : d_(driver()), ordinal_(device), seg_alloc_(a), seg_free_(f), cb_ctx_(ctx) {
     CUresult r = d_.cuInit(0);
     if (r != kSuccess) throw std::runtime_error("cuInit failed: " + error_string(d_, r));
     r = d_.cuDeviceGet(&device_, device);
@@ -141,8 +143,21 @@ class CudaUpstream final : public Upstream {
     }
     ContextGuard g(d_, ctx_);
     CUdeviceptr p = 0;
-    if (d_.cuMemAlloc(&p, nbytes) != kSuccess) return nullptr;
-    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+    CUresult r = d_.cuMemAlloc(&p, nbytes);
+    if (r == kSuccess) return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+    // Only CUDA_ERROR_OUT_OF_MEMORY is out of memory (issue 14, section 1.5). Anything else (an
+    // illegal address left by a kernel, a device assert, a lost device) is a backend error with
+    // the driver's message, so a dead context is never "retried with fewer neighbours".
+    if (r != kOutOfMemory) {
+      set_upstream_error("cuMemAlloc of " + std::to_string(nbytes) + " bytes on CUDA device " +
+                         std::to_string(ordinal_) + " failed: " + error_string(d_, r));
+    }
+    return nullptr;
+  }
+
+  std::string sticky_error() override {
+    std::lock_guard<std::mutex> g(sticky_mu_);
+    return sticky_;
   }
 
   void free_segment(void* ptr, std::size_t nbytes) override {
@@ -168,30 +183,48 @@ class CudaUpstream final : public Upstream {
 
   bool record_event(Event ev, Stream stream) override {
     ContextGuard g(d_, ctx_);
-    return d_.cuEventRecord(reinterpret_cast<CUevent>(ev), reinterpret_cast<CUstream>(stream)) ==
-           kSuccess;
+    return check("cuEventRecord", d_.cuEventRecord(reinterpret_cast<CUevent>(ev),
+                                                   reinterpret_cast<CUstream>(stream)));
   }
 
   bool event_completed(Event ev) override {
     ContextGuard g(d_, ctx_);
     CUresult r = d_.cuEventQuery(reinterpret_cast<CUevent>(ev));
-    // NOT_READY: pending. Any other error: treat as pending (never hand out memory on doubt).
-    return r == kSuccess;
+    if (r == kSuccess) return true;
+    // NOT_READY: pending. Any other error (e.g. CUDA_ERROR_ILLEGAL_ADDRESS: the context is
+    // poisoned): pending too (never hand out memory on doubt), and the pool stops serving.
+    if (r != kNotReady) check("cuEventQuery", r);
+    return false;
   }
 
   bool stream_wait_event(Stream waiter, Event ev) override {
     ContextGuard g(d_, ctx_);
-    return d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(waiter), reinterpret_cast<CUevent>(ev),
-                                0) == kSuccess;
+    return check("cuStreamWaitEvent", d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(waiter),
+                                                           reinterpret_cast<CUevent>(ev), 0));
   }
 
   bool synchronize_stream(Stream stream) override {
     ContextGuard g(d_, ctx_);
-    return d_.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)) == kSuccess;
+    return check("cuStreamSynchronize",
+                 d_.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
   }
 
  private:
+  // True on success; otherwise remembers the first failure as the sticky error.
+  bool check(const char* what, CUresult r) {
+    if (r == kSuccess) return true;
+    std::lock_guard<std::mutex> g(sticky_mu_);
+    if (sticky_.empty()) {
+      sticky_ = std::string(what) + " on CUDA device " + std::to_string(ordinal_) +
+                " failed: " + error_string(d_, r) + "; the CUDA context is unusable";
+    }
+    return false;
+  }
+
   Driver& d_;
+  int ordinal_ = 0;
+  std::mutex sticky_mu_;
+  std::string sticky_;
   SegmentAllocFn seg_alloc_;
   SegmentFreeFn seg_free_;
   void* cb_ctx_;
@@ -199,7 +232,6 @@ class CudaUpstream final : public Upstream {
   CUcontext ctx_ = nullptr;
 };
 
-static_assert(kNotReady == 600, "CUDA_ERROR_NOT_READY");
 
 }  // namespace
 

@@ -140,7 +140,7 @@ class SimUpstream final : public Upstream {
     std::lock_guard<std::mutex> g(mu_);
     auto it = events_.find(ev);
     if (it == events_.end() || !it->second.recorded) return true;  // like cuEventQuery
-    return streams_[it->second.stream].completed >= it->second.seq;
+    return complete_locked(it->second.stream, it->second.seq, 0);
   }
 
   bool stream_wait_event(Stream waiter, Event ev) override {
@@ -181,6 +181,50 @@ class SimUpstream final : public Upstream {
 
   bool is_sim() const override { return true; }
 
+  // The stream-hazard checker (issue 14, section 2): every use of a range by a stream is kept
+  // until that stream's work up to the use has completed; a handout of an overlapping range to
+  // another stream that has neither seen it complete nor waited on it is a hazard. Uses are noted
+  // by the pool at every free (the freeing stream) and by the test through ww_sim_use (kernels
+  // on other streams, the cross-stream case PyTorch's record_stream exists for).
+  void note_use(std::uintptr_t addr, std::size_t size, Stream stream) override {
+    std::lock_guard<std::mutex> g(mu_);
+    add_use_locked(addr, size, stream);
+  }
+
+  void check_handout(std::uintptr_t addr, std::size_t size, Stream stream) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (uses_.empty()) return;
+    const std::uintptr_t lo = addr;
+    const std::uintptr_t hi = addr + size;
+    auto it = uses_.lower_bound(lo > max_use_bytes_ ? lo - max_use_bytes_ : 0);
+    while (it != uses_.end() && it->first < hi) {
+      const Use& u = it->second;
+      const std::uint64_t done = streams_[u.stream].completed;
+      if (done >= u.seq) {  // complete: forget it
+        it = uses_.erase(it);
+        continue;
+      }
+      if (u.end > lo && u.stream != stream && !waited_locked(stream, u.stream, u.seq)) {
+        hazards_.push_back(ww_hazard{static_cast<std::uint64_t>(lo), size, stream, u.stream, u.seq,
+                                     done});
+      }
+      ++it;
+    }
+  }
+
+  void use(std::uintptr_t addr, std::size_t size, Stream stream) {
+    std::lock_guard<std::mutex> g(mu_);
+    add_use_locked(addr, size, stream);
+  }
+
+  std::uint64_t hazards(ww_hazard* out, std::uint64_t max) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::uint64_t i = 0; i < hazards_.size() && i < max && out != nullptr; ++i) {
+      out[i] = hazards_[i];
+    }
+    return hazards_.size();
+  }
+
   std::int64_t submit(Stream stream) {
     std::lock_guard<std::mutex> g(mu_);
     StreamState& s = streams_[stream];
@@ -213,15 +257,58 @@ class SimUpstream final : public Upstream {
     std::vector<SimWait> waits;
   };
 
+  struct Use {
+    std::uintptr_t end;
+    Stream stream;
+    std::uint64_t seq;  // the stream's submitted count at the use
+  };
+
+  void add_use_locked(std::uintptr_t addr, std::size_t size, Stream stream) {
+    StreamState& s = streams_[stream];
+    if (s.completed >= s.submitted) return;  // nothing queued: the use is already complete
+    uses_.emplace(addr, Use{addr + size, stream, s.submitted});
+    max_use_bytes_ = std::max<std::uintptr_t>(max_use_bytes_, size);
+  }
+
+  // Whether `stream`'s first `seq` units have completed, including the stream waits enqueued
+  // before the point `seq` (as on CUDA, an event recorded after cuStreamWaitEvent completes only
+  // once the waited-on event has).
+  bool complete_locked(Stream stream, std::uint64_t seq, int depth) {
+    StreamState& s = streams_[stream];
+    if (s.completed < seq) return false;
+    if (depth > 64) return false;  // bounds the C++ stack; pending on doubt
+    for (const SimWait& w : s.waits) {
+      if (w.position <= seq && !complete_locked(w.target, w.seq, depth + 1)) return false;
+    }
+    return true;
+  }
+
+  // Whether `waiter`'s work from now on is ordered after `target`'s first `seq` units: a stream
+  // wait on it, directly or through the waits of a stream it waited on, enqueued up to `upto`.
+  bool waited_locked(Stream waiter, Stream target, std::uint64_t seq, std::uint64_t upto = ~0ull,
+                     int depth = 0) {
+    if (depth > 64) return false;
+    for (const SimWait& w : streams_[waiter].waits) {
+      if (w.position > upto) continue;
+      if (w.target == target && w.seq >= seq) return true;
+      if (w.target != waiter && waited_locked(w.target, target, seq, w.seq, depth + 1)) return true;
+    }
+    return false;
+  }
+
   // Completes `stream` up to `n` units, first completing what its waits made it depend on.
   void finish_upto_locked(Stream stream, std::uint64_t n, int depth) {
     // Terminates: every wait record is consumed once. The guard only bounds the C++ stack.
     if (depth > 4096) return;
     StreamState* s = &streams_[stream];
-    if (s->completed >= n) return;
+    if (s->completed >= n && (n < s->submitted || s->waits.empty())) return;
     std::vector<SimWait> due;
     std::vector<SimWait> keep;
-    for (const SimWait& w : s->waits) (w.position < n ? due : keep).push_back(w);
+    // Finishing everything submitted also settles the waits enqueued after the last unit.
+    const bool all = n >= s->submitted;
+    for (const SimWait& w : s->waits) {
+      (w.position < n || (all && w.position <= n) ? due : keep).push_back(w);
+    }
     s->waits = std::move(keep);
     for (const SimWait& w : due) finish_upto_locked(w.target, w.seq, depth + 1);
     s = &streams_[stream];  // the map may have grown
@@ -244,6 +331,9 @@ class SimUpstream final : public Upstream {
   Event next_event_ = 0;
   std::unordered_map<Event, SimEvent> events_;
   std::map<Stream, StreamState> streams_;
+  std::multimap<std::uintptr_t, Use> uses_;  // by start address
+  std::uintptr_t max_use_bytes_ = 0;
+  std::vector<ww_hazard> hazards_;
 };
 
 }  // namespace
@@ -263,6 +353,17 @@ bool sim_finish(Upstream* up, Stream stream, bool all_streams) {
   if (up == nullptr || !up->is_sim()) return false;
   static_cast<SimUpstream*>(up)->finish(stream, all_streams);
   return true;
+}
+
+bool sim_use(Upstream* up, std::uintptr_t addr, std::size_t size, Stream stream) {
+  if (up == nullptr || !up->is_sim()) return false;
+  static_cast<SimUpstream*>(up)->use(addr, size, stream);
+  return true;
+}
+
+std::uint64_t sim_hazards(Upstream* up, ww_hazard* out, std::uint64_t max) {
+  if (up == nullptr || !up->is_sim()) return 0;
+  return static_cast<SimUpstream*>(up)->hazards(out, max);
 }
 
 }  // namespace ww

@@ -5,6 +5,9 @@
 // reports NOT_READY to the first query after each record, then success, so both the
 // completed-event and the stream-wait paths run.
 //
+// Fault knobs (fake_cuda_set_fault): make cuMemAlloc or cuEventQuery return a given error code
+// (e.g. 700, CUDA_ERROR_ILLEGAL_ADDRESS; 2, CUDA_ERROR_OUT_OF_MEMORY), as a poisoned context does.
+//
 //   g++ -std=c++17 -shared -fPIC -o libcuda.so.1 fake_cuda.cpp
 #include <atomic>
 #include <cstdint>
@@ -37,6 +40,9 @@ struct FakeEvent {
   int queries_until_ready = 0;
 };
 
+std::atomic<int> g_fault_alloc{0};        // error code cuMemAlloc returns; 0 = none
+std::atomic<int> g_fault_event_query{0};  // error code cuEventQuery returns; 0 = none
+
 std::mutex g_mu;
 std::unordered_map<void*, std::uint64_t> g_allocs;
 
@@ -60,8 +66,10 @@ __attribute__((visibility("default"))) int cuInit(unsigned) {
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuDeviceGet(int* dev, int ordinal) {
-  if (ordinal != 0) return kInvalidValue;
-  *dev = 0;
+  // $FAKE_CUDA_DEVICES devices (default 1); they share the fake's memory and primary context.
+  const char* n = std::getenv("FAKE_CUDA_DEVICES");
+  if (ordinal < 0 || ordinal >= (n != nullptr ? std::atoi(n) : 1)) return kInvalidValue;
+  *dev = ordinal;
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuDevicePrimaryCtxRetain(void** ctx, int) {
@@ -86,6 +94,7 @@ __attribute__((visibility("default"))) int cuCtxPopCurrent_v2(void** ctx) {
 }
 __attribute__((visibility("default"))) int cuMemAlloc_v2(std::uint64_t* p, std::size_t n) {
   if (int r = need_context()) return r;
+  if (int f = g_fault_alloc.load()) return f;
   if (g_mem_used + n > kDeviceBytes) return kOutOfMemory;
   void* m = std::aligned_alloc(512, (n + 511) / 512 * 512);
   if (m == nullptr) return kOutOfMemory;
@@ -124,6 +133,7 @@ __attribute__((visibility("default"))) int cuEventRecord(void* ev, void*) {
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuEventQuery(void* ev) {
+  if (int f = g_fault_event_query.load()) return f;
   auto* e = static_cast<FakeEvent*>(ev);
   if (e->queries_until_ready > 0) {
     e->queries_until_ready -= 1;
@@ -138,8 +148,13 @@ __attribute__((visibility("default"))) int cuStreamWaitEvent(void*, void*, unsig
   return kSuccess;
 }
 __attribute__((visibility("default"))) int cuStreamSynchronize(void*) { return need_context(); }
-__attribute__((visibility("default"))) int cuGetErrorString(int, const char** s) {
-  *s = "fake CUDA error";
+__attribute__((visibility("default"))) int cuGetErrorString(int code, const char** s) {
+  switch (code) {
+    case kOutOfMemory: *s = "out of memory"; break;
+    case 700: *s = "an illegal memory access was encountered"; break;
+    case 710: *s = "device-side assert triggered"; break;
+    default: *s = "fake CUDA error"; break;
+  }
   return kSuccess;
 }
 
@@ -149,5 +164,10 @@ __attribute__((visibility("default"))) long fake_cuda_calls_without_context() {
 }
 __attribute__((visibility("default"))) long fake_cuda_stream_waits() { return g_stream_waits.load(); }
 __attribute__((visibility("default"))) std::uint64_t fake_cuda_mem_used() { return g_mem_used.load(); }
+// where: 1 = cuMemAlloc, 2 = cuEventQuery; code 0 clears the fault.
+__attribute__((visibility("default"))) void fake_cuda_set_fault(int where, int code) {
+  if (where == 1) g_fault_alloc = code;
+  if (where == 2) g_fault_event_query = code;
+}
 
 }  // extern "C"

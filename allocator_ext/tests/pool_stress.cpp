@@ -57,7 +57,13 @@ void worker(void* pool, int index, int threads, int iterations) {
       }
       ww_sim_submit(pool, stream);
       uint64_t free_stream = (rng() % 5 == 0) ? (stream % threads) + 1 : stream;
-      if (ww_pool_free(pool, l.ptr, free_stream, 1) != WW_OK) fail("free");
+      if (free_stream == stream && rng() % 2 == 0) {
+        // PyTorch's entry point: queues the free when the pool's mutex is held (device 1 slot).
+        waterwave_torch_free(reinterpret_cast<void*>(l.ptr), l.nbytes, 1,
+                             reinterpret_cast<void*>(stream));
+      } else if (ww_pool_free(pool, l.ptr, free_stream, 1) != WW_OK) {
+        fail("free");
+      }
     } else if (op < 95) {
       ww_sim_finish(pool, stream, 0);
     } else {
@@ -80,6 +86,7 @@ int main(int argc, char** argv) {
   void* pool = ww_pool_create(WW_BACKEND_SIM, 0, 48ull << 20, nullptr, nullptr, nullptr);
   if (pool == nullptr) fail(ww_last_error());
   ww_pool_set_tracing(pool, 0);  // the trace would grow without bound here
+  if (ww_torch_set_pool(1, pool) != WW_OK) fail("ww_torch_set_pool(1)");
 
   bool done = false;
   std::thread reader([&] {
@@ -103,6 +110,11 @@ int main(int argc, char** argv) {
   ww_counters c{};
   ww_pool_stats(pool, &c);
   if (c.allocated_bytes != 0 || c.num_allocs != c.num_frees) fail("accounting");
+  uint64_t lock[6] = {0, 0, 0, 0, 0, 0};
+  ww_pool_lock_stats(pool, lock);
+  std::printf("pool_stress: %llu lock acquisitions, %llu contended, %llu frees queued\n",
+              static_cast<unsigned long long>(lock[0]), static_cast<unsigned long long>(lock[1]),
+              static_cast<unsigned long long>(lock[3]));
   ww_pool_release_cached(pool);
   ww_pool_stats(pool, &c);
   if (c.reserved_bytes != 0) fail("segments not released");

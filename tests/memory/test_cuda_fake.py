@@ -15,8 +15,11 @@ from pathlib import Path
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+
+from waterwave_hpo.memory import OOM_MARKER
 
 FAKE = Path(__file__).resolve().parents[2] / "allocator_ext" / "tests" / "fake_cuda.cpp"
 
@@ -83,17 +86,41 @@ print(json.dumps(out))
 """
 
 
-def test_cuda_backend_against_a_fake_driver(tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the fake CUDA driver")
-    lib = tmp_path / "libcuda.so.1"
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(FAKE)], check=True
-    )
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+_FAKE_DIRS: dict[str, Path] = {}
+
+
+def _fake_driver_dir(tmp_path: Path) -> Path:
+    """A directory holding the fake libcuda.so.1, compiled once per test session."""
+    if "dir" not in _FAKE_DIRS:
+        cxx = shutil.which("g++") or shutil.which("c++")
+        if cxx is None:
+            pytest.skip("no C++ compiler to build the fake CUDA driver")
+        out = tmp_path / "fake_driver"
+        out.mkdir()
+        subprocess.run(
+            [
+                cxx,
+                "-std=c++17",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(out / "libcuda.so.1"),
+                str(FAKE),
+            ],
+            check=True,
+        )
+        _FAKE_DIRS["dir"] = out
+    return _FAKE_DIRS["dir"]
+
+
+def run_against_fake_driver(tmp_path: Path, script: str) -> dict[str, Any]:
+    """Runs ``script`` in a subprocess that loads the fake libcuda.so.1; returns its last stdout
+    line as JSON."""
+    fake_dir = _fake_driver_dir(tmp_path)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -101,8 +128,13 @@ def test_cuda_backend_against_a_fake_driver(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in out, out["error"]
+    return out
+
+
+def test_cuda_backend_against_a_fake_driver(tmp_path: Path) -> None:
+    out = run_against_fake_driver(tmp_path, SCRIPT)
     assert out["sources"] == ["NEW_SEGMENT", "STREAM_WAIT", "COMPLETED_EVENT"]
     assert out["same"] is True
     assert out["oom"] == "UPSTREAM"
@@ -112,3 +144,167 @@ def test_cuda_backend_against_a_fake_driver(tmp_path: Path) -> None:
     assert out["used_after"] == 0
     assert out["no_context_calls"] == 0
     assert out["stats"] == 0
+
+
+FAULT_SCRIPT = r"""
+import ctypes, json
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory._lib import load_library, last_error
+
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_set_fault.argtypes = [ctypes.c_int, ctypes.c_int]
+lib = load_library()
+try_malloc = lib.waterwave_torch_try_malloc
+try_malloc.restype = ctypes.c_int
+VP = ctypes.c_void_p
+try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, VP, ctypes.POINTER(VP)]
+MiB = 1 << 20
+out = {}
+
+def outcome(fn):
+    try:
+        fn()
+        return ["ok", ""]
+    except wm.PoolOutOfMemoryError as exc:
+        return ["oom", str(exc)]
+    except wm.PoolBackendError as exc:
+        return ["backend", str(exc)]
+
+pool = wm.StreamAwarePool(backend="cuda")
+lib.ww_torch_set_pool(0, pool._handle())
+fake.fake_cuda_set_fault(1, 700)  # cuMemAlloc: CUDA_ERROR_ILLEGAL_ADDRESS
+out["alloc_illegal"] = outcome(lambda: pool.allocate(12 * MiB, 1))
+ptr = ctypes.c_void_p()
+out["torch_alloc_illegal"] = [try_malloc(12 * MiB, 0, 1, ctypes.byref(ptr)), last_error()]
+fake.fake_cuda_set_fault(1, 2)  # cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY
+out["alloc_oom"] = outcome(lambda: pool.allocate(12 * MiB, 1))
+out["torch_alloc_oom"] = [try_malloc(12 * MiB, 0, 1, ctypes.byref(ptr)), last_error()]
+fake.fake_cuda_set_fault(1, 0)
+p = pool.allocate(12 * MiB, 1)
+pool.free(p, 1)  # the fake's event is pending until its first query
+fake.fake_cuda_set_fault(2, 700)  # cuEventQuery: the context is poisoned
+out["after_bad_query"] = outcome(lambda: pool.allocate(12 * MiB, 2))
+out["same_stream_after"] = outcome(lambda: pool.allocate(12 * MiB, 1))
+out["no_pool"] = [try_malloc(4096, 1, 0, ctypes.byref(ptr)), last_error()]
+lib.ww_torch_set_unavailable(1, b"cuInit failed on device 1: fake")
+out["no_pool_reason"] = [try_malloc(4096, 1, 0, ctypes.byref(ptr)), last_error()]
+lib.ww_torch_set_pool(0, None)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_against_fake_driver(tmp_path_factory.mktemp("fault"), FAULT_SCRIPT)
+
+
+@pytest.mark.slow
+def test_only_cuda_out_of_memory_is_an_oom_other_driver_errors_are_backend_errors(
+    fault_run: dict[str, Any],
+) -> None:
+    out = fault_run
+    kind, message = out["alloc_illegal"]
+    assert kind == "backend"
+    assert "illegal memory access" in message and "(700)" in message
+    status, message = out["torch_alloc_illegal"]
+    assert status == 5  # WW_BACKEND_ERROR
+    assert "illegal memory access" in message and OOM_MARKER not in message
+    # What PyTorch raises with that message is not an OOM for the executor either.
+    from waterwave_hpo.executor._oom import is_out_of_memory
+
+    assert not is_out_of_memory(RuntimeError(message))
+    assert not is_out_of_memory(RuntimeError(out["alloc_illegal"][1]))
+    assert out["alloc_oom"][0] == "oom"
+    status, message = out["torch_alloc_oom"]
+    assert status == 3 and message.startswith(OOM_MARKER)
+    # An event query that fails with an illegal address poisons the pool: nothing is served,
+    # not even a cached block of the same stream, and it never looks like an OOM.
+    for key in ("after_bad_query", "same_stream_after"):
+        kind, message = out[key]
+        assert kind == "backend", out[key]
+        assert "cuEventQuery" in message and "illegal memory access" in message
+
+
+@pytest.mark.slow
+def test_a_device_without_a_pool_is_its_own_error_never_an_oom(fault_run: dict[str, Any]) -> None:
+    out = fault_run
+    status, message = out["no_pool"]
+    assert status == 6  # WW_NO_POOL
+    assert "no waterwave pool is installed for CUDA device 1" in message
+    assert OOM_MARKER not in message and "out of memory" not in message
+    status, message = out["no_pool_reason"]
+    assert status == 6 and "cuInit failed on device 1: fake" in message
+
+
+SWAP_SCRIPT = r"""
+import ctypes, json, logging
+import torch
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory._lib import load_library, last_error
+from waterwave_hpo.executor._memory import MemoryPoolMode, _device_pool
+
+made = []
+class FakePluggable:
+    def __init__(self, path, alloc, free):
+        made.append([path, alloc, free])
+torch.cuda.is_initialized = lambda: False
+torch.cuda.device_count = lambda: 3  # the fake driver has 2: device 2 cannot get a pool
+torch.cuda.memory.CUDAPluggableAllocator = FakePluggable
+torch.cuda.memory.change_current_allocator = lambda a: None
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger().addHandler(Keep())
+
+lib = load_library()
+try_malloc = lib.waterwave_torch_try_malloc
+try_malloc.restype = ctypes.c_int
+VP = ctypes.c_void_p
+try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, VP, ctypes.POINTER(VP)]
+free = lib.waterwave_torch_free
+free.argtypes = [VP, ctypes.c_size_t, ctypes.c_int, VP]
+out = {}
+wm.use_pool(wm.StreamAwarePool(backend="cuda", device=0))
+info = wm.allocator_info()
+out["made"] = made
+unavailable = {str(k): v for k, v in info.unavailable_devices.items()}
+out["info"] = [info.swapped, info.typed_oom, list(info.pool_devices),
+               list(info.passthrough_devices), unavailable]
+ptr = VP()
+out["device1"] = try_malloc(4096, 1, 0, ctypes.byref(ptr))
+free(ptr, 4096, 1, None)
+out["device2"] = [try_malloc(4096, 2, 0, ctypes.byref(ptr)), last_error()]
+try:
+    _device_pool(torch.device("cuda", 2), MemoryPoolMode.AUTO)
+    out["exec2"] = "no error"
+except RuntimeError as exc:
+    out["exec2"] = str(exc)
+pool1 = _device_pool(torch.device("cuda", 1), MemoryPoolMode.AUTO)
+out["exec1_replaced"] = wm.installed_pool(1) is pool1 and wm.device_pool(1) is pool1
+out["logs"] = records
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_visible_device_gets_a_pool_or_a_clear_no_pool_error_at_swap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setenv("WATERWAVE_HPO_CACHE", str(tmp_path / "cache"))
+    out = run_against_fake_driver(tmp_path, SWAP_SCRIPT)
+    [[path, alloc, free]] = out["made"]
+    assert path.endswith("libwaterwave_torch_shim.so")  # typed OOM through the shim
+    assert (alloc, free) == ("waterwave_shim_malloc", "waterwave_shim_free")
+    swapped, typed_oom, pools, passthrough, unavailable = out["info"]
+    assert swapped and typed_oom
+    assert pools == [0] and passthrough == [1]
+    assert list(unavailable) == ["2"] and "could not be created" in unavailable["2"]
+    assert out["device1"] == 0  # the pass-through pool serves device 1
+    status, message = out["device2"]
+    assert status == 6 and "no waterwave pool is installed for CUDA device 2" in message
+    assert "could not be created" in message and OOM_MARKER not in message
+    assert "cannot use PyTorch's allocator" in out["exec2"]
+    assert out["exec1_replaced"] is True
+    assert not any("PyTorch's own CUDA allocator" in m for m in out["logs"]), out["logs"]

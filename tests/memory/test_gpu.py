@@ -206,3 +206,57 @@ def test_cupy_backend_draws_segments_from_cupy(tmp_path: Path) -> None:
         """,
     )
     assert out["used"] == out["reserved"] > 0
+
+
+def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Path) -> None:
+    # Issue 14, 1.2: through the torch shim the pool throws c10::OutOfMemoryError itself.
+    out = run_script(
+        tmp_path,
+        """
+        pool = wm.StreamAwarePool(64 << 20, backend="cuda")
+        wm.use_pool(pool)
+        kind = None
+        try:
+            torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            kind = ["OutOfMemoryError", wm.OOM_MARKER in str(exc)]
+        info = wm.allocator_info()
+        print(json.dumps({'kind': kind, 'typed': info.typed_oom, 'err': info.shim_error}))
+        """,
+    )
+    assert out == {"kind": ["OutOfMemoryError", True], "typed": True, "err": ""}
+
+
+def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
+    # Issue 14, 1.4: a block used on another stream is not handed out until that use completed.
+    out = run_script(
+        tmp_path,
+        """
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.use_pool(pool)
+        s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(s1):
+            x = torch.ones(1 << 20, device="cuda")
+        p = x.untyped_storage().data_ptr()
+        s2.wait_stream(s1)
+        with torch.cuda.stream(s2):
+            torch.cuda._sleep(200_000_000)  # keeps s2 busy
+            y = x * 2
+        x.record_stream(s2)
+        del x
+        pending = [b.event_pending for b in pool.snapshot() if b.ptr == p and not b.allocated]
+        with torch.cuda.stream(s3):
+            z = torch.empty(1 << 20, device="cuda")
+        reused = z.untyped_storage().data_ptr() == p
+        torch.cuda.synchronize()
+        print(json.dumps({'registered': wm.allocator_info().record_stream,
+                          'pending': pending, 'reused_while_busy': reused,
+                          'y': float(y[0].item())}))
+        """,
+    )
+    assert out == {
+        "registered": True,
+        "pending": [True],
+        "reused_while_busy": False,
+        "y": 2.0,
+    }

@@ -56,14 +56,20 @@ class PoolMachine(RuleBasedStateMachine):
         self.account = self.pool.open_account("trial", streams=(1, 2))
         self.account.set_quota(QUOTA_BYTES)
         self.live: dict[int, tuple[int, int, int]] = {}  # ptr -> (size, requested, stream)
+        self.recorded: set[int] = set()  # live blocks with a record_stream
+        self.recorded_freed: set[int] = set()  # freed after record_stream
 
     def _best_available(self, size: int, stream: int) -> int:
         """The best priority class a fitting free block in the snapshot offers (4: none)."""
         best = 4
         for b in self.pool.snapshot():
+            if not b.allocated and b.event_pending and self._deferred(b.ptr):
+                # Waits for its record_stream streams. The allocation may first release it and
+                # merge it with neighbours (changing their freeing stream): no ordering claim then.
+                return 4
             if b.allocated or b.size_bytes < size:
                 continue
-            if b.stream == stream and not (b.event_pending and self._deferred(b.ptr)):
+            if b.stream == stream:
                 best = min(best, 1)
             elif not b.event_pending:
                 best = min(best, 2)
@@ -72,7 +78,8 @@ class PoolMachine(RuleBasedStateMachine):
         return best
 
     def _deferred(self, ptr: int) -> bool:
-        return False  # this machine never uses record_stream
+        # Freed after record_stream: possibly still waiting for those streams (conservative).
+        return ptr in self.recorded_freed
 
     @rule(nbytes=sizes, stream=streams)
     def allocate(self, nbytes: int, stream: int) -> None:
@@ -100,6 +107,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert _RANK[source] <= best, (source, best)
         assert ptr % 512 == 0
         self.live[ptr] = (size, nbytes, stream)
+        self.recorded_freed.discard(ptr)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), on_other_stream=st.booleans(), stream=streams, busy=st.booleans())
@@ -108,8 +116,24 @@ class PoolMachine(RuleBasedStateMachine):
         free_stream = stream if on_other_stream else self.live[ptr][2]
         if busy:  # the freeing stream still has a kernel queued that uses the block
             self.pool.sim.submit(free_stream)
+        alloc_stream = self.live[ptr][2]
         del self.live[ptr]
+        if on_other_stream and stream != alloc_stream:
+            self.recorded_freed.add(ptr)  # waits for the allocating stream too
+        if ptr in self.recorded:
+            self.recorded.discard(ptr)
+            self.recorded_freed.add(ptr)
         self.pool.free(ptr, stream if on_other_stream else None)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), stream=streams)
+    def use_on_another_stream(self, data: st.DataObject, stream: int) -> None:
+        # A kernel on `stream` uses the block, declared as Tensor.record_stream would declare it.
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        self.pool.sim.submit(stream)
+        self.pool.sim.use(ptr, self.live[ptr][0], stream)
+        self.pool.record_stream(ptr, stream)
+        self.recorded.add(ptr)
 
     @rule(stream=streams, n=st.integers(1, 3))
     def submit(self, stream: int, n: int) -> None:
@@ -129,6 +153,10 @@ class PoolMachine(RuleBasedStateMachine):
         before = self.pool.stats()
         released = self.pool.release_cached()
         assert self.pool.stats().reserved_bytes == before.reserved_bytes - released
+
+    @invariant()
+    def no_stream_hazard(self) -> None:
+        assert self.pool.sim.hazards() == []
 
     @invariant()
     def trace_is_safe_and_accounting_exact(self) -> None:

@@ -84,3 +84,45 @@ def test_many_threads_share_one_pool_safely() -> None:
     pool.release_cached()
     assert pool.stats().reserved_bytes == 0
     pool.close()
+
+
+def test_pytorch_path_frees_with_the_gil_held_never_wait_and_lose_nothing() -> None:
+    # waterwave_torch_free is called by PyTorch from tensor deallocation with the GIL held; since
+    # issue 14 (1.11) it queues the free when the pool's mutex is held instead of waiting there.
+    # ctypes.PyDLL keeps the GIL held for the call, as PyTorch does.
+    from waterwave_hpo.memory._lib import library_path
+    from waterwave_hpo.memory._lib import load_library
+
+    device = 62  # a C-level slot no real device uses
+    lib = load_library()
+    gil_held_free = ctypes.PyDLL(str(library_path())).waterwave_torch_free
+    gil_held_free.restype = None
+    gil_held_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    pool = StreamAwarePool(CAPACITY * 4, backend="sim")
+    lib.ww_torch_set_pool(device, pool._handle())
+    errors: list[BaseException] = []
+
+    def worker(stream: int) -> None:
+        try:
+            for i in range(2000):
+                p = pool.allocate(512 * (1 + i % 64), stream)
+                gil_held_free(p, 0, device, stream)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s + 1,)) for s in range(THREADS)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        stats = pool.stats()  # drains any queued free first
+        assert stats.allocated_bytes == 0
+        assert stats.num_frees == stats.num_allocs == THREADS * 2000
+        lock = pool.lock_stats()
+        assert lock.torch_free_waits == 0  # never waited with the GIL held
+        assert lock.acquisitions >= THREADS * 2000
+    finally:
+        lib.ww_torch_set_pool(device, None)
+        pool.close()

@@ -39,3 +39,8 @@ def test_translate_oom_passes_other_errors_through() -> None:
 def test_use_pool_refuses_a_sim_pool() -> None:
     with pytest.raises(ValueError, match="sim"):
         use_pool(StreamAwarePool(backend="sim"))
+
+
+def test_use_pool_refuses_what_is_not_a_pool() -> None:
+    with pytest.raises(TypeError, match="pool argument is of type 'str'"):
+        use_pool("cuda")  # type: ignore[arg-type]

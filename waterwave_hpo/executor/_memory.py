@@ -264,6 +264,8 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
     if mode is MemoryPoolMode.OFF:
         return None
     from waterwave_hpo.memory import StreamAwarePool
+    from waterwave_hpo.memory import allocator_swapped
+    from waterwave_hpo.memory import device_pool
     from waterwave_hpo.memory import installed_pool
     from waterwave_hpo.memory import use_pool
 
@@ -275,6 +277,24 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
         pool = StreamAwarePool(backend="cuda", device=index)
         use_pool(pool)
     except (RuntimeError, ValueError, ImportError, OSError) as error:
+        if allocator_swapped():
+            # PyTorch's allocator is the pool's, process-wide: this device cannot fall back to
+            # PyTorch's own (issue 14, section 1.6). Its pass-through pool serves it, if any.
+            fallback = device_pool(index)
+            if fallback is not None and mode is not MemoryPoolMode.ON:
+                _logger.warning(
+                    "Trials on %s use the pool's pass-through pool (no budget, no per-trial "
+                    "accounts): a pool of its own could not be installed: %s",
+                    device,
+                    error,
+                )
+                return fallback
+            raise RuntimeError(
+                f"{device} has no stream-aware pool of its own ({error}) and cannot use "
+                "PyTorch's allocator: the pool replaced it process-wide when another device's "
+                "pool was installed. Install pools for every device before CUDA work starts, or "
+                "leave this device out."
+            ) from error
         if mode is MemoryPoolMode.ON:
             raise RuntimeError(
                 f"memory_pool='on' could not install the stream-aware pool on {device}: {error}"

@@ -30,3 +30,22 @@ class PoolOutOfMemoryError(MemoryError):
         self.nbytes = nbytes
         self.stream = stream
         self.reason = reason
+
+
+class PoolBackendError(RuntimeError):
+    """The pool's backend failed for a reason other than memory: never an out-of-memory error.
+
+    For CUDA, only ``CUDA_ERROR_OUT_OF_MEMORY`` is out of memory; any other driver error (an
+    illegal address left by a kernel, a device-side assert, a lost device) poisons the device's
+    context, so retrying the trial beside fewer neighbours cannot help (issue 14, section 1.5).
+    The message carries the driver's own.
+
+    Attributes:
+        nbytes: Bytes requested.
+        stream: The requesting stream handle.
+    """
+
+    def __init__(self, message: str, *, nbytes: int, stream: int) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+        self.stream = stream

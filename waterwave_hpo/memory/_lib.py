@@ -72,6 +72,19 @@ class BlockInfoStruct(ctypes.Structure):
     ]
 
 
+class HazardStruct(ctypes.Structure):
+    """``ww_hazard``: a block handed to a stream while another stream's use was unordered."""
+
+    _fields_ = [
+        ("ptr", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("other_stream", ctypes.c_uint64),
+        ("use_seq", ctypes.c_uint64),
+        ("completed", ctypes.c_uint64),
+    ]
+
+
 #: ``ww_segment_alloc_fn``: (ctx, nbytes, stream) -> pointer, 0 on failure.
 SEGMENT_ALLOC_FN = ctypes.CFUNCTYPE(
     ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64
@@ -86,6 +99,7 @@ _INT = ctypes.c_int
 
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_last_error": (ctypes.c_char_p, []),
+    "ww_set_upstream_error": (None, [ctypes.c_char_p]),
     "ww_round_size": (_U64, [_U64]),
     "ww_pool_create": (_P, [_INT, _INT, _U64, SEGMENT_ALLOC_FN, SEGMENT_FREE_FN, _P]),
     "ww_pool_destroy": (None, [_P]),
@@ -96,6 +110,8 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_pool_stats": (None, [_P, ctypes.POINTER(Counters)]),
     "ww_pool_stream_stats": (None, [_P, _U64, ctypes.POINTER(Counters)]),
     "ww_pool_reset_peaks": (None, [_P]),
+    "ww_pool_lock_stats": (None, [_P, ctypes.POINTER(_U64)]),
+    "ww_pool_set_torch_free_blocking": (None, [_P, _INT]),
     "ww_pool_snapshot": (_U64, [_P, ctypes.POINTER(BlockInfoStruct), _U64]),
     "ww_account_open": (_I64, [_P]),
     "ww_account_close": (_INT, [_P, _I64]),
@@ -110,7 +126,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_trace_clear": (None, [_P]),
     "ww_sim_submit": (_I64, [_P, _U64]),
     "ww_sim_finish": (_INT, [_P, _U64, _INT]),
+    "ww_sim_use": (_INT, [_P, _U64, _U64, _U64]),
+    "ww_sim_hazards": (_I64, [_P, ctypes.POINTER(HazardStruct), _U64]),
     "ww_torch_set_pool": (_INT, [_INT, _P]),
+    "ww_torch_set_unavailable": (_INT, [_INT, ctypes.c_char_p]),
 }
 
 

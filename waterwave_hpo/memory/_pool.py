@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from waterwave_hpo.memory._errors import OOMReason
+from waterwave_hpo.memory._errors import PoolBackendError
 from waterwave_hpo.memory._errors import PoolOutOfMemoryError
 from waterwave_hpo.memory._lib import SEGMENT_ALLOC_FN
 from waterwave_hpo.memory._lib import SEGMENT_FREE_FN
@@ -24,6 +25,7 @@ from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._sim import SimDevice
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import LockStats
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
 from waterwave_hpo.memory._streams import StreamLike
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 _WW_OK = 0
 _WW_INVALID = 4
+_WW_BACKEND_ERROR = 5
 
 #: Capacity of a ``sim`` pool created with ``capacity_bytes=None``: a simulated 1 GiB device.
 SIM_DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -258,10 +261,19 @@ class StreamAwarePool:
         if _segment_source is not None:
             seg_alloc, seg_free = _segment_source
 
+            lib = self._lib
+
             def _alloc(_ctx: int | None, nbytes: int, stream: int) -> int:
+                # 0 is "out of memory"; any other failure is a backend error, never an OOM
+                # (issue 14, section 1.5); the upstream returns 0 itself when it is exhausted.
                 try:
                     return int(seg_alloc(nbytes, stream))
-                except Exception:  # an upstream failure is an OOM for the pool, never a crash
+                except MemoryError:
+                    return 0
+                except Exception as exc:
+                    lib.ww_set_upstream_error(
+                        f"segment source: {type(exc).__name__}: {exc}".encode("utf-8", "replace")
+                    )
                     return 0
 
             def _free(_ctx: int | None, ptr: int, nbytes: int) -> None:
@@ -342,6 +354,8 @@ class StreamAwarePool:
         Raises:
             ValueError: ``nbytes`` is negative or not an int.
             PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
+            PoolBackendError: The backend failed otherwise (a CUDA error other than
+                ``CUDA_ERROR_OUT_OF_MEMORY``, e.g. an illegal address); not an out of memory.
         """
         return self.allocate_with_source(nbytes, stream)[0]
 
@@ -356,6 +370,7 @@ class StreamAwarePool:
         Raises:
             ValueError: ``nbytes`` is negative or not an int.
             PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
+            PoolBackendError: The backend failed otherwise (not an out of memory).
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"The nbytes argument is {nbytes!r} but must be an int >= 0.")
@@ -365,9 +380,17 @@ class StreamAwarePool:
         rc = self._lib.ww_pool_allocate(
             self._handle(), nbytes, handle, ctypes.byref(out), ctypes.byref(src)
         )
+        if rc in (1, 2, 3):
+            raise PoolOutOfMemoryError(
+                last_error(), nbytes=nbytes, stream=handle, reason=OOMReason(rc)
+            )
         if rc != _WW_OK:
-            reason = OOMReason(rc) if rc in (1, 2, 3) else OOMReason.UPSTREAM
-            raise PoolOutOfMemoryError(last_error(), nbytes=nbytes, stream=handle, reason=reason)
+            raise PoolBackendError(
+                f"The {self._backend.value!r} pool on device {self._device} cannot serve "
+                f"{nbytes} bytes: {last_error()}",
+                nbytes=nbytes,
+                stream=handle,
+            )
         return int(out.value), AllocationSource(src.value)
 
     def free(self, ptr: int, stream: StreamLike = None) -> None:
@@ -479,6 +502,12 @@ class StreamAwarePool:
     def reset_peaks(self) -> None:
         """Sets every peak (pool, streams, accounts) to its current value."""
         self._lib.ww_pool_reset_peaks(self._handle())
+
+    def lock_stats(self) -> LockStats:
+        """How often the pool's mutex was contended, and for how long (see :class:`LockStats`)."""
+        out = (ctypes.c_uint64 * 6)()
+        self._lib.ww_pool_lock_stats(self._handle(), out)
+        return LockStats(*(int(x) for x in out))
 
     def snapshot(self) -> list[BlockInfo]:
         """Every block of every segment, in address order (what PyTorch's snapshot gives back)."""

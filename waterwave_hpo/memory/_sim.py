@@ -15,6 +15,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from waterwave_hpo.memory._errors import OOMReason
+from waterwave_hpo.memory._lib import HazardStruct
 from waterwave_hpo.memory._lib import TraceEntryStruct
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._streams import StreamLike
@@ -107,6 +108,23 @@ class SegmentRecord:
     account_id: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamHazard:
+    """A handout of ``[ptr, ptr + size_bytes)`` to ``stream`` while ``other_stream`` used it.
+
+    ``other_stream``'s first ``use_seq`` units of work use the range; only ``completed`` units had
+    completed and ``stream`` had not been made to wait for them: on a GPU, a kernel on ``stream``
+    could overwrite memory a kernel on ``other_stream`` still reads (silent corruption).
+    """
+
+    ptr: int
+    size_bytes: int
+    stream: int
+    other_stream: int
+    use_seq: int
+    completed: int
+
+
 TraceRecord = (
     AllocRecord
     | FreeRecord
@@ -176,6 +194,42 @@ class SimDevice:
     def finish_all(self) -> None:
         """Completes all work submitted on every stream (same as ``finish()``)."""
         self.finish(None)
+
+    def use(self, ptr: int, nbytes: int, stream: StreamLike) -> None:
+        """Records that ``stream``'s work queued so far uses ``[ptr, ptr + nbytes)``.
+
+        The stream-hazard checker (issue 14, section 2) keeps every use until the stream's work
+        up to it completes; the pool notes the freeing stream's use itself at every free. Call
+        this for a kernel on a stream other than the block's own (after :meth:`submit` on that
+        stream), as PyTorch code does when a tensor crosses streams.
+
+        Args:
+            ptr: Start of the range (a pointer from the pool, or inside a block).
+            nbytes: Length of the range in bytes (> 0).
+            stream: The stream whose queued work uses the range.
+
+        Raises:
+            ValueError: ``nbytes`` is not a positive int.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"The nbytes argument is {nbytes!r} but must be an int > 0.")
+        self._pool._lib.ww_sim_use(self._pool._handle(), ptr, nbytes, stream_handle(stream))
+
+    def hazards(self) -> list[StreamHazard]:
+        """Every stream hazard the checker found so far (empty when the pool kept stream order).
+
+        A hazard is a handout of a range to stream Y while a use of it by another stream X was
+        neither complete nor waited on by Y. Checked at every handout, whatever its source.
+        """
+        lib = self._pool._lib
+        handle = self._pool._handle()
+        n = int(lib.ww_sim_hazards(handle, None, 0))
+        buf = (HazardStruct * max(n, 1))()
+        m = min(n, int(lib.ww_sim_hazards(handle, buf, n)))
+        return [
+            StreamHazard(h.ptr, h.size, h.stream, h.other_stream, h.use_seq, h.completed)
+            for h in buf[:m]
+        ]
 
     def trace(self, start: int = 0) -> list[TraceRecord]:
         """What the pool and the simulated device did, in order, from record ``start`` on.

@@ -191,3 +191,31 @@ class BlockInfo:
     requested_bytes: int
     account_id: int | None
     event_pending: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LockStats:
+    """Contention of the pool's mutex since the pool was made (issue 14, section 1.11).
+
+    Attributes:
+        acquisitions: Times any thread took the mutex.
+        contended: Times a thread found it held and had to wait.
+        wait_ns: Nanoseconds spent waiting in those contended acquisitions, summed over threads.
+        deferred_frees: Frees from PyTorch's entry point that found the mutex held and were queued
+            instead of waiting (drained by the next thread that takes it).
+        torch_free_waits: Frees from PyTorch's entry point that waited for the mutex (only with
+            the benchmark knob ``ww_pool_set_torch_free_blocking``, the behaviour before issue 14).
+        torch_free_wait_ns: Nanoseconds those frees waited, with the GIL held.
+    """
+
+    acquisitions: int
+    contended: int
+    wait_ns: int
+    deferred_frees: int
+    torch_free_waits: int
+    torch_free_wait_ns: int
+
+    @property
+    def contended_fraction(self) -> float:
+        """``contended / acquisitions`` (0.0 before any acquisition)."""
+        return self.contended / self.acquisitions if self.acquisitions else 0.0

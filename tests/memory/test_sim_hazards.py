@@ -1,0 +1,153 @@
+"""The sim device's stream-hazard checker (issue 14, section 2).
+
+Every use of a block per stream is recorded (the pool notes the freeing stream's; tests note a
+kernel on another stream with ``pool.sim.use``); at every handout to stream Y, each use by another
+stream must have completed or have been waited on by Y. The checker must catch a pool (or a user)
+breaking stream order, and pass the pool's own handouts, cross-stream use included.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from waterwave_hpo.memory import AllocationSource
+from waterwave_hpo.memory import StreamAwarePool
+
+MiB = 1 << 20
+A, B, C = 1, 2, 3
+
+
+def make_pool(capacity_bytes: int = 612 * MiB) -> StreamAwarePool:
+    return StreamAwarePool(capacity_bytes, backend="sim")
+
+
+def test_allocate_on_a_use_on_b_free_allocate_on_c_is_safe_with_record_stream() -> None:
+    pool = make_pool(capacity_bytes=2 * MiB)
+    p = pool.allocate(2 * MiB, A)
+    pool.sim.submit(A)
+    pool.sim.submit(B)
+    pool.sim.use(p, 2 * MiB, B)  # a kernel on B reads the block (a tensor crossing streams)
+    pool.record_stream(p, B)  # what Tensor.record_stream must reach
+    pool.free(p, A)
+    pool.sim.finish(A)
+    pool.sim.submit(C)
+    q = None
+    try:
+        q = pool.allocate(2 * MiB, C)
+    except MemoryError:
+        pass  # B's use still pending: the pool may refuse rather than hand it out
+    assert pool.sim.hazards() == []
+    pool.sim.finish(B)
+    if q is None:
+        q = pool.allocate(2 * MiB, C)
+    assert q == p
+    assert pool.sim.hazards() == []
+
+
+def test_checker_reports_a_cross_stream_use_the_pool_was_not_told_about() -> None:
+    # Without record_stream the pool cannot know B reads the block: the checker must say so.
+    pool = make_pool()
+    p = pool.allocate(12 * MiB, A)
+    pool.sim.submit(B)
+    pool.sim.use(p, 12 * MiB, B)
+    pool.free(p, A)  # A queued nothing: A's own use is complete
+    q, src = pool.allocate_with_source(12 * MiB, C)
+    assert q == p and src is AllocationSource.COMPLETED_EVENT
+    hazards = pool.sim.hazards()
+    assert len(hazards) == 1
+    h = hazards[0]
+    assert (h.ptr, h.stream, h.other_stream, h.use_seq, h.completed) == (p, C, B, 1, 0)
+
+
+def test_checker_accepts_a_gpu_side_wait_and_counts_a_missing_one() -> None:
+    pool = make_pool()
+    p = pool.allocate(12 * MiB, A)
+    pool.sim.submit(A)
+    pool.free(p, A)  # A's event pending: the pool makes C wait on it
+    q, src = pool.allocate_with_source(12 * MiB, C)
+    assert src is AllocationSource.STREAM_WAIT and q == p
+    assert pool.sim.hazards() == []
+    # A use on B noted while C holds the block, then C frees it and D takes it: B is unordered.
+    pool.sim.submit(B)
+    pool.sim.use(q, 12 * MiB, B)
+    pool.free(q, C)
+    pool.sim.finish(C)
+    pool.allocate(12 * MiB, 4)
+    assert [h.other_stream for h in pool.sim.hazards()] == [B]
+
+
+def test_random_cross_stream_workload_with_record_stream_has_no_hazard() -> None:
+    rng = random.Random(14)
+    pool = make_pool(capacity_bytes=32 * MiB)
+    streams = [1, 2, 3, 4]
+    live: list[tuple[int, int, int]] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45 or not live:
+            s = rng.choice(streams)
+            n = rng.choice([512, 4096, 100_000, 1 * MiB, 3 * MiB])
+            try:
+                ptr = pool.allocate(n, s)
+            except MemoryError:
+                pool.sim.finish(rng.choice(streams))
+                continue
+            pool.sim.submit(s)
+            live.append((ptr, n, s))
+        elif op < 0.65:
+            ptr, n, s = rng.choice(live)
+            other = rng.choice(streams)
+            pool.sim.submit(other)
+            pool.sim.use(ptr, n, other)
+            pool.record_stream(ptr, other)
+        elif op < 0.9:
+            ptr, n, s = live.pop(rng.randrange(len(live)))
+            pool.free(ptr, s)
+        else:
+            pool.sim.finish(rng.choice(streams))
+    assert pool.sim.hazards() == []
+
+
+def test_use_names_a_bad_length() -> None:
+    pool = make_pool()
+    with pytest.raises(ValueError, match="nbytes"):
+        pool.sim.use(pool.allocate(512, A), 0, A)
+
+
+def test_record_stream_on_the_allocating_stream_is_kept_when_freed_on_another() -> None:
+    # The free's stream argument may differ from the allocating stream; a record_stream on the
+    # allocating stream must then still hold the block until that stream's use completed.
+    pool = make_pool()
+    p = pool.allocate(12 * MiB, A)
+    pool.sim.submit(A)
+    pool.sim.use(p, 12 * MiB, A)
+    pool.record_stream(p, A)
+    pool.free(p, B)
+    pool.sim.finish(B)
+    q = pool.allocate(12 * MiB, C)
+    assert q != p  # still in use on A: a new segment
+    assert pool.sim.hazards() == []
+    pool.sim.finish(A)
+    pool.free(q, C)
+    pool.sim.finish(C)
+    assert p in {pool.allocate(12 * MiB, C), pool.allocate(12 * MiB, C)}
+    assert pool.sim.hazards() == []
+
+
+def test_a_block_freed_on_another_stream_waits_for_its_allocating_streams_queued_work() -> None:
+    # Found by the checker (hypothesis): the first owner's kernel on A still reads p; p is reused
+    # on A (safe, stream order), then freed on B by the second owner. Handing it to B at once
+    # would let B overwrite memory A's queued kernel still reads.
+    pool = make_pool()
+    p = pool.allocate(512, A)
+    pool.sim.submit(A)
+    pool.free(p)  # pending on A
+    assert pool.allocate(512, A) == p  # same stream: safe
+    pool.free(p, B)  # B is declared the last user; A's first kernel is still queued
+    q = pool.allocate(512, B)
+    assert q != p
+    assert pool.sim.hazards() == []
+    pool.sim.finish(A)
+    assert pool.allocate(512, B) == p
+    assert pool.sim.hazards() == []
