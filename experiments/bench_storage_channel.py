@@ -83,7 +83,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     runner = ray.remote(TrialRunner).options(num_cpus=1).remote()
     storage = optuna.storages.InMemoryStorage()
     per_trial_s: dict[str, list[float]] = {"grpc-proxy": [], "ray-relay": []}

@@ -172,6 +172,7 @@ def test_each_kind_of_refusal_is_logged_once_and_a_stopped_channel_answers_nothi
 
 
 @pytest.mark.slow  # a relay actor's process starts (seconds on a loaded machine)
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed:UserWarning")
 def test_heartbeat_calls_are_allowed_for_the_study_trials_only(tmp_path: Path) -> None:
     storage = optuna.storages.RDBStorage(
         f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=60, grace_period=120
