@@ -18,8 +18,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from waterwave_hpo.cluster import RayExecutor  # noqa: E402
+from waterwave_hpo.cluster import StoragePermissionError  # noqa: E402
 from waterwave_hpo.cluster._storage import RayStorageClient  # noqa: E402
-from waterwave_hpo.cluster._storage import StoragePermissionError  # noqa: E402
 from waterwave_hpo.cluster._storage import StorageServer  # noqa: E402
 
 RAY_GPUS = 0  # CPU hosts (tests/conftest.py)
@@ -241,3 +241,29 @@ def test_a_run_opens_no_port_and_its_hosts_reach_only_their_study(tmp_path: Path
     assert channels
     with pytest.raises((ConnectionError, ray.exceptions.RayActorError)):
         channels[0].connect().get_study_id_from_name("mine")
+
+
+def _objective_failing_on_its_second_trial(trial: optuna.trial.Trial) -> float:
+    if trial.number == 1:
+        raise ZeroDivisionError("not in catch")
+    return 1.0
+
+
+@pytest.mark.slow  # host and relay actors start
+def test_the_channel_closes_when_the_run_ends_with_an_exception() -> None:
+    study = optuna.create_study()
+    executor = RayExecutor(n_hosts=1, trials_per_device=1, num_gpus_per_host=0)
+    channels = []
+
+    def look(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if executor._server is not None:
+            channels.append(executor._server.channel)
+
+    with pytest.raises(ZeroDivisionError):
+        executor.optimize(
+            study, _objective_failing_on_its_second_trial, n_trials=4, callbacks=[look]
+        )
+    assert channels
+    with pytest.raises((ConnectionError, ray.exceptions.RayActorError)):
+        channels[0].connect().get_study_id_from_name(study.study_name)
+    assert all(t.state != TrialState.RUNNING for t in study.trials)
