@@ -6,6 +6,8 @@ from collections.abc import Iterator
 import logging
 import os
 from pathlib import Path
+import threading
+import time
 from typing import Any
 
 import optuna
@@ -267,3 +269,36 @@ def test_the_channel_closes_when_the_run_ends_with_an_exception() -> None:
     with pytest.raises((ConnectionError, ray.exceptions.RayActorError)):
         channels[0].connect().get_study_id_from_name(study.study_name)
     assert all(t.state != TrialState.RUNNING for t in study.trials)
+
+
+class _SlowAttrStorage(optuna.storages.InMemoryStorage):
+    """Setting the trial attribute "slow" waits for ``release`` (an RDB lock, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        if key == "slow":
+            self.release.wait(timeout=60)
+        super().set_trial_user_attr(trial_id, key, value)
+
+
+@pytest.mark.slow  # a relay actor's process starts
+def test_a_slow_storage_call_does_not_hold_up_the_other_hosts() -> None:
+    storage = _SlowAttrStorage()
+    mine, _ = _two_studies(storage)
+    trial_id = mine.ask()._trial_id
+    with StorageServer(mine) as server:
+        client = server.channel.connect()
+        assert client.get_study_id_from_name("mine") == mine._study_id  # the relay is up
+        slow = threading.Thread(target=client.set_trial_user_attr, args=(trial_id, "slow", 1))
+        slow.start()
+        time.sleep(0.5)  # the slow call is in the driver now
+        started = time.perf_counter()
+        assert client.get_trial(trial_id).user_attrs == {}  # answered while "slow" waits
+        assert time.perf_counter() - started < 30.0
+        assert slow.is_alive()
+        storage.release.set()
+        slow.join(timeout=30)
+        assert client.get_trial(trial_id).user_attrs == {"slow": 1}

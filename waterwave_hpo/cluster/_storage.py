@@ -31,6 +31,7 @@ import asyncio
 from collections.abc import Callable
 from collections.abc import Container
 from collections.abc import Sequence
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from waterwave_hpo.cluster._imports import import_ray
 
 _logger = logging.getLogger("waterwave_hpo")
 _TAKE_WAIT_S = 0.5  # how long the driver's relay thread waits for calls before checking stop
+_BATCH_WAIT_S = 0.05  # how long a batch's quick calls wait for its slow ones
 
 
 class StoragePermissionError(PermissionError):
@@ -199,7 +201,8 @@ class StorageRelay:
     """
 
     def __init__(self) -> None:
-        self._calls: asyncio.Queue[tuple[int, str, tuple[Any, ...]]] = asyncio.Queue()
+        self._calls: list[tuple[int, str, tuple[Any, ...]]] = []
+        self._arrived = asyncio.Event()
         self._waiting: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -211,7 +214,8 @@ class StorageRelay:
         call_id = next(self._ids)
         future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = future
-        self._calls.put_nowait((call_id, method, args))
+        self._calls.append((call_id, method, args))
+        self._arrived.set()
         return await future
 
     async def exchange(
@@ -226,12 +230,20 @@ class StorageRelay:
             future = self._waiting.pop(call_id, None)
             if future is not None and not future.done():
                 future.set_result((ok, payload))
-        calls = []
-        with contextlib.suppress(asyncio.TimeoutError):
-            calls.append(await asyncio.wait_for(self._calls.get(), timeout=wait_s))
-        while not self._calls.empty():
-            calls.append(self._calls.get_nowait())
+        if not self._calls:
+            # An event, not a queue's get(): a wait_for that times out as a call arrives can
+            # lose nothing (the call stays in the list for the next exchange).
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout=wait_s)
+        calls, self._calls = self._calls, []
         return calls
+
+    async def answer(self, call_id: int, ok: bool, payload: Any) -> None:
+        """The driver's answer to one call that took longer than its batch."""
+        future = self._waiting.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_result((ok, payload))
 
     async def close(self) -> None:
         """Refuse new calls and end the waiting ones with ``ConnectionError``."""
@@ -330,20 +342,31 @@ class StorageServer:
         answers: list[tuple[int, bool, Any]] = []
         while not self._stop.is_set():
             try:
-                pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S)
-            except Exception:  # an answer that cannot be pickled: send the others, and why
-                answers = [_picklable_answer(answer) for answer in answers]
-                continue
-            try:
+                try:
+                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S)
+                except Exception:  # an answer that cannot be pickled: send the others, and why
+                    answers = [_picklable_answer(answer) for answer in answers]
+                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S)
                 calls = ray.get(pending)
             except Exception as error:  # the relay died (its node lost): hosts cannot go on
                 if not self._stop.is_set():
                     _logger.error("The study's storage relay was lost: %r", error)
                 return
-            if len(calls) == 1:
-                answers = [self._run(*calls[0])]
-            else:  # calls of different host threads: run them side by side
-                answers = list(self._pool.map(lambda call: self._run(*call), calls))
+            # Calls of different host threads run side by side. The quick ones (most) go back
+            # with the next exchange; a slow one (an RDB lock) answers on its own when done,
+            # so it holds up the others by _BATCH_WAIT_S at most.
+            try:
+                running = [self._pool.submit(self._run, *call) for call in calls]
+            except RuntimeError:  # the pool was shut down: stop() is under way
+                return
+            done, late = concurrent.futures.wait(running, timeout=_BATCH_WAIT_S)
+            answers = [future.result() for future in running if future in done]
+            for future in late:
+                future.add_done_callback(self._answer_late)
+
+    def _answer_late(self, future: concurrent.futures.Future[tuple[int, bool, Any]]) -> None:
+        with contextlib.suppress(Exception):  # the relay is gone: the run has ended
+            self._relay.answer.remote(*_picklable_answer(future.result()))
 
     def _run(self, call_id: int, method: str, args: tuple[Any, ...]) -> tuple[int, bool, Any]:
         try:
