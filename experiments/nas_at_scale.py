@@ -4,7 +4,7 @@ Three modes, each on a Ray cluster (``--address``) or a local Ray instance start
 
 * ``optuna``: ``waterwave_hpo.RayExecutor``: one device-host actor per GPU, each co-hosting
   ``--trials-per-device`` trials (threads, streams, the pool); a median pruner stops weak
-  architectures; the study is the driver's, served to the hosts by Optuna's gRPC storage proxy.
+  architectures; the study is the driver's, served to the hosts over Ray.
 * ``tune``: Ray Tune with ``waterwave_hpo.shared_gpu(trials_per_gpu=K)``: K trial processes per
   GPU holding memory leases from the GPU's broker (``--design broker``), or with
   ``waterwave_hpo.tune_hosts(K)``: the trials' functions co-hosted in one actor per GPU

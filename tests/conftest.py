@@ -44,6 +44,9 @@ def ray_cluster(
     os.chdir(tmp_path_factory.mktemp("ray"))
     try:
         ray.init(
+            # "local": a new instance, never another user's cluster found on this machine
+            # (ray.init() without an address joins one it finds in /tmp/ray, then fails here).
+            address="local",
             num_cpus=2,
             num_gpus=getattr(request.module, "RAY_GPUS", 1),
             include_dashboard=False,

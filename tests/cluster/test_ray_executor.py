@@ -14,8 +14,6 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-# No skip for grpcio: the "ray" extra must bring it, and without it RayExecutor raises (tested
-# in test_soft_imports.py), so these tests fail loudly instead of skipping into a pass.
 
 import waterwave_hpo as ww  # noqa: E402
 from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402

@@ -1,4 +1,4 @@
-"""Without Ray (or grpcio) the cluster API fails on use, with the command that installs it."""
+"""Without Ray the cluster API fails on use, with the command that installs it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 import pytest
 
 import waterwave_hpo as ww
-from waterwave_hpo.cluster._imports import import_grpc
 from waterwave_hpo.cluster._imports import import_ray
 
 
@@ -29,9 +28,3 @@ def test_missing_ray_names_the_install_command(monkeypatch: pytest.MonkeyPatch) 
         ww.shared_gpu(2)
     with pytest.raises(ImportError, match="needs Ray"):
         ww.RayExecutor(n_hosts=1)
-
-
-def test_missing_grpcio_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "grpc", None)
-    with pytest.raises(ImportError, match="pip install grpcio"):
-        import_grpc()

@@ -1,8 +1,8 @@
 """Waterwave on a Ray cluster: one device-host actor per GPU, each co-hosting trials.
 
 - :class:`RayExecutor`: ``WaterwaveExecutor`` whose device hosts are Ray actors
-  (``num_gpus=1`` each) across the cluster; the study is served to them through Optuna's gRPC
-  storage proxy.
+  (``num_gpus=1`` each) across the cluster; they reach the study through Ray, for that study
+  and a host's calls only (:class:`StoragePermissionError` otherwise).
 - :func:`shared_gpu`: Ray Tune resources that pack several trials on each GPU, with memory
   leases from a per-GPU broker (see :mod:`waterwave_hpo.integrations.ray_tune`).
 - :func:`tune_hosts`: Ray Tune trials whose training functions run co-hosted in one actor per
@@ -13,6 +13,14 @@ from waterwave_hpo.cluster._actor import ATTR_HOST
 from waterwave_hpo.cluster._executor import AllHostsLostError
 from waterwave_hpo.cluster._executor import RayExecutor
 from waterwave_hpo.cluster._shared_gpu import shared_gpu
+from waterwave_hpo.cluster._storage import StoragePermissionError
 from waterwave_hpo.cluster._tune_hosts_api import tune_hosts
 
-__all__ = ["ATTR_HOST", "AllHostsLostError", "RayExecutor", "shared_gpu", "tune_hosts"]
+__all__ = [
+    "ATTR_HOST",
+    "AllHostsLostError",
+    "RayExecutor",
+    "StoragePermissionError",
+    "shared_gpu",
+    "tune_hosts",
+]

@@ -2,9 +2,9 @@
 
 Each actor owns one device (the GPU Ray gave it, ``num_gpus=1``; the CPU where it has none) and
 co-hosts trials on it exactly as on one machine: slot threads, one CUDA stream each, the pool and
-the pipeline scheduler. It opens the study through the driver's storage proxy, runs the trials the
-driver hands it and reports how each ended; it does not tell the study: the driver does, so the
-user's sampler and callbacks see every result in the driver's process.
+the pipeline scheduler. It opens the study through the driver's storage channel (over Ray), runs
+the trials the driver hands it and reports how each ended; it does not tell the study: the driver
+does, so the user's sampler and callbacks see every result in the driver's process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.cluster._storage import StorageAddress
+from waterwave_hpo.cluster._storage import StorageChannel
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
@@ -39,7 +39,7 @@ ATTR_HOST = "waterwave:host"
 class HostSpec:
     """Everything a host actor needs to build its device host (sent once, at creation)."""
 
-    storage: StorageAddress
+    storage: StorageChannel
     study_name: str
     sampler: optuna.samplers.BaseSampler
     pruner: optuna.pruners.BasePruner
@@ -134,7 +134,7 @@ class HostActor:
         spec: The study, the objective and the executor's settings.
 
     Raises:
-        ConnectionError: If the driver's storage proxy does not answer.
+        StoragePermissionError: If the study is not the one the driver's channel serves.
     """
 
     def __init__(self, spec: HostSpec) -> None:

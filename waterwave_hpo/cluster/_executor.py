@@ -14,10 +14,9 @@ import optuna
 
 from waterwave_hpo.cluster._actor import HostActor
 from waterwave_hpo.cluster._actor import HostSpec
-from waterwave_hpo.cluster._imports import import_grpc
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._remote import RemoteHost
-from waterwave_hpo.cluster._storage import StorageProxyServer
+from waterwave_hpo.cluster._storage import StorageServer
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._executor import Callback
 from waterwave_hpo.executor._executor import ObjectiveFunc
@@ -50,11 +49,11 @@ class RayExecutor(WaterwaveExecutor):
     the host with the most room (the fewest running trials among hosts with a free slot and,
     with ``trials_per_device="auto"``, measured memory to spare), and tells the study how it
     ended, so the study's sampler, callbacks and ``study.stop()`` behave as with
-    ``study.optimize``. Host actors reach the study through Optuna's gRPC storage proxy
-    (``optuna.storages.GrpcStorageProxy``) served by the driver around the study's own storage:
-    an in-memory study, a journal file or an RDB URL all work unchanged, and only the driver
-    touches the storage itself. The proxy listens, unauthenticated, on the driver's node IP for
-    the length of :meth:`optimize`; run it on a network the cluster alone can reach.
+    ``study.optimize``. Host actors reach the study through Ray itself (an anonymous relay
+    actor and a driver thread, :mod:`waterwave_hpo.cluster._storage`) around the study's own
+    storage: an in-memory study, a journal file or an RDB URL all work unchanged, only the
+    driver touches the storage itself, nothing new listens on the network, and hosts may use
+    only this study, with only the calls a host makes (no other study, no deletion).
 
     A host actor that dies (killed, crashed, its node lost) has each of its running trials told
     FAIL (``waterwave:fail_reason`` says why) and its parameters re-queued on the remaining hosts
@@ -79,7 +78,7 @@ class RayExecutor(WaterwaveExecutor):
             max_trials_per_device: As for :class:`WaterwaveExecutor`, applied on every host.
 
     Raises:
-        ImportError: If Ray or grpcio is not installed (the message says how to install them).
+        ImportError: If Ray is not installed (the message says how to install it).
         ValueError: For an argument out of range; the message names the argument, the value
             and the fix.
         TypeError: For an argument of the wrong type.
@@ -111,7 +110,6 @@ class RayExecutor(WaterwaveExecutor):
         max_trials_per_device: int = 16,
     ) -> None:
         import_ray()
-        import_grpc()
         # The driver's devices do not matter: each host resolves its own ("auto") in its actor.
         super().__init__(
             devices="cpu",
@@ -145,7 +143,7 @@ class RayExecutor(WaterwaveExecutor):
         self.host_resources = _check_resources(host_resources)
         self.max_host_retries = _check_positive_int("max_host_retries", max_host_retries, 0)
         self.startup_timeout_s = _check_positive_number("startup_timeout_s", startup_timeout_s)
-        self._server: StorageProxyServer | None = None
+        self._server: StorageServer | None = None
         self._run_state: _ClusterState | None = None
 
     def __repr__(self) -> str:
@@ -190,10 +188,9 @@ class RayExecutor(WaterwaveExecutor):
         if not ray.is_initialized():
             ray.init()
         n_hosts = self._resolve_n_hosts(ray)
-        host_ip = ray.util.get_node_ip_address()
-        # One server thread per trial that may call the storage at once, within reason.
+        # One driver thread per trial that may call the storage at once, within reason.
         threads = min(64, max(8, n_hosts * self.trials_per_device))
-        self._server = StorageProxyServer(study._storage, host=host_ip, max_workers=threads)
+        self._server = StorageServer(study, max_workers=threads)
         self._run_state = _ClusterState(n_hosts)
         try:
             super().optimize(
@@ -245,7 +242,7 @@ class RayExecutor(WaterwaveExecutor):
         state = self._run_state
         study = settings.study
         spec = HostSpec(
-            storage=self._server.address,
+            storage=self._server.channel,
             study_name=study.study_name,
             sampler=study.sampler,
             pruner=study.pruner,

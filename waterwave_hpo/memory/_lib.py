@@ -160,6 +160,8 @@ def load_library() -> ctypes.CDLL:
             or cannot be loaded.
     """
     path = library_path()
+    if os.environ.get(LIBRARY_ENV_VAR) and path.is_file():
+        _check_private(path)
     if not path.is_file():
         source = (
             f"${LIBRARY_ENV_VAR}" if os.environ.get(LIBRARY_ENV_VAR) else "the installed package"
@@ -182,6 +184,38 @@ def load_library() -> ctypes.CDLL:
         fn.restype = restype
         fn.argtypes = argtypes
     return lib
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a library named by ``$WATERWAVE_HPO_POOL_LIBRARY`` that another user could have
+    written: loading it runs its code in this process.
+
+    Raises:
+        ImportError: The file is not owned by this user (or root), or it or its directory is
+            writable by group or others (a directory with the sticky bit, like ``/tmp``, may be).
+    """
+    import stat
+
+    allowed_owners = {os.getuid(), 0}
+    file_stat = path.stat()
+    dir_stat = path.resolve().parent.stat()
+    problem = None
+    if file_stat.st_uid not in allowed_owners:
+        problem = f"it is owned by uid {file_stat.st_uid}, not by you (uid {os.getuid()}) or root"
+    elif file_stat.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"it is writable by group or others (mode {stat.filemode(file_stat.st_mode)})"
+    elif dir_stat.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not dir_stat.st_mode & stat.S_ISVTX:
+        problem = (
+            f"its directory is writable by group or others without the sticky bit (mode "
+            f"{stat.filemode(dir_stat.st_mode)})"
+        )
+    if problem is not None:
+        raise ImportError(
+            f"${LIBRARY_ENV_VAR}={path} is not loaded: {problem}, so another user could put "
+            "their code in this process. Build or copy the library into a directory only you "
+            "can write (chmod go-w on the file and its directory), or unset the variable to "
+            "load the installed one."
+        )
 
 
 def last_error() -> str:
