@@ -1,0 +1,264 @@
+"""Nodes lost and added mid-study on a real multi-node Ray cluster on one machine
+(``ray.cluster_utils.Cluster``: a head with no GPU, worker nodes with one logical GPU each):
+RayExecutor and both Ray Tune designs start with what comes up, use nodes that join, and lose
+no trial to a node that leaves."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from collections.abc import Iterator
+import json
+import logging
+import os
+from pathlib import Path
+import signal
+import threading
+import time
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+import pytest
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+from waterwave_hpo.cluster import ATTR_NODE  # noqa: E402
+from waterwave_hpo.cluster import RayExecutor  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+DRIVER_PID = os.getpid()  # pickled by value into the hosts: "am I in a host actor?"
+_GPU_NODE = {"num_cpus": 1, "num_gpus": 1}
+
+
+class Nodes:
+    """The module's cluster and its GPU worker nodes, reset to ``n`` nodes per test."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.gpu_nodes: list[Any] = []
+
+    def reset(self, n: int) -> None:
+        while len(self.gpu_nodes) > n:
+            self.remove(self.gpu_nodes[-1])
+        while len(self.gpu_nodes) < n:
+            self.add()
+        _wait_for(lambda: _gpus_alive() == n, timeout_s=30)
+
+    def add(self) -> Any:
+        node = self.cluster.add_node(**_GPU_NODE)
+        self.gpu_nodes.append(node)
+        return node
+
+    def remove(self, node: Any) -> None:
+        self.gpu_nodes.remove(node)
+        self.cluster.remove_node(node)
+
+    def node_id(self, node: Any) -> str:
+        return str(node.node_id)
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nodes]:
+    sigint = signal.getsignal(signal.SIGINT)
+    if ray.is_initialized():
+        ray.shutdown()
+    cwd = os.getcwd()
+    # Workers put the driver's working directory on sys.path: not the source tree.
+    os.chdir(tmp_path_factory.mktemp("ray-cluster"))
+    try:
+        cluster = cluster_utils.Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+        )
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    finally:
+        os.chdir(cwd)
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    result = Nodes(cluster)
+    try:
+        yield result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        signal.signal(signal.SIGINT, sigint)
+
+
+@pytest.fixture(scope="module")
+def results() -> Iterator[dict[str, Any]]:
+    """Figures the tests measure; written as JSON to $WATERWAVE_ELASTIC_RESULTS if set (see
+    experiments/elastic.md)."""
+    figures: dict[str, Any] = {}
+    yield figures
+    path = os.environ.get("WATERWAVE_ELASTIC_RESULTS")
+    if path:
+        figures["loadavg_at_end"] = os.getloadavg()
+        Path(path).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+
+
+def _record(results: dict[str, Any], name: str, study: optuna.Study, n_trials: int) -> None:
+    trials = study.get_trials(deepcopy=False)
+    states = _states(study)
+    results[name] = {
+        "trials_asked_for": n_trials,
+        "complete": states[TrialState.COMPLETE],
+        "failed_lost_host": states[TrialState.FAIL],
+        "re_run": sum(1 for t in trials if ATTR_RETRY_OF in t.user_attrs),
+        "left_running_or_waiting": states[TrialState.RUNNING] + states[TrialState.WAITING],
+        "trials_lost": n_trials - states[TrialState.COMPLETE],
+    }
+
+
+def _gpus_alive() -> int:
+    return sum(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the cluster"
+        time.sleep(0.1)
+
+
+def _in_background(action: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    return thread
+
+
+def _states(study: optuna.Study) -> Counter[TrialState]:
+    return Counter(t.state for t in study.get_trials(deepcopy=False))
+
+
+def _assert_nothing_lost(study: optuna.Study, n_trials: int) -> None:
+    """Every trial ended; each asked for completed; each FAIL was a lost host, run again."""
+    trials = study.get_trials(deepcopy=False)
+    states = _states(study)
+    assert TrialState.RUNNING not in states and TrialState.WAITING not in states
+    assert states[TrialState.COMPLETE] == n_trials
+    failed = [t for t in trials if t.state is TrialState.FAIL]
+    assert all("was lost" in t.user_attrs[ATTR_FAIL_REASON] for t in failed)
+    re_run = {t.user_attrs[ATTR_RETRY_OF] for t in trials if ATTR_RETRY_OF in t.user_attrs}
+    assert {t.number for t in failed} <= re_run
+
+
+class _SlowToStartSampler(optuna.samplers.RandomSampler):
+    """Reseeded (once) in every host actor as it starts: make that take a while, so that a
+    node can be removed while its host is starting."""
+
+    def reseed_rng(self) -> None:
+        if os.getpid() != DRIVER_PID:
+            time.sleep(4.0)
+        super().reseed_rng()
+
+
+def _sleeps(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", -1.0, 1.0)
+    time.sleep(0.3)
+    return x * x
+
+
+def _reports(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", -1.0, 1.0)
+    for step in range(8):
+        trial.report(x * step, step)  # intermediate values: Optuna's checkpoint of a trial
+        time.sleep(0.15)
+    return x * x
+
+
+def test_a_node_lost_while_the_hosts_start_leaves_the_study_to_the_others(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    doomed_id = nodes.node_id(doomed)
+    study = optuna.create_study(sampler=_SlowToStartSampler())
+    executor = RayExecutor(trials_per_device=2, startup_timeout_s=60)
+    remover = threading.Timer(1.0, nodes.remove, args=(doomed,))
+    remover.start()
+    with caplog.at_level(logging.WARNING, logger="waterwave_hpo"):
+        executor.optimize(study, _sleeps, n_trials=6)
+    remover.join()
+    assert _states(study) == {TrialState.COMPLETE: 6}
+    assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {nodes.node_id(nodes.gpu_nodes[0])}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("did not start" in m and doomed_id[:8] in m for m in warnings), warnings
+    assert executor.cluster_stats is not None and executor.cluster_stats.hosts_started == 1
+
+
+def test_a_node_lost_mid_study_loses_no_trial(nodes: Nodes, results: dict[str, Any]) -> None:
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    study = optuna.create_study()
+
+    def remove_after_four() -> None:
+        _wait_for(lambda: _states(study)[TrialState.COMPLETE] >= 4, timeout_s=60)
+        nodes.remove(doomed)
+
+    remover = _in_background(remove_after_four)
+    executor = RayExecutor(trials_per_device=2)
+    executor.optimize(study, _sleeps, n_trials=16)
+    remover.join()
+    _assert_nothing_lost(study, 16)
+    _record(results, "ray_executor_node_lost_mid_study", study, 16)
+    stats = executor.cluster_stats
+    assert stats is not None and (stats.hosts_lost, stats.nodes_lost) == (1, 1)
+
+
+def test_a_node_lost_while_its_trials_report_re_runs_them_whole(
+    nodes: Nodes, results: dict[str, Any]
+) -> None:
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    doomed_id = nodes.node_id(doomed)
+    study = optuna.create_study()
+
+    def reporting_on_doomed() -> bool:
+        return any(
+            t.state is TrialState.RUNNING
+            and t.user_attrs.get(ATTR_NODE) == doomed_id
+            and len(t.intermediate_values) >= 2
+            for t in study.get_trials(deepcopy=False)
+        )
+
+    def remove_while_reporting() -> None:
+        _wait_for(reporting_on_doomed, timeout_s=60)
+        nodes.remove(doomed)
+
+    remover = _in_background(remove_while_reporting)
+    RayExecutor(trials_per_device=2).optimize(study, _reports, n_trials=8)
+    remover.join()
+    _assert_nothing_lost(study, 8)
+    _record(results, "ray_executor_node_lost_while_reporting", study, 8)
+    failed = [t for t in study.trials if t.state is TrialState.FAIL]
+    assert failed and all(t.user_attrs[ATTR_NODE] == doomed_id for t in failed)
+    complete = [t for t in study.trials if t.state is TrialState.COMPLETE]
+    assert all(len(t.intermediate_values) == 8 for t in complete)
+
+
+def test_a_gpu_node_that_joins_mid_study_gets_trials(nodes: Nodes, results: dict[str, Any]) -> None:
+    nodes.reset(1)
+    first_id = nodes.node_id(nodes.gpu_nodes[0])
+    study = optuna.create_study()
+    executor = RayExecutor(trials_per_device=2)
+    # Ray adds nodes from the main thread only: the study runs in another.
+    running = _in_background(lambda: executor.optimize(study, _reports, n_trials=24))
+    _wait_for(lambda: _states(study)[TrialState.COMPLETE] >= 3, timeout_s=60)
+    joined = {"id": nodes.node_id(nodes.add()), "at_s": time.time()}
+    running.join(timeout=180)
+    assert not running.is_alive()
+    assert _states(study) == {TrialState.COMPLETE: 24}
+    on_new = [t for t in study.trials if t.user_attrs[ATTR_NODE] == joined["id"]]
+    assert on_new, "no trial ran on the node that joined"
+    assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {first_id, joined["id"]}
+    stats = executor.cluster_stats
+    assert stats is not None and (stats.hosts_started, stats.nodes_joined) == (2, 1)
+    first_start = min(t.datetime_start.timestamp() for t in on_new)  # type: ignore[union-attr]
+    results["ray_executor_time_to_use_new_node_s"] = round(first_start - joined["at_s"], 2)
+    results["ray_executor_trials_on_new_node"] = len(on_new)
