@@ -33,6 +33,10 @@ from typing import Any
 import optuna
 
 from waterwave_hpo.cluster._actor import HostInfo
+from waterwave_hpo.cluster._nodes import NodeView
+from waterwave_hpo.cluster._nodes import alive_nodes
+from waterwave_hpo.cluster._nodes import describe_error
+from waterwave_hpo.cluster._nodes import interleave
 from waterwave_hpo.cluster._remote import RemoteHost
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -40,34 +44,6 @@ _WATCH_S = 0.5
 
 MakeHost = Callable[[Any, HostInfo, Callable[[RemoteHost, BaseException], None]], RemoteHost]
 """Builds the driver's :class:`RemoteHost` for a started actor: ``(actor, info, on_lost)``."""
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """An alive Ray node, as ``ray.nodes()`` describes it."""
-
-    node_id: str
-    address: str
-    resources: Mapping[str, float]
-
-    @property
-    def label(self) -> str:
-        """``"node 60df83ad (10.0.0.2)"``: how messages name it."""
-        return f"node {self.node_id[:8]} ({self.address})"
-
-
-def alive_nodes(ray: Any) -> list[NodeView]:
-    """The cluster's alive nodes, in a stable order (by node id)."""
-    nodes = [
-        NodeView(
-            node_id=str(node["NodeID"]),
-            address=str(node.get("NodeManagerAddress", "?")),
-            resources=dict(node.get("Resources", {})),
-        )
-        for node in ray.nodes()
-        if node.get("Alive", False)
-    ]
-    return sorted(nodes, key=lambda node: node.node_id)
 
 
 @dataclass
@@ -163,7 +139,7 @@ class HostFleet:
                 for _ in range(self._n_hosts or 0):
                     self._start_actor(None, "a CPU host placed by Ray")
             else:
-                places = _interleave([[node] * self._gpu_capacity(node) for node in nodes])
+                places = interleave([[node] * self._gpu_capacity(node) for node in nodes])
                 if self._cap is not None:
                     places = places[: self._cap]
                 for node in places:
@@ -373,26 +349,10 @@ class HostFleet:
             except Exception as error:
                 with contextlib.suppress(Exception):
                     self._ray.kill(entry.actor)
-                failures.append(f"{entry.where}: {_first_line(error)}")
+                failures.append(f"{entry.where}: {describe_error(error)}")
                 _logger.warning(
-                    "The device host on %s did not start: %s", entry.where, _first_line(error)
+                    "The device host on %s did not start: %s", entry.where, describe_error(error)
                 )
                 continue
             self.hosts.append(self._make_host(entry.actor, info, self.host_lost))
         return failures
-
-
-def _interleave(groups: list[list[NodeView]]) -> list[NodeView]:
-    """One from each group in turn: hosts spread over nodes first (as Ray's SPREAD)."""
-    result: list[NodeView] = []
-    for index in range(max((len(group) for group in groups), default=0)):
-        result.extend(group[index] for group in groups if index < len(group))
-    return result
-
-
-def _first_line(error: BaseException) -> str:
-    """The exception's type, first line and Ray's "because ..." line (e.g. "The actor died
-    because its node has died. Node Id: ...")."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    kept = lines[:1] + [line for line in lines[1:] if "because" in line][:1]
-    return f"{type(error).__name__}: {' '.join(kept)}"
