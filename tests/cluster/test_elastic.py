@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Iterator
+from functools import partial
 import json
 import logging
 import os
@@ -262,3 +263,189 @@ def test_a_gpu_node_that_joins_mid_study_gets_trials(nodes: Nodes, results: dict
     first_start = min(t.datetime_start.timestamp() for t in on_new)  # type: ignore[union-attr]
     results["ray_executor_time_to_use_new_node_s"] = round(first_start - joined["at_s"], 2)
     results["ray_executor_trials_on_new_node"] = len(on_new)
+
+
+# -- Ray Tune: tune_hosts() and shared_gpu() ---------------------------------------------------
+
+N_STEPS = 6
+
+
+def _train_with_checkpoints(config: dict[str, Any]) -> None:
+    """Counts steps; checkpoints every step; resumes from its checkpoint when re-run."""
+    import tempfile
+
+    from ray import tune
+
+    start = 0
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            start = int(Path(directory, "step.txt").read_text())
+    node = ray.get_runtime_context().get_node_id()
+    for step in range(start + 1, N_STEPS + 1):
+        time.sleep(config["sleep_s"])
+        with tempfile.TemporaryDirectory() as directory:
+            Path(directory, "step.txt").write_text(str(step))
+            tune.report(
+                {"step": step, "resumed_from": start, "node": node},
+                checkpoint=tune.Checkpoint.from_directory(directory),
+            )
+
+
+def _on_result(when: Callable[[dict[str, Any]], bool], action: Callable[[], None]) -> Any:
+    """A Tune callback (it runs in the driver's main thread, where Ray can add nodes) that
+    calls ``action()`` once, on the first result for which ``when(result)`` holds."""
+    from ray import tune
+
+    class OnResult(tune.Callback):  # type: ignore[misc]
+        done = False
+
+        def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any) -> None:
+            if not self.done and when(result):
+                self.done = True
+                action()
+
+    return OnResult()
+
+
+def _remove_once_it_checkpointed(nodes: Nodes, doomed: Any) -> Any:
+    """Remove ``doomed`` once a trial there has reported its second checkpoint."""
+    doomed_id = nodes.node_id(doomed)
+    return _on_result(
+        lambda r: r["node"] == doomed_id and r["step"] >= 2, partial(nodes.remove, doomed)
+    )
+
+
+def _run_tune(
+    tmp_path: Path, trainable: Any, resources: Any, n_trials: int, callback: Any, **kwargs: Any
+) -> Any:
+    from ray import tune
+
+    return tune.run(
+        trainable,
+        config={"sleep_s": 0.4, "i": tune.grid_search(list(range(n_trials)))},
+        resources_per_trial=resources,
+        storage_path=str(tmp_path),
+        max_failures=3,
+        callbacks=[callback],
+        raise_on_failed_trial=False,
+        verbose=0,
+        **kwargs,
+    )
+
+
+def _assert_all_finished(analysis: Any, n_trials: int) -> None:
+    trials = analysis.trials
+    assert [t.status for t in trials] == ["TERMINATED"] * n_trials, [t.error_file for t in trials]
+    assert all(t.last_result["step"] == N_STEPS for t in trials)
+
+
+def test_tune_hosts_a_node_lost_while_trials_checkpoint_loses_no_trial(
+    nodes: Nodes, tmp_path: Path, results: dict[str, Any]
+) -> None:
+    import waterwave_hpo as ww
+
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    doomed_id = nodes.node_id(doomed)
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.25) as hosts:
+        assert hosts.n_hosts == 2
+        analysis = _run_tune(
+            tmp_path,
+            hosts.wrap(_train_with_checkpoints),
+            hosts.resources,
+            6,
+            _remove_once_it_checkpointed(nodes, doomed),
+            max_concurrent_trials=hosts.max_concurrent_trials,
+        )
+    _assert_all_finished(analysis, 6)
+    resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
+    assert resumed, "no trial was run again from its checkpoint"
+    assert all(t.last_result["node"] != doomed_id for t in resumed)
+    results["tune_hosts_node_lost_while_checkpointing"] = {
+        "trials": 6,
+        "terminated": 6,
+        "re_run_from_checkpoint": len(resumed),
+        "trials_lost": 0,
+    }
+
+
+def test_tune_hosts_a_gpu_node_that_joins_gets_trials(
+    nodes: Nodes, tmp_path: Path, results: dict[str, Any]
+) -> None:
+    import waterwave_hpo as ww
+
+    nodes.reset(1)
+    joined: dict[str, Any] = {}
+
+    def add_node() -> None:
+        joined["id"] = nodes.node_id(nodes.add())
+        joined["at_s"] = time.time()
+
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.25) as hosts:
+        analysis = _run_tune(
+            tmp_path,
+            hosts.wrap(_train_with_checkpoints),
+            hosts.resources,
+            10,
+            _on_result(lambda r: r["step"] >= 1, add_node),
+            max_concurrent_trials=4,  # room for the node that joins
+        )
+    _assert_all_finished(analysis, 10)
+    on_new = [t for t in analysis.trials if t.last_result["node"] == joined["id"]]
+    assert on_new, "no trial ran in a host on the node that joined"
+    first = min(t.last_result["timestamp"] - t.last_result["time_total_s"] for t in on_new)
+    results["tune_hosts_time_to_use_new_node_s"] = round(first - joined["at_s"], 2)
+    results["tune_hosts_trials_on_new_node"] = len(on_new)
+
+
+def test_shared_gpu_a_node_lost_while_trials_checkpoint_loses_no_trial_nor_lease(
+    nodes: Nodes, tmp_path: Path, results: dict[str, Any]
+) -> None:
+    from waterwave_hpo.integrations import ray_tune as ww_tune
+
+    import waterwave_hpo as ww
+
+    nodes.reset(2)
+    keeper, doomed = nodes.gpu_nodes
+    doomed_id = nodes.node_id(doomed)
+    resources = ww.shared_gpu(trials_per_gpu=2, cpus_per_trial=0.25, memory_budget_bytes=100)
+    analysis = _run_tune(
+        tmp_path,
+        resources.wrap(_train_with_checkpoints),
+        resources,
+        6,
+        _remove_once_it_checkpointed(nodes, doomed),
+    )
+    _assert_all_finished(analysis, 6)
+    resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
+    assert resumed and all(t.last_result["node"] != doomed_id for t in resumed)
+    stats = ww_tune.lease_stats(gpu_id=0, node_id=nodes.node_id(keeper))
+    assert (stats.n_held, stats.n_waiting) == (0, 0)  # every lease given back
+    results["shared_gpu_node_lost_while_checkpointing"] = {
+        "trials": 6,
+        "terminated": 6,
+        "re_run_from_checkpoint": len(resumed),
+        "trials_lost": 0,
+    }
+
+
+def test_shared_gpu_a_gpu_node_that_joins_gets_trials(nodes: Nodes, tmp_path: Path) -> None:
+    import waterwave_hpo as ww
+
+    nodes.reset(1)
+    joined: dict[str, Any] = {}
+
+    def add_node() -> None:
+        joined["id"] = nodes.node_id(nodes.add())
+
+    resources = ww.shared_gpu(trials_per_gpu=2, cpus_per_trial=0.25, memory_budget_bytes=100)
+    analysis = _run_tune(
+        tmp_path,
+        resources.wrap(_train_with_checkpoints),
+        resources,
+        10,
+        _on_result(lambda r: r["step"] >= 1, add_node),
+    )
+    _assert_all_finished(analysis, 10)
+    assert any(t.last_result["node"] == joined["id"] for t in analysis.trials)
