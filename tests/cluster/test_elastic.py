@@ -204,10 +204,10 @@ def test_a_node_lost_mid_study_loses_no_trial(nodes: Nodes, results: dict[str, A
 
     remover = _in_background(remove_after_four)
     executor = RayExecutor(trials_per_device=2)
-    executor.optimize(study, _sleeps, n_trials=16)
+    executor.optimize(study, _sleeps, n_trials=10)
     remover.join()
-    _assert_nothing_lost(study, 16)
-    _record(results, "ray_executor_node_lost_mid_study", study, 16)
+    _assert_nothing_lost(study, 10)
+    _record(results, "ray_executor_node_lost_mid_study", study, 10)
     stats = executor.cluster_stats
     assert stats is not None and (stats.hosts_lost, stats.nodes_lost) == (1, 1)
 
@@ -249,12 +249,12 @@ def test_a_gpu_node_that_joins_mid_study_gets_trials(nodes: Nodes, results: dict
     study = optuna.create_study()
     executor = RayExecutor(trials_per_device=2)
     # Ray adds nodes from the main thread only: the study runs in another.
-    running = _in_background(lambda: executor.optimize(study, _reports, n_trials=24))
+    running = _in_background(lambda: executor.optimize(study, _reports, n_trials=16))
     _wait_for(lambda: _states(study)[TrialState.COMPLETE] >= 3, timeout_s=60)
     joined = {"id": nodes.node_id(nodes.add()), "at_s": time.time()}
     running.join(timeout=180)
     assert not running.is_alive()
-    assert _states(study) == {TrialState.COMPLETE: 24}
+    assert _states(study) == {TrialState.COMPLETE: 16}
     on_new = [t for t in study.trials if t.user_attrs[ATTR_NODE] == joined["id"]]
     assert on_new, "no trial ran on the node that joined"
     assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {first_id, joined["id"]}
@@ -267,7 +267,7 @@ def test_a_gpu_node_that_joins_mid_study_gets_trials(nodes: Nodes, results: dict
 
 # -- Ray Tune: tune_hosts() and shared_gpu() ---------------------------------------------------
 
-N_STEPS = 6
+N_STEPS = 4
 
 
 def _train_with_checkpoints(config: dict[str, Any]) -> None:
@@ -323,7 +323,7 @@ def _run_tune(
 
     return tune.run(
         trainable,
-        config={"sleep_s": 0.4, "i": tune.grid_search(list(range(n_trials)))},
+        config={"sleep_s": 0.3, "i": tune.grid_search(list(range(n_trials)))},
         resources_per_trial=resources,
         storage_path=str(tmp_path),
         max_failures=3,
@@ -354,17 +354,17 @@ def test_tune_hosts_a_node_lost_while_trials_checkpoint_loses_no_trial(
             tmp_path,
             hosts.wrap(_train_with_checkpoints),
             hosts.resources,
-            6,
+            4,
             _remove_once_it_checkpointed(nodes, doomed),
             max_concurrent_trials=hosts.max_concurrent_trials,
         )
-    _assert_all_finished(analysis, 6)
+    _assert_all_finished(analysis, 4)
     resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
     assert resumed, "no trial was run again from its checkpoint"
     assert all(t.last_result["node"] != doomed_id for t in resumed)
     results["tune_hosts_node_lost_while_checkpointing"] = {
-        "trials": 6,
-        "terminated": 6,
+        "trials": 4,
+        "terminated": 4,
         "re_run_from_checkpoint": len(resumed),
         "trials_lost": 0,
     }
@@ -387,11 +387,11 @@ def test_tune_hosts_a_gpu_node_that_joins_gets_trials(
             tmp_path,
             hosts.wrap(_train_with_checkpoints),
             hosts.resources,
-            10,
+            8,
             _on_result(lambda r: r["step"] >= 1, add_node),
             max_concurrent_trials=4,  # room for the node that joins
         )
-    _assert_all_finished(analysis, 10)
+    _assert_all_finished(analysis, 8)
     on_new = [t for t in analysis.trials if t.last_result["node"] == joined["id"]]
     assert on_new, "no trial ran in a host on the node that joined"
     first = min(t.last_result["timestamp"] - t.last_result["time_total_s"] for t in on_new)
@@ -414,17 +414,17 @@ def test_shared_gpu_a_node_lost_while_trials_checkpoint_loses_no_trial_nor_lease
         tmp_path,
         resources.wrap(_train_with_checkpoints),
         resources,
-        6,
+        4,
         _remove_once_it_checkpointed(nodes, doomed),
     )
-    _assert_all_finished(analysis, 6)
+    _assert_all_finished(analysis, 4)
     resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
     assert resumed and all(t.last_result["node"] != doomed_id for t in resumed)
     stats = ww_tune.lease_stats(gpu_id=0, node_id=nodes.node_id(keeper))
     assert (stats.n_held, stats.n_waiting) == (0, 0)  # every lease given back
     results["shared_gpu_node_lost_while_checkpointing"] = {
-        "trials": 6,
-        "terminated": 6,
+        "trials": 4,
+        "terminated": 4,
         "re_run_from_checkpoint": len(resumed),
         "trials_lost": 0,
     }
@@ -444,8 +444,8 @@ def test_shared_gpu_a_gpu_node_that_joins_gets_trials(nodes: Nodes, tmp_path: Pa
         tmp_path,
         resources.wrap(_train_with_checkpoints),
         resources,
-        10,
+        8,
         _on_result(lambda r: r["step"] >= 1, add_node),
     )
-    _assert_all_finished(analysis, 10)
+    _assert_all_finished(analysis, 8)
     assert any(t.last_result["node"] == joined["id"] for t in analysis.trials)

@@ -205,7 +205,10 @@ class HostFleet:
                 self.nodes_lost.add(host.info.node_id)
                 self._seen_alive.discard(host.info.node_id)
             if not self._stop.is_set():
-                self._grow(alive_nodes(self._ray))
+                try:
+                    self._grow(alive_nodes(self._ray))
+                except Exception as grow_error:  # the watcher tries again on its next turn
+                    _logger.debug("Could not replace host %s: %r", host.device, grow_error)
             if self.all_lost:
                 # Nothing can run any more: stop asking (the flag _optuna_compat reads).
                 self._study._stop_flag = True
