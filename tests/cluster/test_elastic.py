@@ -243,18 +243,38 @@ def test_a_node_lost_while_its_trials_report_re_runs_them_whole(
     assert all(len(t.intermediate_values) == 8 for t in complete)
 
 
-def test_a_gpu_node_that_joins_mid_study_gets_trials(nodes: Nodes, results: dict[str, Any]) -> None:
+def _waits_for_a_second_node(flag: Path, first_node_id: str) -> Callable[..., float]:
+    """An objective whose trials on the first node wait (up to 60 s) until a trial has run on
+    another node: the study cannot end before a node that joins had its chance."""
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", -1.0, 1.0)
+        if ray.get_runtime_context().get_node_id() != first_node_id:
+            flag.touch()
+        deadline = time.monotonic() + 60.0
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.2)
+        return x * x
+
+    return objective
+
+
+def test_a_gpu_node_that_joins_mid_study_gets_trials(
+    nodes: Nodes, tmp_path: Path, results: dict[str, Any]
+) -> None:
     nodes.reset(1)
     first_id = nodes.node_id(nodes.gpu_nodes[0])
     study = optuna.create_study()
     executor = RayExecutor(trials_per_device=2)
+    objective = _waits_for_a_second_node(tmp_path / "second-node-used", first_id)
     # Ray adds nodes from the main thread only: the study runs in another.
-    running = _in_background(lambda: executor.optimize(study, _reports, n_trials=16))
-    _wait_for(lambda: _states(study)[TrialState.COMPLETE] >= 3, timeout_s=60)
+    running = _in_background(lambda: executor.optimize(study, objective, n_trials=8))
+    _wait_for(lambda: _states(study)[TrialState.RUNNING] >= 2, timeout_s=60)
     joined = {"id": nodes.node_id(nodes.add()), "at_s": time.time()}
     running.join(timeout=180)
     assert not running.is_alive()
-    assert _states(study) == {TrialState.COMPLETE: 16}
+    assert _states(study) == {TrialState.COMPLETE: 8}
     on_new = [t for t in study.trials if t.user_attrs[ATTR_NODE] == joined["id"]]
     assert on_new, "no trial ran on the node that joined"
     assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {first_id, joined["id"]}

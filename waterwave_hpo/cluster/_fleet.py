@@ -164,9 +164,10 @@ class HostFleet:
                 "num_cpus_per_host, or raise startup_timeout_s."
             )
         for pending in self._pending.values():
+            pending.since_s = time.monotonic()  # one more startup_timeout_s, in the background
             _logger.warning(
                 "The device host on %s is not up after startup_timeout_s=%g; the study starts "
-                "without it, and it joins if it comes up.",
+                "without it, and it joins if it comes up within as long again.",
                 pending.where,
                 self._startup_timeout_s,
             )
