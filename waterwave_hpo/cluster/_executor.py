@@ -233,7 +233,7 @@ class RayExecutor(WaterwaveExecutor):
         n_hosts = self._resolve_n_hosts(ray)
         host_ip = ray.util.get_node_ip_address()
         # One server thread per trial that may call the storage at once, within reason.
-        threads = min(64, max(8, n_hosts * self.trials_per_device))
+        threads = min(64, max(8, max(n_hosts, self.max_devices or 0) * self.trials_per_device))
         self._server = StorageProxyServer(study._storage, host=host_ip, max_workers=threads)
         try:
             super().optimize(
