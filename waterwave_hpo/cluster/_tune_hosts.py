@@ -13,6 +13,7 @@ import functools
 import logging
 import shutil
 import threading
+import time
 from typing import Any
 import uuid
 
@@ -32,7 +33,8 @@ from waterwave_hpo.cluster._nodes import interleave
 
 _POLL_S = 1.0
 _WATCH_S = 1.0
-_LOAD_TIMEOUT_S = 10.0
+_LOAD_WAIT_S = 1.0
+_LOAD_TIMEOUT_S = 30.0
 _logger = logging.getLogger("waterwave_hpo")
 
 
@@ -383,13 +385,21 @@ def _least_loaded_host(prefix: str) -> tuple[Any, str]:
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
     )
-    candidates = []
+    asked: dict[Any, tuple[str, Any]] = {}  # the load() ref -> (name, handle)
     for name in names:
-        try:
+        with contextlib.suppress(ValueError):  # its name is gone: the host died
             host = ray.get_actor(name, namespace=NAMESPACE)
-            candidates.append((ray.get(host.load.remote(), timeout=_LOAD_TIMEOUT_S), name, host))
-        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            continue  # gone with its node, or not up yet: never wait on it
+            asked[host.load.remote()] = (name, host)
+    # The hosts that answer within _LOAD_WAIT_S; a host still starting, or on a node that is
+    # gone, is not waited on, unless none answers (then up to _LOAD_TIMEOUT_S for the first).
+    candidates: list[tuple[int, str, Any]] = []
+    deadline = time.monotonic() + _LOAD_TIMEOUT_S
+    waiting = list(asked)
+    while waiting and not candidates and time.monotonic() < deadline:
+        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=_LOAD_WAIT_S)
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                candidates.append((ray.get(ref), *asked[ref]))
     if not candidates:
         raise HostedTrialError(
             f"No waterwave-hpo trial host of this run is alive ({len(names)} named "
