@@ -7,6 +7,7 @@ from collections import Counter
 import os
 from pathlib import Path
 import time
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -262,6 +263,8 @@ def test_study_stop_in_a_remote_objective_stops_the_search() -> None:
         ({"num_cpus_per_host": 0}, ValueError, "num_cpus_per_host=0 must be > 0"),
         ({"trials_per_device": 0}, ValueError, "trials_per_device=0"),
         ({"max_host_retries": -1}, ValueError, "max_host_retries=-1"),
+        ({"max_devices": 0}, ValueError, "max_devices=0 must be >= 1"),
+        ({"n_hosts": 2, "max_devices": 1}, ValueError, "max_devices=1 is below n_hosts=2"),
     ],
 )
 def test_bad_arguments_name_the_argument(
@@ -283,6 +286,39 @@ def test_cpu_hosts_that_cannot_be_placed_time_out_with_the_reason() -> None:
     executor = RayExecutor(
         n_hosts=1, num_gpus_per_host=0, num_cpus_per_host=64, startup_timeout_s=2
     )
-    with pytest.raises(RuntimeError, match="could not all start"):
+    with pytest.raises(RuntimeError, match="not up within startup_timeout_s=2"):
         executor.optimize(study, _slow, n_trials=2)
     assert study.trials == []
+
+
+def test_max_devices_asks_the_autoscaler_for_host_bundles_while_hosts_are_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A local Ray has no autoscaler: record what would be asked of it.
+    requests: list[list[dict[str, float]]] = []
+
+    def request_resources(num_cpus: int | None = None, bundles: Any = None) -> None:
+        requests.append(list(bundles))
+
+    monkeypatch.setattr("ray.autoscaler.sdk.request_resources", request_resources)
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=1,
+        trials_per_device=1,
+        max_devices=3,
+        num_cpus_per_host=0.5,
+        host_resources={"waterwave_test": 0.001},
+    )
+    with pytest.raises(RuntimeError, match="No device host started"):
+        executor.optimize(study, _slow, n_trials=1)  # no node has the custom resource
+    assert requests == [] and study.trials == []
+    executor = RayExecutor(n_hosts=1, trials_per_device=1, max_devices=3, num_cpus_per_host=0.5)
+    executor.optimize(study, _sleeps, n_trials=6)
+    assert _states(study) == {TrialState.COMPLETE: 6}
+    bundle = {"CPU": 0.5, "GPU": 1.0}
+    assert requests[0] == [bundle] * 3  # room for max_devices hosts, asked once
+    assert requests[-1] == []  # withdrawn when optimize returned
+    assert len(requests) == 2
+    stats = executor.cluster_stats
+    assert stats is not None and stats.autoscaler_requests == 1
+    assert stats.hosts_started == 2  # n_hosts, then the cluster's other GPU, up to max_devices

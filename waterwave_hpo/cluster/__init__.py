@@ -10,7 +10,9 @@
 """
 
 from waterwave_hpo.cluster._actor import ATTR_HOST
+from waterwave_hpo.cluster._actor import ATTR_NODE
 from waterwave_hpo.cluster._executor import AllHostsLostError
+from waterwave_hpo.cluster._executor import ClusterStats
 from waterwave_hpo.cluster._executor import RayExecutor
 from waterwave_hpo.cluster._shared_gpu import shared_gpu
 from waterwave_hpo.cluster._storage import StoragePermissionError
@@ -18,7 +20,9 @@ from waterwave_hpo.cluster._tune_hosts_api import tune_hosts
 
 __all__ = [
     "ATTR_HOST",
+    "ATTR_NODE",
     "AllHostsLostError",
+    "ClusterStats",
     "RayExecutor",
     "StoragePermissionError",
     "shared_gpu",

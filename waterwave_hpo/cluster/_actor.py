@@ -33,6 +33,8 @@ from waterwave_hpo.executor._outcome import TrialOutcome
 
 ATTR_HOST = "waterwave:host"
 """The host actor that ran the trial: ``"<node ip>/pid<pid>/<device>"`` (Ray cluster only)."""
+ATTR_NODE = "waterwave:node"
+"""The Ray node id of the host actor that ran the trial (Ray cluster only)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class HostActor:
         """
         trial = optuna.trial.Trial(self._study, trial_id)
         trial.set_user_attr(ATTR_HOST, self._info.label)
+        trial.set_user_attr(ATTR_NODE, self._info.node_id)
         with self._lock:
             self._host.submit(self._host.slots[slot], TrialJob(trial, attempt, retry_of))
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
-import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 import logging
-import threading
 from typing import Any
-from typing import cast
 
 import optuna
+import torch
 
 from waterwave_hpo.cluster._actor import HostActor
+from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import HostSpec
+from waterwave_hpo.cluster._fleet import HostFleet
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
@@ -21,8 +24,8 @@ from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._executor import Callback
 from waterwave_hpo.executor._executor import ObjectiveFunc
 from waterwave_hpo.executor._executor import _check_positive_int
-from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.scheduler import Policy
@@ -55,10 +58,17 @@ class RayExecutor(WaterwaveExecutor):
     driver touches the storage itself, nothing new listens on the network, and hosts may use
     only this study, with only the calls a host makes (no other study, no deletion).
 
-    A host actor that dies (killed, crashed, its node lost) has each of its running trials told
-    FAIL (``waterwave:fail_reason`` says why) and its parameters re-queued on the remaining hosts
-    (up to ``max_host_retries`` times), and the search goes on; if every host is lost,
-    :class:`AllHostsLostError` is raised. Nothing is left RUNNING.
+    The hosts are elastic (:mod:`waterwave_hpo.cluster._fleet`). The study starts with the hosts
+    that come up: one that fails to start (its node lost, no room within ``startup_timeout_s``)
+    is a warning naming its node, and an error only when none starts. While the study runs, a
+    GPU node that joins the cluster gets hosts (while fewer than ``n_hosts``, or
+    ``max_devices``, are alive), used from the next trial on; with ``max_devices``, Ray's
+    autoscaler is asked for more GPUs while every host is full. A host actor that dies (killed,
+    crashed, its node lost) has each of its running trials told FAIL
+    (``waterwave:fail_reason`` says why) and its parameters re-queued on the remaining hosts (up
+    to ``max_host_retries`` times), and the search goes on; if every host is lost and none can
+    replace them, :class:`AllHostsLostError` is raised. Nothing is left RUNNING.
+    :attr:`cluster_stats` counts what happened.
 
     Args:
         n_hosts: How many host actors to start (>= 1), or ``"auto"``: one per GPU in the cluster
@@ -70,12 +80,24 @@ class RayExecutor(WaterwaveExecutor):
         num_cpus_per_host: CPUs each host actor reserves (> 0); its trials' threads share them.
         host_resources: Extra Ray custom resources each host actor reserves, e.g.
             ``{"accelerator_type:A100": 0.001}`` to pick a GPU type.
+        max_devices: The most host actors alive at once (>= ``n_hosts``), and, while every
+            host is full, how many Ray's autoscaler is asked to make room for
+            (``ray.autoscaler.sdk.request_resources`` with one bundle per host: its
+            ``num_gpus_per_host``, ``num_cpus_per_host`` and ``host_resources``; withdrawn when
+            :meth:`optimize` returns). ``None``: no autoscaler request; ``n_hosts`` caps the
+            hosts when it is an int, else every GPU of the cluster gets one, nodes that join
+            included.
         max_host_retries: How many times one set of parameters is re-queued after its host was
             lost (>= 0).
-        startup_timeout_s: Seconds to wait for all host actors to be placed and open the study
-            (> 0).
+        startup_timeout_s: Seconds a host actor may take to be placed and open the study
+            (> 0); the study starts once every first host is up or failed, or this long.
         on_oom, max_oom_retries, memory_budget_bytes, policy, memory_pool,
             max_trials_per_device: As for :class:`WaterwaveExecutor`, applied on every host.
+
+    Attributes:
+        devices: Always empty: the driver runs no trial; each host actor resolves its own
+            device where Ray placed it (see :attr:`cluster_stats` and the trials'
+            ``waterwave:host``).
 
     Raises:
         ImportError: If Ray is not installed (the message says how to install it).
@@ -100,6 +122,7 @@ class RayExecutor(WaterwaveExecutor):
         num_gpus_per_host: int = 1,
         num_cpus_per_host: float = 1.0,
         host_resources: Mapping[str, float] | None = None,
+        max_devices: int | None = None,
         max_host_retries: int = 2,
         startup_timeout_s: float = 120.0,
         on_oom: OnOOM | str = OnOOM.RETRY,
@@ -110,10 +133,10 @@ class RayExecutor(WaterwaveExecutor):
         max_trials_per_device: int = 16,
     ) -> None:
         import_ray()
-        # The driver's devices do not matter: each host resolves its own ("auto") in its actor.
-        super().__init__(
-            devices="cpu",
-            trials_per_device=trials_per_device,
+        # Not WaterwaveExecutor.__init__: the driver resolves no device; each host actor
+        # resolves its own ("auto") where Ray placed it.
+        self._init_trial_settings(
+            trials_per_device,
             on_oom=on_oom,
             max_oom_retries=max_oom_retries,
             memory_budget_bytes=memory_budget_bytes,
@@ -121,7 +144,7 @@ class RayExecutor(WaterwaveExecutor):
             memory_pool=memory_pool,
             max_trials_per_device=max_trials_per_device,
         )
-        self.devices = []
+        self.devices: list[torch.device] = []  # the driver runs no trial (see cluster_stats)
         if n_hosts != "auto":
             if isinstance(n_hosts, str):
                 raise TypeError(f"n_hosts={n_hosts!r} must be an int >= 1 or 'auto'.")
@@ -141,18 +164,34 @@ class RayExecutor(WaterwaveExecutor):
         self.num_gpus_per_host = int(num_gpus_per_host)
         self.num_cpus_per_host = _check_positive_number("num_cpus_per_host", num_cpus_per_host)
         self.host_resources = _check_resources(host_resources)
+        if max_devices is not None:
+            _check_positive_int("max_devices", max_devices, 1)
+            if isinstance(n_hosts, int) and max_devices < n_hosts:
+                raise ValueError(
+                    f"max_devices={max_devices} is below n_hosts={n_hosts}: it caps the hosts "
+                    f"alive at once. Pass max_devices >= {n_hosts}, or None."
+                )
+        self.max_devices = max_devices
         self.max_host_retries = _check_positive_int("max_host_retries", max_host_retries, 0)
         self.startup_timeout_s = _check_positive_number("startup_timeout_s", startup_timeout_s)
         self._server: StorageServer | None = None
-        self._run_state: _ClusterState | None = None
+        self._fleet: HostFleet | None = None
+        self._cluster_stats: ClusterStats | None = None
 
     def __repr__(self) -> str:
         return (
             f"RayExecutor(n_hosts={self.n_hosts!r}, trials_per_device="
             f"{'auto' if self.auto_trials else self.trials_per_device}, "
             f"num_gpus_per_host={self.num_gpus_per_host}, "
-            f"num_cpus_per_host={self.num_cpus_per_host}, on_oom={self.on_oom.value!r})"
+            f"num_cpus_per_host={self.num_cpus_per_host}, max_devices={self.max_devices}, "
+            f"on_oom={self.on_oom.value!r})"
         )
+
+    @property
+    def cluster_stats(self) -> ClusterStats | None:
+        """What happened to the hosts in the most recent :meth:`optimize` call (``None``
+        before the first); see :class:`ClusterStats`."""
+        return self._cluster_stats
 
     def optimize(
         self,
@@ -173,9 +212,11 @@ class RayExecutor(WaterwaveExecutor):
         :func:`waterwave_hpo.current` gives the trial's device and stream.
 
         Raises:
-            RuntimeError: If the host actors cannot be placed within ``startup_timeout_s``
-                (e.g. fewer GPUs than ``n_hosts``), or Ray is not initialized and cannot start.
-            AllHostsLostError: If every host actor died; their trials were told FAIL.
+            RuntimeError: If no host actor starts within ``startup_timeout_s`` (e.g. fewer
+                GPUs than ``n_hosts``, or every node lost), or Ray is not initialized and
+                cannot start.
+            AllHostsLostError: If every host actor died and none could replace them; their
+                trials were told FAIL.
             TypeError, ValueError, Exception, KeyboardInterrupt: As
                 :meth:`WaterwaveExecutor.optimize`.
         """
@@ -189,9 +230,8 @@ class RayExecutor(WaterwaveExecutor):
             ray.init()
         n_hosts = self._resolve_n_hosts(ray)
         # One driver thread per trial that may call the storage at once, within reason.
-        threads = min(64, max(8, n_hosts * self.trials_per_device))
+        threads = min(64, max(8, max(n_hosts, self.max_devices or 0) * self.trials_per_device))
         self._server = StorageServer(study, max_workers=threads)
-        self._run_state = _ClusterState(n_hosts)
         try:
             super().optimize(
                 study,
@@ -204,13 +244,22 @@ class RayExecutor(WaterwaveExecutor):
                 show_progress_bar=show_progress_bar,
             )
         finally:
+            fleet, self._fleet = self._fleet, None
+            if fleet is not None:
+                fleet.stop()
+                self._cluster_stats = ClusterStats(
+                    hosts_started=len(fleet.hosts),
+                    hosts_lost=fleet.n_lost,
+                    nodes_lost=len(fleet.nodes_lost),
+                    nodes_joined=len(fleet.nodes_joined),
+                    autoscaler_requests=fleet.n_autoscaler_requests,
+                )
             self._server.stop()
             self._server = None
-        state, self._run_state = self._run_state, None
-        if state.all_lost:
+        if fleet is not None and fleet.all_lost:
             raise AllHostsLostError(
-                f"All {n_hosts} device host(s) were lost during the search (last: "
-                f"{state.last_error!r}); their running trials were told FAIL. Check the Ray "
+                f"All {len(fleet.hosts)} device host(s) were lost during the search (last: "
+                f"{fleet.last_error!r}); their running trials were told FAIL. Check the Ray "
                 "logs of the host actors, and that the cluster still has the resources they "
                 "need."
             )
@@ -236,10 +285,9 @@ class RayExecutor(WaterwaveExecutor):
             )
         return n_hosts
 
-    def _make_hosts(self, settings: RunSettings) -> list[DeviceHost]:
+    def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
         ray = import_ray()
-        assert self._server is not None and self._run_state is not None
-        state = self._run_state
+        assert self._server is not None
         study = settings.study
         spec = HostSpec(
             storage=self._server.channel,
@@ -257,69 +305,64 @@ class RayExecutor(WaterwaveExecutor):
             memory_budget_bytes=self.memory_budget_bytes,
             policy=self.policy,
         )
-        actor_class = ray.remote(HostActor).options(
-            num_gpus=self.num_gpus_per_host,
-            num_cpus=self.num_cpus_per_host,
-            resources=dict(self.host_resources) or None,
-            max_restarts=0,
-            max_concurrency=_ACTOR_CONCURRENCY,
-            scheduling_strategy="SPREAD",
-        )
-        actors = [actor_class.remote(spec) for _ in range(state.n_hosts)]
-        try:
-            infos = ray.get([a.info.remote() for a in actors], timeout=self.startup_timeout_s)
-        except BaseException as error:
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
-            if isinstance(error, ray.exceptions.GetTimeoutError):
-                raise RuntimeError(
-                    f"{state.n_hosts} host actor(s) with num_gpus={self.num_gpus_per_host}, "
-                    f"num_cpus={self.num_cpus_per_host}, resources={self.host_resources} could "
-                    f"not all start within startup_timeout_s={self.startup_timeout_s}. The "
-                    f"cluster has {ray.available_resources()} available; lower n_hosts or "
-                    "num_cpus_per_host, or raise startup_timeout_s."
-                ) from None
-            raise
-        hosts = [
-            RemoteHost(
+        actor_options = {
+            "num_gpus": self.num_gpus_per_host,
+            "num_cpus": self.num_cpus_per_host,
+            "resources": dict(self.host_resources) or None,
+            "max_restarts": 0,
+            "max_concurrency": _ACTOR_CONCURRENCY,
+        }
+
+        def make_host(
+            actor: Any, info: HostInfo, on_lost: Callable[[RemoteHost, BaseException], None]
+        ) -> RemoteHost:
+            return RemoteHost(
                 actor,
                 info,
                 self.trials_per_device,
                 self.auto_trials,
                 settings,
                 self.max_host_retries,
-                on_lost=state.host_lost,
+                on_lost=on_lost,
             )
-            for actor, info in zip(actors, infos, strict=True)
-        ]
-        state.study = study
-        _logger.info("Device hosts: %s", ", ".join(info.label for info in infos))
-        # RemoteHost is duck-typed to DeviceHost for the executor's loop.
-        return cast("list[DeviceHost]", hosts)
+
+        self._fleet = HostFleet(
+            ray=ray,
+            actor_class=ray.remote(HostActor),
+            actor_options=actor_options,
+            spec=spec,
+            make_host=make_host,
+            study=study,
+            n_hosts=None if self.n_hosts == "auto" else int(self.n_hosts),
+            num_gpus_per_host=self.num_gpus_per_host,
+            host_resources=self.host_resources,
+            num_cpus_per_host=self.num_cpus_per_host,
+            max_devices=self.max_devices,
+            startup_timeout_s=self.startup_timeout_s,
+        )
+        # The loop reads this list on every turn; the fleet appends hosts that join.
+        return self._fleet.start()
 
 
-class _ClusterState:
-    """Which hosts of one ``optimize`` call are lost; stops the loop when all are."""
+@dataclass(frozen=True)
+class ClusterStats:
+    """What happened to the host actors of one :meth:`RayExecutor.optimize` call.
 
-    def __init__(self, n_hosts: int) -> None:
-        self.n_hosts = n_hosts
-        self.n_lost = 0
-        self.last_error: BaseException | None = None
-        self.study: optuna.Study | None = None
-        self._lock = threading.Lock()
+    Attributes:
+        hosts_started: Host actors that came up (at start, late, or on nodes that joined).
+        hosts_lost: Host actors that died during the search (their trials told FAIL and, up
+            to ``max_host_retries`` times, re-queued).
+        nodes_lost: Nodes that left the cluster during the search.
+        nodes_joined: Nodes that joined the cluster during the search.
+        autoscaler_requests: Times Ray's autoscaler was asked for more devices
+            (``max_devices``).
+    """
 
-    @property
-    def all_lost(self) -> bool:
-        return self.n_lost >= self.n_hosts
-
-    def host_lost(self, host: RemoteHost, error: BaseException) -> None:
-        with self._lock:
-            self.n_lost += 1
-            self.last_error = error
-            if self.all_lost and self.study is not None:
-                # Nothing can run any more: stop asking (the flag _optuna_compat reads).
-                self.study._stop_flag = True
+    hosts_started: int
+    hosts_lost: int
+    nodes_lost: int
+    nodes_joined: int
+    autoscaler_requests: int
 
 
 def _check_positive_number(name: str, value: object) -> float:

@@ -28,6 +28,7 @@ from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.scheduler import PipelineScheduler
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.1
@@ -56,7 +57,8 @@ class RemoteSlot:
 
 
 class RemoteHost:
-    """A host actor, behaving like a ``DeviceHost`` for the executor's thread.
+    """A host actor, driven by the executor's thread through the
+    :class:`~waterwave_hpo.executor._host_protocol.Host` interface (as a ``DeviceHost`` is).
 
     Args:
         actor: The started :class:`~waterwave_hpo.cluster._actor.HostActor` handle.
@@ -82,14 +84,15 @@ class RemoteHost:
     ) -> None:
         self.actor = actor
         self.info = info
-        self.device = info.label
-        self.scheduler = None
+        self.device: str = info.label
+        self.scheduler: PipelineScheduler | None = None  # the actor's own; none in the driver
         self.memory = _NoMemory()
         self.settings = settings
         self.admit_by_memory = admit_by_memory
         self.max_host_retries = max_host_retries
         self.slots = [RemoteSlot(self, index) for index in range(n_slots)]
         self.lost = False
+        self._shut_down = False
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self._has_room = True
@@ -141,9 +144,14 @@ class RemoteHost:
         return [(slot, slot.job) for slot in self.slots if slot.job is not None]
 
     def shutdown(self, timeout_s: float) -> None:
-        """Stop the poller and the actor; kill the actor (its GPU goes back to Ray)."""
+        """Stop the poller and the actor; kill the actor (its GPU goes back to Ray).
+        Idempotent."""
         import ray
 
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
         self._stop.set()
         if not self.lost:
             with contextlib.suppress(Exception):

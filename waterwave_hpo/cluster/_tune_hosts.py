@@ -6,10 +6,14 @@ Imports Ray Tune; see :func:`waterwave_hpo.tune_hosts` for the user-facing entry
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 import contextlib
 import functools
+import logging
 import shutil
+import threading
+import time
 from typing import Any
 import uuid
 
@@ -22,8 +26,16 @@ from waterwave_hpo.cluster._hosted import HostStats
 from waterwave_hpo.cluster._hosted import pack_directory
 from waterwave_hpo.cluster._hosted import unpack_directory
 from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._nodes import NodeView
+from waterwave_hpo.cluster._nodes import alive_nodes
+from waterwave_hpo.cluster._nodes import describe_error
+from waterwave_hpo.cluster._nodes import interleave
 
 _POLL_S = 1.0
+_WATCH_S = 1.0
+_LOAD_WAIT_S = 1.0
+_LOAD_TIMEOUT_S = 30.0
+_logger = logging.getLogger("waterwave_hpo")
 
 
 class HostedTrialError(RuntimeError):
@@ -96,11 +108,22 @@ class TuneHosts:
     whose Tune process dies is stopped after ``heartbeat_ttl_s``. A failing function fails its
     own Tune trial (:class:`HostedTrialError`), never its neighbours.
 
+    The hosts follow the cluster: each is placed on its node (one per GPU), a host that does
+    not start is a warning naming its node (an error only when none starts), a GPU node that
+    joins while the ``with`` block runs gets hosts (all its GPUs with ``n_hosts=None``, else
+    while fewer than ``n_hosts`` are alive), and a trial picks the least loaded host that
+    answers when it starts, so it never waits on a node that is gone. A trial whose host is
+    lost fails with :class:`HostedTrialError` saying so; with
+    ``tune.FailureConfig(max_failures=...)`` Tune runs it again in another host, from its last
+    checkpoint. Hosts that join add room, but ``max_concurrent_trials`` stays what was passed
+    to Tune: pass a larger value to let Tune start more trials when nodes join.
+
     Attributes:
         trials_per_gpu: Trials each host runs at once (the cap with ``auto``).
         auto: Whether hosts admit by measured memory, as ``trials_per_device="auto"``.
         cpus_per_trial: CPUs each Tune trial reserves for the work its function does in a host.
-        n_hosts: Host actors (GPUs in the cluster when entered; ``None`` before).
+        n_hosts: Host actors that started when entered (one per GPU of the alive nodes, or
+            the ``n_hosts`` asked for, less those that failed to start); ``None`` before.
     """
 
     def __init__(
@@ -117,8 +140,15 @@ class TuneHosts:
         self._host_settings = host_settings
         self._wanted_hosts = n_hosts
         self.n_hosts: int | None = None
-        self._names: list[str] = []
-        self._actors: list[Any] = []
+        self._prefix = ""
+        self._actors: dict[str, Any] = {}  # name -> handle, every host started (alive or not)
+        self._placed: dict[str, str] = {}  # name -> the node id it was placed on
+        self._lost: set[str] = set()
+        self._used: Counter[str] = Counter()  # node id -> hosts started there
+        self._initial_nodes: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def resources(self) -> PlacementGroupFactory:
@@ -145,46 +175,129 @@ class TuneHosts:
         ray = import_ray()
         if not ray.is_initialized():
             ray.init()
-        n = self._wanted_hosts
-        if n is None:
-            n = int(ray.cluster_resources().get("GPU", 0))
-        if n < 1:
+        nodes = alive_nodes(ray)
+        self._initial_nodes = {node.node_id for node in nodes}
+        places = interleave([[node] * _gpus(node) for node in nodes])
+        if self._wanted_hosts is not None:
+            if self._wanted_hosts > len(places):
+                raise RuntimeError(
+                    f"tune_hosts(n_hosts={self._wanted_hosts}) needs {self._wanted_hosts} "
+                    f"GPU(s), but the Ray cluster's alive nodes have {len(places)}. Pass "
+                    f"n_hosts <= {len(places)} or None."
+                )
+            places = places[: self._wanted_hosts]
+        if not places:
             raise RuntimeError(
                 "tune_hosts() found no GPU in the Ray cluster (ray.cluster_resources() has no "
                 "'GPU'); start Ray on a machine with GPUs, or declare them with "
                 "ray.init(num_gpus=N), or pass n_hosts=N."
             )
-        run = uuid.uuid4().hex[:8]
-        actor_class = ray.remote(_HostActor)
-        self._names = [f"waterwave-tune-host/{run}/{i}" for i in range(n)]
-        self._actors = [
-            actor_class.options(
-                name=name,
-                namespace=NAMESPACE,
-                num_gpus=1,
-                num_cpus=0,
-                max_concurrency=4 * self.trials_per_gpu + 16,
-            ).remote(self._host_settings)
-            for name in self._names
-        ]
-        ray.get([actor.load.remote() for actor in self._actors])  # started, or raise here
-        self.n_hosts = n
+        self._prefix = f"waterwave-tune-host/{uuid.uuid4().hex[:8]}/"
+        self._stop.clear()
+        started = [self._start_host(node) for node in places]
+        failures = []
+        for name, node in zip(started, places, strict=True):
+            try:
+                ray.get(self._actors[name].load.remote())  # started, or raise here
+            except Exception as error:
+                self._lost.add(name)
+                failures.append(f"{node.label}: {describe_error(error)}")
+                _logger.warning(
+                    "The trial host on %s did not start: %s", node.label, describe_error(error)
+                )
+        if len(self._lost) == len(started):
+            self._kill_all()
+            raise RuntimeError(
+                "No waterwave-hpo trial host started: " + "; ".join(failures) + ". Check that "
+                "the GPU nodes are alive (ray.nodes())."
+            )
+        self.n_hosts = len(started) - len(self._lost)
+        self._watcher = threading.Thread(
+            target=self._watch_loop, name="waterwave-tune-hosts", daemon=True
+        )
+        self._watcher.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        ray = import_ray()
-        for actor in self._actors:
-            with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=10)
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
-        self._actors = []
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
+            self._watcher = None
+        self._kill_all()
         self.n_hosts = None
 
-    def stats(self) -> list[HostStats]:
-        """Each host's trials now (running, waiting, the most that ran at once)."""
+    def _kill_all(self) -> None:
         ray = import_ray()
-        return list(ray.get([actor.stats.remote() for actor in self._actors]))
+        with self._lock:
+            actors, self._actors = dict(self._actors), {}
+            self._placed.clear()
+        for name, actor in actors.items():
+            if name not in self._lost:
+                with contextlib.suppress(Exception):
+                    ray.get(actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    def _start_host(self, node: NodeView) -> str:
+        """Start a host on ``node`` (hard affinity, so that it never waits for another)."""
+        ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            name = f"{self._prefix}{len(self._actors)}"
+            self._actors[name] = (
+                ray.remote(_HostActor)
+                .options(
+                    name=name,
+                    namespace=NAMESPACE,
+                    num_gpus=1,
+                    num_cpus=0,
+                    max_concurrency=4 * self.trials_per_gpu + 16,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                )
+                .remote(self._host_settings)
+            )
+            self._placed[name] = node.node_id
+            self._used[node.node_id] += 1
+        return name
+
+    def _watch_loop(self) -> None:
+        """Forget hosts whose node left; start hosts on GPU nodes that joined (all their GPUs
+        with ``n_hosts=None``, else while fewer than ``n_hosts`` hosts are alive)."""
+        while not self._stop.wait(_WATCH_S):
+            with contextlib.suppress(Exception):  # a GCS hiccup: try again on the next turn
+                self._watch_once()
+
+    def _watch_once(self) -> None:
+        ray = import_ray()
+        nodes = alive_nodes(ray)
+        alive = {node.node_id for node in nodes}
+        with self._lock:
+            for name, node_id in self._placed.items():
+                if node_id not in alive and name not in self._lost:
+                    self._lost.add(name)
+                    _logger.warning("The trial host %s was lost with its node %s.", name, node_id)
+            n_alive = len(self._actors) - len(self._lost)
+        for node in nodes:
+            if node.node_id in self._initial_nodes:
+                continue
+            while _gpus(node) > self._used[node.node_id] and (
+                self._wanted_hosts is None or n_alive < self._wanted_hosts
+            ):
+                _logger.info("Starting a trial host on %s, which joined.", node.label)
+                self._start_host(node)
+                n_alive += 1
+
+    def stats(self) -> list[HostStats]:
+        """Each alive host's trials now (running, waiting, the most that ran at once)."""
+        ray = import_ray()
+        with self._lock:
+            actors = [a for name, a in self._actors.items() if name not in self._lost]
+        stats = []
+        for actor in actors:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                stats.append(ray.get(actor.stats.remote()))
+        return stats
 
     def wrap(self, trainable: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
         """A function trainable that runs ``trainable(config)`` in a host.
@@ -198,28 +311,33 @@ class TuneHosts:
                 f"wrap() takes a function trainable, got {trainable!r}; class trainables cannot "
                 "be hosted (use shared_gpu() for them)."
             )
-        if not self._names:
+        if self.n_hosts is None:
             raise RuntimeError(
                 "wrap() needs started hosts: call it inside `with ww.tune_hosts(...) as hosts:`."
             )
-        names = list(self._names)
+        prefix = self._prefix
 
         @functools.wraps(trainable)
         def hosted(config: dict[str, Any]) -> None:
-            _run_in_host(names, trainable, config)
+            _run_in_host(prefix, trainable, config)
 
         return hosted
 
 
-def _run_in_host(
-    names: list[str], fn: Callable[[dict[str, Any]], Any], config: dict[str, Any]
-) -> None:
-    """The Tune trial's side: start ``fn`` in the least loaded host and replay its events."""
+def _run_in_host(prefix: str, fn: Callable[[dict[str, Any]], Any], config: dict[str, Any]) -> None:
+    """The Tune trial's side: start ``fn`` in the least loaded alive host and replay its events.
+
+    Hosts are found by name (``prefix`` + index) when the trial starts, so that hosts started
+    on nodes that joined are used and hosts lost with their node are skipped.
+
+    Raises:
+        HostedTrialError: If ``fn`` failed in its host, its host was lost (Tune runs the trial
+            again, from its last checkpoint, under ``tune.FailureConfig(max_failures=...)``), or
+            no host is alive.
+    """
     import ray
 
-    hosts = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
-    loads = ray.get([host.load.remote() for host in hosts])
-    host = hosts[min(range(len(hosts)), key=lambda i: loads[i])]
+    host, where = _least_loaded_host(prefix)
     # Unique per run of the function: Tune may reuse a trial's process, or run a trial again.
     key = f"{tune.get_context().get_trial_id()}/{uuid.uuid4().hex[:12]}"
     checkpoint = tune.get_checkpoint()
@@ -227,9 +345,9 @@ def _run_in_host(
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             packed = pack_directory(directory)
-    ray.get(host.start.remote(key, fn, config, packed))
     finished = False
     try:
+        ray.get(host.start.remote(key, fn, config, packed))
         while not finished:
             for event in ray.get(host.poll.remote(key, _POLL_S)):
                 if event.kind == "result":
@@ -241,10 +359,55 @@ def _run_in_host(
                         f"The trial's function failed in its waterwave-hpo host:\n{event.error}",
                         out_of_memory=event.out_of_memory,
                     )
+    except ray.exceptions.RayActorError as error:
+        finished = True  # nothing to stop: the host is gone
+        raise HostedTrialError(
+            f"The trial's waterwave-hpo host {where} was lost ({describe_error(error)}). Set "
+            "tune.FailureConfig(max_failures=...) to run the trial again, from its last "
+            "checkpoint, in another host."
+        ) from None
     finally:
         if not finished:  # Tune stopped this trial (report raised SystemExit) or it failed here
             with contextlib.suppress(Exception):
                 host.stop.remote(key)
+
+
+def _least_loaded_host(prefix: str) -> tuple[Any, str]:
+    """The alive host of this run with the fewest trials, and its name.
+
+    Raises:
+        HostedTrialError: If no host of this run answers.
+    """
+    import ray
+
+    names = sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
+    )
+    asked: dict[Any, tuple[str, Any]] = {}  # the load() ref -> (name, handle)
+    for name in names:
+        with contextlib.suppress(ValueError):  # its name is gone: the host died
+            host = ray.get_actor(name, namespace=NAMESPACE)
+            asked[host.load.remote()] = (name, host)
+    # The hosts that answer within _LOAD_WAIT_S; a host still starting, or on a node that is
+    # gone, is not waited on, unless none answers (then up to _LOAD_TIMEOUT_S for the first).
+    candidates: list[tuple[int, str, Any]] = []
+    deadline = time.monotonic() + _LOAD_TIMEOUT_S
+    waiting = list(asked)
+    while waiting and not candidates and time.monotonic() < deadline:
+        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=_LOAD_WAIT_S)
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                candidates.append((ray.get(ref), *asked[ref]))
+    if not candidates:
+        raise HostedTrialError(
+            f"No waterwave-hpo trial host of this run is alive ({len(names)} named "
+            f"{prefix}*, none answering). Their GPU nodes may have left the cluster; run the "
+            "trials again when GPU nodes are back."
+        )
+    _, name, host = min(candidates, key=lambda candidate: candidate[0])
+    return host, name
 
 
 def _report(event: HostedEvent) -> None:
@@ -257,3 +420,7 @@ def _report(event: HostedEvent) -> None:
         tune.report(event.metrics, checkpoint=tune.Checkpoint.from_directory(directory))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _gpus(node: NodeView) -> int:
+    return int(node.resources.get("GPU", 0.0))

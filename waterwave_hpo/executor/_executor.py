@@ -27,6 +27,7 @@ from waterwave_hpo.executor._devices import DeviceSpec
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import make_device_memory
@@ -121,6 +122,34 @@ class WaterwaveExecutor:
         max_trials_per_device: int = 16,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
+        self._init_trial_settings(
+            trials_per_device,
+            on_oom=on_oom,
+            max_oom_retries=max_oom_retries,
+            memory_budget_bytes=memory_budget_bytes,
+            policy=policy,
+            memory_pool=memory_pool,
+            max_trials_per_device=max_trials_per_device,
+        )
+
+    def _init_trial_settings(
+        self,
+        trials_per_device: int | str,
+        *,
+        on_oom: OnOOM | str,
+        max_oom_retries: int,
+        memory_budget_bytes: int | None,
+        policy: str | PolicyName | Policy,
+        memory_pool: MemoryPoolMode | str,
+        max_trials_per_device: int,
+    ) -> None:
+        """Check and keep the settings every host applies (all but the devices, which a
+        subclass with remote hosts does not resolve here); the arguments are ``__init__``'s.
+
+        Raises:
+            TypeError: For an argument of the wrong type.
+            ValueError: For an argument out of range.
+        """
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )
@@ -153,9 +182,11 @@ class WaterwaveExecutor:
                 f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'."
             ) from None
 
-    def _make_hosts(self, settings: RunSettings) -> list[DeviceHost]:
-        """The device hosts of one ``optimize`` call (a subclass may return remote hosts that
-        behave like :class:`DeviceHost`, e.g. :class:`waterwave_hpo.cluster.RayExecutor`)."""
+    def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
+        """The device hosts of one ``optimize`` call (a subclass may return other
+        :class:`Host` implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote
+        hosts). The loop reads the returned list on every turn, so a subclass may append hosts
+        to it later from another thread (a host that joins mid-study)."""
         return [
             DeviceHost(
                 device,
@@ -280,9 +311,9 @@ class WaterwaveExecutor:
         }
         self._schedulers = executor_schedulers
         self._memories = {
-            str(host.device): host.memory
+            str(host.device): memory
             for host in run.hosts
-            if isinstance(getattr(host, "memory", None), DeviceMemory)
+            if isinstance(memory := host.memory, DeviceMemory)
         }
         run.execute()
 
@@ -430,7 +461,7 @@ class _OptimizeRun:
         self.retries.remove(request)
         return False
 
-    def _host_for(self, max_running: int | None) -> DeviceHost | None:
+    def _host_for(self, max_running: int | None) -> Host[Any] | None:
         # The host with the most room: fewest running trials among those with an idle slot.
         candidates = [
             host
