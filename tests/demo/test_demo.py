@@ -77,18 +77,25 @@ def test_demo_writes_every_file_and_resumes_adding_only_missing_trials(tmp_path:
     assert all(t.state.is_finished() for t in study.trials)
 
 
-def test_resume_fails_trials_a_killed_run_left_running(tmp_path: Path) -> None:
+def test_resume_fails_an_orphaned_running_trial_and_runs_its_params_again_uncounted(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "run"
     run_demo(_config(out, trials=2))
     storage = JournalStorage(JournalFileBackend(str(out / "study.log")))
     study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
-    study.ask()  # a trial a killed process never finished
+    orphan = study.ask()  # a trial whose process was killed before the objective started
+    orphan.suggest_int("n_conv", 1, 3)
     summary = run_demo(_config(out, trials=4)).summary
-    assert summary["n_trials"] == 4
-    study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
-    stale = study.trials[2]
-    assert stale.state is optuna.trial.TrialState.FAIL
-    assert "stale" in stale.user_attrs["waterwave:fail_reason"]
+    assert summary["n_trials"] == 4  # the orphan does not count; its re-run does
+    assert summary["n_interrupted"] == 1
+    trials = optuna.load_study(study_name=STUDY_NAME, storage=storage).trials
+    assert trials[2].state is optuna.trial.TrialState.FAIL
+    assert trials[2].user_attrs["waterwave:fail_reason"].startswith("interrupted: ")
+    (rerun,) = [t for t in trials if t.system_attrs.get("waterwave:rerun_of") == 2]
+    assert rerun.state.is_finished() and rerun.params["n_conv"] == orphan.params["n_conv"]
+    assert len(trials) == 5
+    assert not any(t.state is optuna.trial.TrialState.RUNNING for t in trials)
 
 
 def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
