@@ -228,13 +228,15 @@ class _OwnedObjective:
         self._me = me
         self._lock = threading.Lock()
         self.failed_by_itself: set[int] = set()
-        """Trials whose objective raised (not pruned) or returned no finite float."""
+        """Trials whose objective raised (its own error) or returned no finite float."""
 
     def __call__(self, trial: optuna.trial.Trial) -> float:
         record_owner(trial, self._me)
         try:
             value = self._objective(trial)
-        except optuna.TrialPruned:
+        except (optuna.TrialPruned, UpdateFinishedTrialError):
+            # Pruned; or finished by someone else (the executor on Ctrl+C, before it stops this
+            # thread; a neighbour process): not a failure of the trial's own.
             raise
         except Exception:
             with self._lock:
