@@ -208,8 +208,12 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as error:  # JournalDamagedError names the file, the line and the fix
         print(f"waterwave-hpo demo: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before any trial started: nothing to write
-        print("waterwave-hpo demo: interrupted before any trial started.", file=sys.stderr)
+    except KeyboardInterrupt:  # outside the trials (opening the study, writing the files)
+        print(
+            "waterwave-hpo demo: interrupted outside the trials; run the same command again to "
+            "resume.",
+            file=sys.stderr,
+        )
         return 130
     s = result.summary
     print(

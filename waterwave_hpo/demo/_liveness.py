@@ -180,10 +180,14 @@ def requeue(study: optuna.Study, trial: FrozenTrial) -> None:
     This is what ``Study.enqueue_trial`` does (a WAITING trial with ``fixed_params``), with the
     mark in the system attributes instead of the user's.
     """
+    # A trial that was itself a re-run may have been killed before suggesting all its fixed
+    # parameters: keep them all.
+    fixed = trial.system_attrs.get("fixed_params")
+    params = {**(fixed if isinstance(fixed, dict) else {}), **trial.params}
     study.add_trial(
         optuna.trial.create_trial(
             state=TrialState.WAITING,
-            system_attrs={"fixed_params": dict(trial.params), ATTR_RERUN_OF: trial.number},
+            system_attrs={"fixed_params": params, ATTR_RERUN_OF: trial.number},
         )
     )
 

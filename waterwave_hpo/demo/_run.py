@@ -195,7 +195,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
             )
         except KeyboardInterrupt:
             interrupted = True
-            _requeue_interrupted(study, objective, me)
+            _requeue_interrupted(study, objective, me, numbers_before)
         wall_time_s = time.perf_counter() - started
 
     trials = study.get_trials(deepcopy=False)
@@ -260,16 +260,21 @@ def _invalid_value_reason(value: object) -> str | None:
 
 
 def _requeue_interrupted(
-    study: optuna.Study, objective: _OwnedObjective, me: ProcessIdentity
+    study: optuna.Study,
+    objective: _OwnedObjective,
+    me: ProcessIdentity,
+    numbers_before: set[int],
 ) -> None:
-    # The executor told every running trial FAIL; queue their parameters again. A trial that
-    # failed by itself stays a counted FAIL.
+    # The executor told every running trial FAIL (also one asked but not yet in the objective,
+    # which names no owner); queue their parameters again. A trial that failed by itself stays a
+    # counted FAIL.
     trials = study.get_trials(deepcopy=False)
     has_rerun = {n for n in map(rerun_of, trials) if n is not None}
     for trial in trials:
+        owner = owner_of(trial)
         if (
             trial.state is TrialState.FAIL
-            and owner_of(trial) == me
+            and (owner == me or (owner is None and trial.number not in numbers_before))
             and trial.number not in objective.failed_by_itself
             and trial.number not in has_rerun
         ):
