@@ -321,6 +321,8 @@ def test_resume_with_other_epochs_is_refused_naming_both_values(
     assert len(_trials(out)) == 1  # no trial added
 
 
+@pytest.mark.filterwarnings("ignore:.*could not be cast to float:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*is not acceptable:UserWarning")
 def test_fail_reason_is_recorded_for_nan_none_and_str_returns(tmp_path: Path) -> None:
     study = optuna.create_study(storage=open_journal(tmp_path / "study.log"))
     returns = iter([float("nan"), None, "high"])

@@ -201,7 +201,8 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
     trials = study.get_trials(deepcopy=False)
     this_run = [t for t in trials if t.number not in numbers_before and t.state.is_finished()]
     table = trials_table(study)
-    table.insert(table.columns.get_loc("retry_of") + 1, "rerun_of", [rerun_of(t) for t in trials])
+    after = list(table.columns).index("retry_of") + 1 if "retry_of" in table else len(table.columns)
+    table.insert(after, "rerun_of", [rerun_of(t) for t in trials])
     table.to_csv(out / "trials.csv", index=False)
     plot_timeline(
         this_run or trials,
