@@ -1,5 +1,7 @@
-"""Open the demo's journal (``study.log``) safely: an absolute path, a lock that names its
-holder, and a check of the file before anything is appended to it."""
+"""Open the demo's journal (``study.log``) by absolute path, under a holder-naming lock, checked.
+
+Nothing is appended to a journal before :func:`check_journal` has read it whole (issue 13 §2).
+"""
 
 from __future__ import annotations
 
