@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+import shlex
 import sys
 
 from waterwave_hpo._version import __version__
@@ -53,13 +54,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DEVICE",
         help="auto | cpu | cuda | cuda:N (default auto: every GPU, else the CPU)",
     )
-    demo.add_argument("--seed", type=int, default=0, metavar="S", help="seed (default 0)")
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seeds the sampler (the same parameters again only with --concurrency 1) and each "
+        "trial's initialization, batch order and dropout from S and the trial number (the same "
+        "training for the same parameters at any concurrency); default 0",
+    )
     demo.add_argument(
         "--out",
         type=Path,
         default=Path("waterwave-demo"),
         metavar="DIR",
-        help="run directory (default ./waterwave-demo); an existing one is resumed",
+        help="run directory (default ./waterwave-demo); an existing one is resumed (with the "
+        "same --epochs and --seed), also after a kill, and may be shared by several demo "
+        "processes at once",
     )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log every trial")
@@ -198,6 +209,7 @@ def _demo(args: argparse.Namespace) -> int:
     import optuna
 
     from waterwave_hpo.demo import DemoConfig
+    from waterwave_hpo.demo import DemoSettingError
     from waterwave_hpo.demo import run_demo
 
     logging.basicConfig(
@@ -222,9 +234,19 @@ def _demo(args: argparse.Namespace) -> int:
     )
     try:
         result = run_demo(config)
-    except ValueError as error:
+    except DemoSettingError as error:
+        print(f"waterwave-hpo demo: error: {error.flag_message}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # JournalDamagedError names the file, the line and the fix
         print(f"waterwave-hpo demo: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the trials (opening the study, writing the files)
+        print(
+            "waterwave-hpo demo: interrupted outside the trials; run the same command again to "
+            "resume.",
+            file=sys.stderr,
+        )
+        return 130
     s = result.summary
     print(
         f"{s['n_trials']} trials ({s['n_complete']} complete, {s['n_pruned']} pruned, "
@@ -235,6 +257,15 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"best: trial {s['best_trial']}, validation accuracy {s['best_value']:.4f}")
         print(f"      {json.dumps(s['best_params'], sort_keys=True)}")
     print(f"wrote {result.out}/: study.log trials.csv summary.json timeline.png")
+    if result.interrupted:
+        print(
+            f"Interrupted: {s['n_trials']} of {args.trials} trials done; the trials that were "
+            "running do not count and run again with their parameters on resume. Resume with:\n"
+            f"  waterwave-hpo demo --trials {args.trials} --epochs {args.epochs} "
+            f"--seed {args.seed} --out {shlex.quote(str(result.out))}",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

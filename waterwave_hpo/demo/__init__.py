@@ -5,18 +5,32 @@
 
 from waterwave_hpo.demo._data import Digits
 from waterwave_hpo.demo._data import load_digits
+from waterwave_hpo.demo._journal import JournalDamagedError
+from waterwave_hpo.demo._journal import check_journal
+from waterwave_hpo.demo._journal import open_journal
+from waterwave_hpo.demo._liveness import LivenessRule
+from waterwave_hpo.demo._lock import HolderNamingJournalFileLock
+from waterwave_hpo.demo._model import SeededDropout
 from waterwave_hpo.demo._model import build_model
 from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.demo._run import DemoConfig
 from waterwave_hpo.demo._run import DemoResult
+from waterwave_hpo.demo._run import DemoSettingError
 from waterwave_hpo.demo._run import run_demo
 
 __all__ = [
     "DemoConfig",
     "DemoResult",
+    "DemoSettingError",
     "Digits",
+    "HolderNamingJournalFileLock",
+    "JournalDamagedError",
+    "LivenessRule",
+    "SeededDropout",
     "build_model",
+    "check_journal",
     "load_digits",
     "make_objective",
+    "open_journal",
     "run_demo",
 ]

@@ -19,9 +19,10 @@ def build_model(trial: optuna.trial.Trial, generator: torch.Generator | None = N
 
     Args:
         trial: The Optuna trial whose ``suggest_*`` calls choose the architecture.
-        generator: Seeds the weight initialization, so that a trial's model does not depend on
-            what co-hosted trials drew from torch's global generator. ``None``: torch's default
-            initialization.
+        generator: Seeds the weight initialization and the dropout masks (a
+            :class:`SeededDropout` seeded from it), so that a trial's training does not depend on
+            what co-hosted trials draw from torch's global generator. ``None``: torch's default
+            initialization and ``nn.Dropout``.
 
     Returns:
         A module mapping ``[B, 1, 8, 8]`` images to ``[B, 10]`` logits, on the CPU.
@@ -47,13 +48,49 @@ def build_model(trial: optuna.trial.Trial, generator: torch.Generator | None = N
         nn.Flatten(),
         nn.Linear(in_channels * size * size, hidden),
         nn.ReLU(),
-        nn.Dropout(dropout),
+        nn.Dropout(dropout) if generator is None else SeededDropout(dropout, generator),
         nn.Linear(hidden, 10),
     ]
     model = nn.Sequential(*layers)
     if generator is not None:
         _init_(model, generator)
     return model
+
+
+class SeededDropout(nn.Module):
+    """``nn.Dropout`` whose masks come from the module's own generator, not torch's global one.
+
+    ``nn.functional.dropout`` takes no generator; co-hosted trials share the global generator, so
+    their masks would depend on each other's timing. The mask generator lives on the input's
+    device (created on first use) and is seeded from ``generator`` when the module is built.
+
+    Args:
+        p: Probability of zeroing an element, in [0, 1).
+        generator: A CPU generator the mask generator's seed is drawn from.
+
+    Raises:
+        ValueError: If ``p`` is not in [0, 1).
+    """
+
+    def __init__(self, p: float, generator: torch.Generator) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"p={p!r} must be in [0, 1).")
+        self.p = p
+        self.seed = int(torch.randint(2**62, (1,), generator=generator).item())
+        self._masks: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero each element of ``x`` (any shape) with probability ``p`` in training mode."""
+        if not self.training or self.p == 0.0:
+            return x
+        if self._masks is None or self._masks.device != x.device:
+            self._masks = torch.Generator(device=x.device).manual_seed(self.seed)
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self._masks)
+        return x * keep / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, seed={self.seed}"
 
 
 def _init_(model: nn.Module, generator: torch.Generator) -> None:

@@ -19,9 +19,11 @@ def make_objective(data: Digits, epochs: int, seed: int) -> Callable[[optuna.tri
 
     The objective runs on the device :func:`waterwave_hpo.current` gives it (the CPU when it is
     called outside the executor), reports accuracy after every epoch and raises
-    ``optuna.TrialPruned`` when the study's pruner says so. Initialization and the order of
-    training batches are seeded from ``seed`` and the trial number; dropout draws from torch's
-    global generator, so runs with co-hosted trials are not bit-for-bit repeatable.
+    ``optuna.TrialPruned`` when the study's pruner says so. The trial's torch generator is seeded
+    from ``seed`` and the trial number; it draws the initialization, the order of training
+    batches and the dropout masks, so a trial's training, given its parameters, does not depend
+    on its co-hosted neighbours: the same seed, trial number and parameters give the same
+    accuracy (on one machine, with the same number of intra-op threads).
 
     Args:
         data: The digits, on the CPU (copied to the trial's device once per trial).

@@ -2,36 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
 import json
+import logging
+import math
 import os
 from pathlib import Path
 import platform
+import re
 import sys
+import tempfile
+import threading
 import time
 from typing import Any
 
 import optuna
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 import torch
 
-from waterwave_hpo import _optuna_compat
 from waterwave_hpo._version import __version__
 from waterwave_hpo.demo._data import load_digits
+from waterwave_hpo.demo._journal import open_journal
+from waterwave_hpo.demo._liveness import Heartbeat
+from waterwave_hpo.demo._liveness import LivenessRule
+from waterwave_hpo.demo._liveness import counted_trials
+from waterwave_hpo.demo._liveness import owner_of
+from waterwave_hpo.demo._liveness import record_owner
+from waterwave_hpo.demo._liveness import requeue
+from waterwave_hpo.demo._liveness import requeue_and_fail
+from waterwave_hpo.demo._liveness import rerun_of
+from waterwave_hpo.demo._liveness import stale_trials
 from waterwave_hpo.demo._objective import make_objective
+from waterwave_hpo.demo._process import ProcessIdentity
+from waterwave_hpo.demo._process import this_process
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.report import max_concurrent_trials
 from waterwave_hpo.report import plot_timeline
 from waterwave_hpo.report import trials_table
 
 STUDY_NAME = "waterwave-demo"
+ATTR_SETTINGS = "waterwave:demo_settings"
+"""Study system attribute: the settings that change the objective, checked on resume."""
+_OBJECTIVE_SETTINGS = ("epochs", "seed")
+
+_logger = logging.getLogger("waterwave_hpo.demo")
 
 
 @dataclass(frozen=True)
@@ -44,7 +64,10 @@ class DemoConfig:
         concurrency: Trials run at once on each device (``trials_per_device``).
         epochs: Training epochs per trial.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-        seed: Seeds the sampler, each trial's initialization and its batch order.
+        seed: Seeds the sampler (repeatable parameters with ``concurrency=1``; with more, which
+            trial sees which finished neighbours depends on timing) and each trial's torch
+            generator, from the seed and the trial number (repeatable training given the
+            parameters, at any concurrency).
         out: The run directory.
         show_progress_bar: Show a progress bar on stderr.
     """
@@ -64,57 +87,123 @@ class DemoResult:
 
     out: Path
     summary: dict[str, Any]
+    interrupted: bool = False
+    """Whether Ctrl+C stopped the run (the files hold what finished)."""
 
 
-def run_demo(config: DemoConfig) -> DemoResult:
+class DemoSettingError(ValueError):
+    """A demo setting is wrong; it names the setting, so the CLI can name its flag.
+
+    Attributes:
+        setting: The :class:`DemoConfig` field (``--<setting>`` on the command line).
+        value: The value given.
+        problem: What is wrong and the fix.
+    """
+
+    def __init__(
+        self, setting: str, value: object, problem: str, cli_problem: str | None = None
+    ) -> None:
+        self.setting = setting
+        self.value = value
+        self.problem = problem
+        self.cli_problem = problem if cli_problem is None else cli_problem
+        super().__init__(f"{setting}={value!r}: {problem}")
+
+    @property
+    def flag_message(self) -> str:
+        """The message in the command line's terms, e.g. ``--device cuda:9: ...``."""
+        return f"--{self.setting.replace('_', '-')} {self.value}: {self.cli_problem}"
+
+
+def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoResult:
     """Run the NAS + HPO search on the digits and write the run directory ``config.out``.
 
     Writes ``study.log`` (the study, in Optuna's journal file storage; an existing one is
     resumed), ``trials.csv`` (one row per trial), ``summary.json`` and ``timeline.png``.
 
+    Resuming is safe after any kill and beside other demo processes on the same ``out``:
+    the journal is opened by :func:`open_journal` (absolute path, a lock that names its holder,
+    a cut last line repaired); RUNNING trials whose process is gone (see
+    :mod:`waterwave_hpo.demo._liveness`) are failed and their parameters queued again; they do
+    not count toward ``trials``, their re-runs do. On Ctrl+C the trials that were running are
+    failed by the executor and queued again the same way, the files are written for what
+    finished, and the result says it was interrupted.
+
+    Args:
+        config: The settings.
+        liveness: Heartbeat interval and grace period for trials of other processes
+            (default :class:`LivenessRule`).
+
     Raises:
-        ValueError: If a setting is out of range or names a device that does not exist.
+        DemoSettingError: If a setting is out of range, names a device that does not exist,
+            ``out`` is not a writable directory, or ``epochs``/``seed`` differ from those the
+            study in ``out`` was run with.
+        JournalDamagedError: If ``out/study.log`` is damaged beyond a cut last line.
     """
     for name in ("trials", "concurrency", "epochs"):
         value = getattr(config, name)
         minimum = 0 if name == "trials" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
-    executor = WaterwaveExecutor(devices=config.device, trials_per_device=config.concurrency)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+            raise DemoSettingError(name, value, f"must be an int >= {minimum}.")
+    try:
+        executor = WaterwaveExecutor(devices=config.device, trials_per_device=config.concurrency)
+    except (TypeError, ValueError) as error:
+        raise DemoSettingError(
+            "device", config.device, str(error), _device_flags(str(error))
+        ) from error
+    out = _writable_directory(config.out)
+    rule = liveness or LivenessRule()
 
     if all(device.type == "cpu" for device in executor.devices):
         # Co-hosted trials share the cores; one intra-op pool per trial would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.concurrency))
 
-    storage = JournalStorage(JournalFileBackend(str(out / "study.log")))
     study = create_study(
-        storage=storage,
+        storage=open_journal(out / "study.log", grace_period_s=rule.grace_period_s),
         study_name=STUDY_NAME,
         direction="maximize",
         load_if_exists=True,
         sampler=optuna.samplers.TPESampler(seed=config.seed, constant_liar=True),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
     )
-    _fail_stale_trials(study)
-    done_before = _n_configurations(study)
-    numbers_before = {t.number for t in study.get_trials(deepcopy=False)}
-    to_run = max(0, config.trials - done_before)
-
-    objective = make_objective(load_digits(), epochs=config.epochs, seed=config.seed)
-    started = time.perf_counter()
-    study.optimize(
-        objective,
-        n_trials=to_run,
-        executor=executor,
-        show_progress_bar=config.show_progress_bar,
+    _check_objective_settings(study, config, out)
+    me = this_process()
+    objective = _OwnedObjective(
+        make_objective(load_digits(), epochs=config.epochs, seed=config.seed), me
     )
-    wall_time_s = time.perf_counter() - started
+    interrupted = False
+    with Heartbeat(study, me, rule):
+        for trial, why in stale_trials(study, me, rule):
+            if requeue_and_fail(study, trial, f"interrupted: {why}"):
+                _logger.warning(
+                    "Trial %d was left RUNNING but %s: failed it; its parameters run again.",
+                    trial.number,
+                    why,
+                )
+        numbers_before = {t.number for t in study.get_trials(deepcopy=False)}
+        to_run = max(0, config.trials - len(counted_trials(study.get_trials(deepcopy=False))))
+        started = time.perf_counter()
+        try:
+            study.optimize(
+                objective,
+                n_trials=to_run,
+                executor=executor,
+                # A neighbour process that wrongly failed one of our running trials makes its
+                # report() raise; that trial ends, the others go on.
+                catch=(UpdateFinishedTrialError,),
+                show_progress_bar=config.show_progress_bar,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+            _requeue_interrupted(study, objective, me, numbers_before)
+        wall_time_s = time.perf_counter() - started
 
     trials = study.get_trials(deepcopy=False)
-    this_run = [t for t in trials if t.number not in numbers_before]
-    trials_table(study).to_csv(out / "trials.csv", index=False)
+    this_run = [t for t in trials if t.number not in numbers_before and t.state.is_finished()]
+    table = trials_table(study)
+    after = list(table.columns).index("retry_of") + 1 if "retry_of" in table else len(table.columns)
+    table.insert(after, "rerun_of", [rerun_of(t) for t in trials])
+    table.to_csv(out / "trials.csv", index=False)
     plot_timeline(
         this_run or trials,
         out / "timeline.png",
@@ -124,25 +213,120 @@ def run_demo(config: DemoConfig) -> DemoResult:
         ),
     )
     summary = _summary(study, config, executor, wall_time_s, this_run, to_run)
+    summary["interrupted"] = interrupted
+    summary["out"] = str(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return DemoResult(out=out, summary=summary)
+    return DemoResult(out=out, summary=summary, interrupted=interrupted)
 
 
-def _fail_stale_trials(study: optuna.Study) -> None:
-    # A run killed hard (SIGKILL, power loss) leaves RUNNING trials in the journal; this run
-    # owns the study, so they can only be stale.
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        _optuna_compat.set_user_attr(
-            study, trial, ATTR_FAIL_REASON, "stale: the run that started it never finished it"
+class _OwnedObjective:
+    """The demo's objective, recording its owner first and why a trial failed by itself."""
+
+    def __init__(
+        self, objective: Callable[[optuna.trial.Trial], float], me: ProcessIdentity
+    ) -> None:
+        self._objective = objective
+        self._me = me
+        self._lock = threading.Lock()
+        self.failed_by_itself: set[int] = set()
+        """Trials whose objective raised (its own error) or returned no finite float."""
+
+    def __call__(self, trial: optuna.trial.Trial) -> float:
+        record_owner(trial, self._me)
+        try:
+            value = self._objective(trial)
+        except (optuna.TrialPruned, UpdateFinishedTrialError):
+            # Pruned; or finished by someone else (the executor on Ctrl+C, before it stops this
+            # thread; a neighbour process): not a failure of the trial's own.
+            raise
+        except Exception:
+            with self._lock:
+                self.failed_by_itself.add(trial.number)
+            raise
+        reason = _invalid_value_reason(value)
+        if reason is not None:
+            with self._lock:
+                self.failed_by_itself.add(trial.number)
+            # Optuna fails such a trial when told; keep why where trials.csv reads it.
+            trial.set_user_attr(ATTR_FAIL_REASON, reason)
+        return value
+
+
+def _invalid_value_reason(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"the objective returned {value!r} ({type(value).__name__}), not a float"
+    if not math.isfinite(value):
+        return f"the objective returned {value!r}, not a finite float"
+    return None
+
+
+def _requeue_interrupted(
+    study: optuna.Study,
+    objective: _OwnedObjective,
+    me: ProcessIdentity,
+    numbers_before: set[int],
+) -> None:
+    # The executor told every running trial FAIL (also one asked but not yet in the objective,
+    # which names no owner); queue their parameters again. A trial that failed by itself stays a
+    # counted FAIL.
+    trials = study.get_trials(deepcopy=False)
+    has_rerun = {n for n in map(rerun_of, trials) if n is not None}
+    for trial in trials:
+        owner = owner_of(trial)
+        if (
+            trial.state is TrialState.FAIL
+            and (owner == me or (owner is None and trial.number not in numbers_before))
+            and trial.number not in objective.failed_by_itself
+            and trial.number not in has_rerun
+        ):
+            requeue(study, trial)
+
+
+def _writable_directory(out: Path) -> Path:
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise DemoSettingError(
+            "out", out, "is a file, not a directory. Pass a directory (created if missing)."
         )
-        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise DemoSettingError(
+            "out",
+            out,
+            f"is not a directory the demo can write ({error.strerror or error}). Pass a "
+            "directory you can write to.",
+        ) from error
+    return path
 
 
-def _n_configurations(study: optuna.Study) -> int:
-    # Re-runs after an out-of-memory error repeat a configuration; they do not count.
-    return sum(
-        1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_RETRY_OF) is None
-    )
+def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path) -> None:
+    # Trials trained for other epochs or from another seed are not comparable: refuse to mix.
+    ours = {name: getattr(config, name) for name in _OBJECTIVE_SETTINGS}
+    stored = study._storage.get_study_system_attrs(study._study_id).get(ATTR_SETTINGS)
+    if not isinstance(stored, dict):
+        study._storage.set_study_system_attr(study._study_id, ATTR_SETTINGS, ours)
+        return
+    for name, value in ours.items():
+        if name in stored and stored[name] != value:
+            before = stored[name]
+            problem = (
+                "the study in {out} was run with {before}; trials of both would be compared as "
+                "one search. Resume with {before}, or start a new study in another {new}."
+            )
+            raise DemoSettingError(
+                name,
+                value,
+                problem.format(out=out, before=f"{name}={before!r}", new="out"),
+                problem.format(out=out, before=f"--{name} {before}", new="--out"),
+            )
+
+
+def _device_flags(text: str) -> str:
+    # The executor's messages name its argument (devices='cuda:9'); the CLI's user typed --device.
+    return re.sub(r"devices(?: entry |=)'([^']*)'", r"--device \1", text)
 
 
 def _summary(
@@ -153,7 +337,8 @@ def _summary(
     this_run: list[optuna.trial.FrozenTrial],
     requested: int,
 ) -> dict[str, Any]:
-    trials = study.get_trials(deepcopy=False)
+    all_trials = study.get_trials(deepcopy=False)
+    trials = counted_trials(all_trials)  # toward --trials: not the interrupted, not OOM re-runs
     complete = [t for t in trials if t.state is TrialState.COMPLETE]
     best = max(complete, key=lambda t: t.value) if complete else None  # type: ignore[arg-type,return-value]
     settings = asdict(config)
@@ -163,13 +348,18 @@ def _summary(
         "n_complete": len(complete),
         "n_pruned": sum(1 for t in trials if t.state is TrialState.PRUNED),
         "n_fail": sum(1 for t in trials if t.state is TrialState.FAIL),
-        "n_trials_this_run": len(this_run),
+        "n_running": sum(1 for t in trials if t.state is TrialState.RUNNING),
+        "n_interrupted": sum(1 for t in all_trials if rerun_of(t) is not None),
+        "n_waiting": sum(1 for t in all_trials if t.state is TrialState.WAITING),
+        "n_trials_this_run": len({t.number for t in this_run} & {t.number for t in trials}),
         "n_trials_requested_this_run": requested,
         "best_value": None if best is None else best.value,
         "best_trial": None if best is None else best.number,
         "best_params": None if best is None else best.params,
         "wall_time_s": round(wall_time_s, 3),
-        "max_concurrent_trials": max_concurrent_trials(this_run or trials),
+        "max_concurrent_trials": max_concurrent_trials(
+            this_run or [t for t in trials if t.state.is_finished()]
+        ),
         "device": [str(device) for device in executor.devices],
         "device_name": _device_names(executor),
         "trials_per_device": executor.trials_per_device,
