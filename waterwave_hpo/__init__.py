@@ -4,8 +4,6 @@ Trials are co-hosted in one process, each on its own CUDA stream (Waterwave, IEE
 Computers 72(10), 2023). This module only re-exports the public API.
 """
 
-import logging as _logging
-
 from waterwave_hpo._version import __version__
 from waterwave_hpo.cluster import AllHostsLostError
 from waterwave_hpo.cluster import RayExecutor
@@ -38,8 +36,6 @@ from waterwave_hpo.nodegroup import NodeGroup
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
 from waterwave_hpo.scheduler import PipelineScheduler
-
-_logging.getLogger("waterwave_hpo").addHandler(_logging.NullHandler())
 
 __all__ = [
     "AllHostsLostError",

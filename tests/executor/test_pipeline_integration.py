@@ -142,7 +142,7 @@ def test_a_trial_that_can_never_fit_fails_alone_and_nothing_hangs() -> None:
     thread.join(timeout=60)
     assert finished.is_set(), "optimize() hung"
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
-    assert "budget" in study.trials[0].user_attrs["waterwave:fail_reason"]
+    assert "budget" in study.trials[0].system_attrs["waterwave:fail_reason"]
 
 
 def test_gates_pass_straight_through_without_a_budget_on_the_cpu() -> None:

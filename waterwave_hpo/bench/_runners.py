@@ -423,7 +423,6 @@ def _run_waterwave(
     CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot."""
     from waterwave_hpo.executor import WaterwaveExecutor
     from waterwave_hpo.executor import current
-    from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 
     lock = threading.Lock()
     number_to_index: dict[int, int] = {}
@@ -437,7 +436,7 @@ def _run_waterwave(
     def objective(trial: optuna.trial.Trial) -> float:
         ctx = current()
         with lock:
-            retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
+            retry_of = ctx.retry_of
             index = next(fresh) if retry_of is None else number_to_index[int(retry_of)]
             number_to_index[trial.number] = index
             record = TrialRecord(index=index, attempt=ctx.attempt, slot=ctx.slot)

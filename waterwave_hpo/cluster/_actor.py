@@ -191,7 +191,7 @@ class HostActor:
         Precondition: the driver only submits to a slot whose previous trial it has seen end.
         """
         trial = optuna.trial.Trial(self._study, trial_id)
-        trial.set_user_attr(ATTR_HOST, self._info.label)
+        _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
         with self._lock:
             self._host.submit(self._host.slots[slot], TrialJob(trial, attempt, retry_of))
 

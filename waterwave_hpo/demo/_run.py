@@ -26,6 +26,7 @@ from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.report import max_concurrent_trials
 from waterwave_hpo.report import plot_timeline
@@ -132,17 +133,18 @@ def _fail_stale_trials(study: optuna.Study) -> None:
     # A run killed hard (SIGKILL, power loss) leaves RUNNING trials in the journal; this run
     # owns the study, so they can only be stale.
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        _optuna_compat.set_user_attr(
-            study, trial, ATTR_FAIL_REASON, "stale: the run that started it never finished it"
+        _optuna_compat.set_system_attr(
+            study,
+            _optuna_compat.trial_id(trial),
+            ATTR_FAIL_REASON,
+            "stale: the run that started it never finished it",
         )
         study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
 
 
 def _n_configurations(study: optuna.Study) -> int:
     # Re-runs after an out-of-memory error repeat a configuration; they do not count.
-    return sum(
-        1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_RETRY_OF) is None
-    )
+    return sum(1 for t in study.get_trials(deepcopy=False) if trial_attr(t, ATTR_RETRY_OF) is None)
 
 
 def _summary(

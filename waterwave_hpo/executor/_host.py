@@ -237,6 +237,7 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         slot=slot.index,
         attempt=job.attempt,
         scheduler=slot.host.scheduler,
+        retry_of=None if job.retry_of is None else int(job.retry_of),
     )
     _optuna_compat.set_in_optimize_loop(study, True)
     token = _CURRENT.set(context)
@@ -248,8 +249,8 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     error: BaseException | None = None
     slot.busy = True
     try:
-        trial.set_user_attr(ATTR_DEVICE, str(device))
-        trial.set_user_attr(ATTR_SLOT, slot.index)
+        _set_attr(study, trial, ATTR_DEVICE, str(device))
+        _set_attr(study, trial, ATTR_SLOT, slot.index)
         account = memory.open_account(trial.number, stream)
         with on_trial_stream(device, stream, memory.pool):
             value = settings.func(trial)
@@ -279,12 +280,13 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
 
     if peak_bytes is not None:
         with contextlib.suppress(Exception):
-            trial.set_user_attr(ATTR_PEAK_BYTES, peak_bytes)
+            _set_attr(study, trial, ATTR_PEAK_BYTES, peak_bytes)
+    fail_message: str | None = None
     if pruned:
-        frozen = _tell(settings.study, trial, state=TrialState.PRUNED)
+        frozen, _ = _tell(settings.study, trial, state=TrialState.PRUNED)
         kind = OutcomeKind.PRUNED
     elif error is None:
-        frozen = _tell(settings.study, trial, values=value)
+        frozen, fail_message = _tell(settings.study, trial, values=value)
         kind = OutcomeKind.COMPLETE
     else:
         kind = _classify(settings, job, error, neighbours, out_of_memory)
@@ -293,11 +295,14 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         else:
             reason = "".join(traceback.format_exception_only(type(error), error)).strip()
         with contextlib.suppress(Exception):
-            trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
-        frozen = _tell(settings.study, trial, state=TrialState.FAIL)
+            _set_attr(study, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        frozen, _ = _tell(settings.study, trial, state=TrialState.FAIL)
+    if fail_message is not None:
+        with contextlib.suppress(Exception):
+            _set_attr(study, trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
     if settings.gc_after_trial:
         gc.collect()
-    return TrialOutcome(job, kind, frozen, error, neighbours)
+    return TrialOutcome(job, kind, frozen, error, neighbours, fail_message, value)
 
 
 def _classify(
@@ -334,17 +339,21 @@ def _release_memory(error: BaseException, device: torch.device) -> None:
             torch.cuda.empty_cache()
 
 
+def _set_attr(study: optuna.Study, trial: optuna.trial.Trial, key: str, value: object) -> None:
+    # The executor's bookkeeping is a system attribute: the user's attributes stay the user's.
+    _optuna_compat.set_system_attr(study, _optuna_compat.trial_id(trial), key, value)
+
+
 def _tell(
     study: optuna.Study,
     trial: optuna.trial.Trial,
     values: Any = None,
     state: TrialState | None = None,
-) -> optuna.trial.FrozenTrial:
-    # skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the objective may
-    # have told the study itself.
-    if state is None:
-        return study.tell(trial, values, skip_if_finished=True)
-    return study.tell(trial, state=state, skip_if_finished=True)
+) -> tuple[optuna.trial.FrozenTrial, str | None]:
+    # As Study.optimize tells: an invalid return value is logged as the trial's failure, not
+    # warned; skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the
+    # objective may have told the study itself.
+    return _optuna_compat.tell_as_optimize(study, trial, values, state)
 
 
 def _fail_without_running(
@@ -354,7 +363,7 @@ def _fail_without_running(
     reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
     frozen = None
     with contextlib.suppress(Exception):
-        job.trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        _set_attr(settings.study, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
     with contextlib.suppress(Exception):
-        frozen = _tell(settings.study, job.trial, state=TrialState.FAIL)
+        frozen, _ = _tell(settings.study, job.trial, state=TrialState.FAIL)
     return TrialOutcome(job, OutcomeKind.FATAL, frozen, error)

@@ -10,6 +10,7 @@ from optuna.trial import TrialState
 
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._attrs import trial_attr
 
 _COLOURS = {
     TrialState.COMPLETE: "#2e7d32",
@@ -95,8 +96,8 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
 
 
 def _row(trial: FrozenTrial) -> tuple[str, int | None]:
-    device = str(trial.user_attrs.get(ATTR_DEVICE, "trials"))
-    slot = trial.user_attrs.get(ATTR_SLOT)
+    device = str(trial_attr(trial, ATTR_DEVICE, "trials"))
+    slot = trial_attr(trial, ATTR_SLOT)
     return device, None if slot is None else int(slot)
 
 
