@@ -28,7 +28,8 @@ except ModuleNotFoundError as _error:  # pragma: no cover - only in a source che
     raise ImportError(
         f"waterwave_hpo was imported from a source checkout ({__path__[0]}), where "
         "integrations/ is not inside the package and the memory pool library is not built. "
-        "Install it (`pip install .` from the repository root) and run from another directory "
+        "Install it editable (`pip install -e .` from the repository root), which works from "
+        "the checkout, or install it (`pip install .`) and run from another directory "
         "(`python -m pytest` and Ray drivers started at the repository root put the checkout "
         "first on sys.path; use `pytest`)."
     ) from None

@@ -88,7 +88,7 @@ def test_resume_fails_trials_a_killed_run_left_running(tmp_path: Path) -> None:
     study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
     stale = study.trials[2]
     assert stale.state is optuna.trial.TrialState.FAIL
-    assert "stale" in stale.user_attrs["waterwave:fail_reason"]
+    assert "stale" in stale.system_attrs["waterwave:fail_reason"]
 
 
 def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

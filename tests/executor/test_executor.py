@@ -98,8 +98,12 @@ def test_device_and_slot_are_system_attrs_and_user_attrs_stay_the_users(
     _cpu(2).optimize(study, lambda t: 0.0, n_trials=4)
     assert study.trials[0].user_attrs == {"mine": 1}  # enqueue_trial(user_attrs=) round trip
     assert [t.user_attrs for t in study.trials[1:]] == [{}] * 3
+    # By default trials look as Study.optimize leaves them: Optuna's dataframe columns.
     columns = study.trials_dataframe().columns
-    assert [c for c in columns if c.startswith("user_attrs")] == ["user_attrs_mine"]
+    assert [c for c in columns if "attrs" in c] == ["user_attrs_mine", "system_attrs_fixed_params"]
+    study = optuna.create_study(storage=storage)
+    _cpu(2, record_trial_attrs=True).optimize(study, lambda t: 0.0, n_trials=4)
+    assert [t.user_attrs for t in study.trials] == [{}] * 4
     for trial in study.trials:
         assert trial.system_attrs["waterwave:device"] == "cpu"
         assert trial.system_attrs["waterwave:slot"] in (0, 1)
@@ -189,7 +193,7 @@ def test_caught_exception_fails_only_its_trial(storage: optuna.storages.BaseStor
         return 1.0
 
     study = optuna.create_study(storage=storage)
-    _cpu(2).optimize(study, objective, n_trials=6, catch=(ValueError,))
+    _cpu(2, record_trial_attrs=True).optimize(study, objective, n_trials=6, catch=(ValueError,))
     states = _states(study)
     assert states[1] is TrialState.FAIL
     assert states.count(TrialState.COMPLETE) == 5
@@ -256,7 +260,7 @@ def test_out_of_memory_fails_only_its_trial_with_on_oom_fail(
         return 1.0
 
     study = optuna.create_study(storage=storage)
-    _cpu(3, on_oom="fail").optimize(study, objective, n_trials=6)
+    _cpu(3, on_oom="fail", record_trial_attrs=True).optimize(study, objective, n_trials=6)
     states = _states(study)
     assert len(states) == 6
     assert states[1] is TrialState.FAIL
@@ -329,7 +333,7 @@ def test_keyboard_interrupt_tells_every_running_trial_fail(
 
     study = optuna.create_study(storage=storage)
     with pytest.raises(KeyboardInterrupt):
-        _cpu(3).optimize(study, objective, n_trials=10)
+        _cpu(3, record_trial_attrs=True).optimize(study, objective, n_trials=10)
     assert not finished_loop.is_set()  # interrupted inside the loop, not after it
     states = _states(study)
     assert len(states) == 3

@@ -452,6 +452,7 @@ def _run_waterwave(
         trials_per_device=run.k,
         memory_budget_bytes=capacity_bytes,
         policy=policy,
+        record_trial_attrs=True,
     )
     logging.getLogger("waterwave_hpo").setLevel(logging.ERROR)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

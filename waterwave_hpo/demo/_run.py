@@ -81,7 +81,9 @@ def run_demo(config: DemoConfig) -> DemoResult:
         minimum = 0 if name == "trials" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
-    executor = WaterwaveExecutor(devices=config.device, trials_per_device=config.concurrency)
+    executor = WaterwaveExecutor(
+        devices=config.device, trials_per_device=config.concurrency, record_trial_attrs=True
+    )
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -99,6 +99,14 @@ class WaterwaveExecutor:
             and keep PyTorch's), one account per trial; ``"on"``: the same, but raise instead
             of falling back; ``"off"``: PyTorch's allocator.
         max_trials_per_device: The cap for ``trials_per_device="auto"`` (>= 1).
+        record_trial_attrs: Record where and how each trial ran as system attributes of the
+            trial (``waterwave:device``, ``waterwave:slot``, ``waterwave:peak_bytes``,
+            ``waterwave:fail_reason``; read them with
+            ``waterwave_hpo.executor.trial_attr``), which ``waterwave_hpo.report``'s trials
+            table and timeline show. Off by default, so a study's trials look as
+            ``Study.optimize`` leaves them (``trials_dataframe()`` has Optuna's columns). The
+            user's ``user_attrs`` are never touched. A re-run after an out-of-memory error
+            always records ``waterwave:retry_of`` and ``waterwave:attempt``.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -124,8 +132,15 @@ class WaterwaveExecutor:
         policy: str | PolicyName | Policy = PolicyName.WATERWAVE,
         memory_pool: MemoryPoolMode | str = MemoryPoolMode.AUTO,
         max_trials_per_device: int = 16,
+        record_trial_attrs: bool = False,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
+        if not isinstance(record_trial_attrs, bool):
+            raise TypeError(
+                f"record_trial_attrs={record_trial_attrs!r} must be True or False, not "
+                f"{type(record_trial_attrs).__name__}."
+            )
+        self.record_trial_attrs = record_trial_attrs
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )
@@ -287,6 +302,7 @@ class WaterwaveExecutor:
                 max_oom_retries=self.max_oom_retries,
                 gc_after_trial=bool(gc_after_trial),
                 outcomes=queue.SimpleQueue(),
+                record_trial_attrs=self.record_trial_attrs,
             ),
             n_trials=n_trials,
             timeout_s=None if timeout is None else float(timeout),
@@ -543,10 +559,10 @@ class _OptimizeRun:
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         if self.asked is not None:
-            _fail_quietly(self.study, self.asked, reason)
+            _fail_quietly(self.settings, self.asked, reason)
         for host in self.hosts:
             for slot, job in host.running_jobs():
-                _fail_quietly(self.study, job.trial, reason)
+                _fail_quietly(self.settings, job.trial, reason)
                 slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
         # drain what has already been reported, without waiting for the rest.
@@ -590,11 +606,13 @@ def _ctrl_c_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def _fail_quietly(study: optuna.Study, trial: optuna.trial.Trial, reason: str) -> None:
-    with contextlib.suppress(Exception):
-        _optuna_compat.set_system_attr(
-            study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
-        )
+def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
+    study = settings.study
+    if settings.record_trial_attrs:
+        with contextlib.suppress(Exception):
+            _optuna_compat.set_system_attr(
+                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+            )
     with contextlib.suppress(Exception):
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 

@@ -61,6 +61,9 @@ class RunSettings:
     max_oom_retries: int
     gc_after_trial: bool
     outcomes: queue.SimpleQueue[TrialOutcome]
+    record_trial_attrs: bool = True
+    """Record the trial's device, slot, peak bytes and failure reason as ``waterwave:*``
+    system attributes (``WaterwaveExecutor(record_trial_attrs=...)``)."""
 
 
 class DeviceHost:
@@ -249,8 +252,8 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     error: BaseException | None = None
     slot.busy = True
     try:
-        _set_attr(study, trial, ATTR_DEVICE, str(device))
-        _set_attr(study, trial, ATTR_SLOT, slot.index)
+        _set_attr(settings, trial, ATTR_DEVICE, str(device))
+        _set_attr(settings, trial, ATTR_SLOT, slot.index)
         account = memory.open_account(trial.number, stream)
         with on_trial_stream(device, stream, memory.pool):
             value = settings.func(trial)
@@ -280,7 +283,7 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
 
     if peak_bytes is not None:
         with contextlib.suppress(Exception):
-            _set_attr(study, trial, ATTR_PEAK_BYTES, peak_bytes)
+            _set_attr(settings, trial, ATTR_PEAK_BYTES, peak_bytes)
     fail_message: str | None = None
     if pruned:
         frozen, _ = _tell(settings.study, trial, state=TrialState.PRUNED)
@@ -295,11 +298,11 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         else:
             reason = "".join(traceback.format_exception_only(type(error), error)).strip()
         with contextlib.suppress(Exception):
-            _set_attr(study, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+            _set_attr(settings, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
         frozen, _ = _tell(settings.study, trial, state=TrialState.FAIL)
     if fail_message is not None:
         with contextlib.suppress(Exception):
-            _set_attr(study, trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
+            _set_attr(settings, trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
     if settings.gc_after_trial:
         gc.collect()
     return TrialOutcome(job, kind, frozen, error, neighbours, fail_message, value)
@@ -339,9 +342,11 @@ def _release_memory(error: BaseException, device: torch.device) -> None:
             torch.cuda.empty_cache()
 
 
-def _set_attr(study: optuna.Study, trial: optuna.trial.Trial, key: str, value: object) -> None:
-    # The executor's bookkeeping is a system attribute: the user's attributes stay the user's.
-    _optuna_compat.set_system_attr(study, _optuna_compat.trial_id(trial), key, value)
+def _set_attr(settings: RunSettings, trial: optuna.trial.Trial, key: str, value: object) -> None:
+    # The executor's bookkeeping is a system attribute, and only on request: the user's
+    # attributes stay the user's, and trials_dataframe() shows Optuna's columns.
+    if settings.record_trial_attrs:
+        _optuna_compat.set_system_attr(settings.study, _optuna_compat.trial_id(trial), key, value)
 
 
 def _tell(
@@ -363,7 +368,7 @@ def _fail_without_running(
     reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
     frozen = None
     with contextlib.suppress(Exception):
-        _set_attr(settings.study, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        _set_attr(settings, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
     with contextlib.suppress(Exception):
         frozen, _ = _tell(settings.study, job.trial, state=TrialState.FAIL)
     return TrialOutcome(job, OutcomeKind.FATAL, frozen, error)
