@@ -5,6 +5,12 @@ Optuna has no executor hook: ``Study.optimize`` runs trials itself. To drive a s
 "inside an objective function or a callback") we set the study's per-thread
 ``in_optimize_loop`` flag and read its stop flag, exactly as ``optuna/study/_optimize.py`` does.
 These attributes have been stable from Optuna 3.x through 5.x; everything touching them is here.
+
+To behave as ``Study.optimize`` does, the executor also uses what ``optuna/study/_optimize.py``
+uses: ``_tell_with_warning`` (an invalid value is logged, not warned), its log functions, the
+progress bar, heartbeat threads and ``fail_stale_trials``; and the storage's system attributes
+for its own bookkeeping. The conformance suite (``tests/conformance``) runs Optuna's own tests
+through the executor, so a change in any of them shows there.
 """
 
 from __future__ import annotations

@@ -71,6 +71,12 @@ class WaterwaveExecutor:
     it alone or re-queues its parameters (``on_oom``); Ctrl+C tells every running trial FAIL
     before ``KeyboardInterrupt`` propagates.
 
+    As ``Study.optimize``: finished trials are logged on Optuna's logger with Optuna's words;
+    with ``RDBStorage(heartbeat_interval=...)`` this process records a heartbeat for each trial
+    it runs (on a local slot or a Ray host) and fails stale trials (running the storage's
+    stale-trial callback, e.g. a retry) before each ``ask()``, so a crashed process's trials end
+    FAIL. ``sqlite:///:memory:`` is refused: SQLite keeps such a database per connection.
+
     Args:
         devices: ``"auto"`` (every visible CUDA device, else the CPU), ``"cpu"``, ``"cuda"``
             (every visible CUDA device), ``"cuda:N"``, an int ``N``, a ``torch.device``, or a
@@ -257,7 +263,8 @@ class WaterwaveExecutor:
 
         Raises:
             TypeError: If ``study``, ``func``, ``catch`` or ``callbacks`` has the wrong type.
-            ValueError: If ``n_trials`` or ``timeout`` is out of range.
+            ValueError: If ``n_trials`` or ``timeout`` is out of range, or the study's storage
+                is an in-memory SQLite database (``sqlite:///:memory:``).
             RuntimeError: If called inside another ``optimize`` of the same study.
             Exception: The first exception an objective raised that is not in ``catch``, after
                 the other running trials have finished and been told.
