@@ -205,3 +205,12 @@ def progress_bar(show: bool, n_trials: int | None, timeout_s: float | None) -> P
     from optuna.progress_bar import _ProgressBar
 
     return _ProgressBar(show, n_trials, timeout_s)
+
+
+def release_thread_session(study: optuna.Study) -> None:
+    """Close this thread's storage session, as ``Study.optimize`` does when a worker ends.
+
+    After an asynchronous exception (Ctrl+C delivered into a trial's thread) inside a storage
+    call, an RDB session may be left in a transaction that holds SQLite's lock.
+    """
+    study._storage.remove_session()

@@ -369,6 +369,7 @@ class _OptimizeRun:
         # process records them while it holds the trial; if it dies they stop, and another
         # process's fail_stale_trials fails the trial (RDBStorage(heartbeat_interval=...)).
         self.heartbeats: dict[int, _optuna_compat.Heartbeat] = {}
+        self.aborted: list[optuna.trial.Trial] = []  # running when optimize was interrupted
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -388,6 +389,10 @@ class _OptimizeRun:
                 host.shutdown(timeout_s=_SHUTDOWN_GRACE_S)
             for number in list(self.heartbeats):
                 self._stop_heartbeat(number)
+            # Once the slots have stopped (and released their storage sessions), tell FAIL
+            # again whatever the abort could not (a storage locked by an interrupted thread).
+            for trial in self.aborted:
+                _fail_quietly(self.settings, trial, "optimize() was interrupted")
             _optuna_compat.set_in_optimize_loop(study, False)
         if self.error is not None:
             raise self.error
@@ -566,9 +571,11 @@ class _OptimizeRun:
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         if self.asked is not None:
+            self.aborted.append(self.asked)
             _fail_quietly(self.settings, self.asked, reason)
         for host in self.hosts:
             for slot, job in host.running_jobs():
+                self.aborted.append(job.trial)
                 _fail_quietly(self.settings, job.trial, reason)
                 slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;

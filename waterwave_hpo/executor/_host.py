@@ -194,7 +194,10 @@ class _Slot:
                 else:
                     try:
                         outcome = _run_trial(self, job, stream)
-                    except TrialInterrupted:
+                    except TrialInterrupted as interrupted:  # inside the executor's own calls
+                        _release_interrupted(interrupted)
+                        with contextlib.suppress(Exception):
+                            _optuna_compat.release_thread_session(self.host.settings.study)
                         outcome = TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
                     except BaseException as error:  # the study's storage failed, not the trial
                         outcome = _fail_without_running(self.host.settings, job, error)
@@ -276,10 +279,17 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
             memory.trial_ended(trial.number)  # a pruned or finished trial frees its share at once
 
     if isinstance(error, TrialInterrupted):
-        # The executor has told the study FAIL already; make sure, without raising.
+        # The executor has told the study FAIL already; make sure, without raising. The
+        # interrupt may have landed inside a storage call, leaving a database connection in a
+        # transaction (SQLite: holding the file's write lock) referenced only by the
+        # traceback's frames: free them, and this thread's session, before anyone writes.
+        _release_interrupted(error)
+        error = None
+        with contextlib.suppress(Exception):
+            _optuna_compat.release_thread_session(study)
         with contextlib.suppress(Exception):
             settings.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None, error)
+        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
 
     if peak_bytes is not None:
         with contextlib.suppress(Exception):
@@ -326,6 +336,14 @@ def _classify(
     if isinstance(error, settings.catch):
         return OutcomeKind.FAILED
     return OutcomeKind.FATAL
+
+
+def _release_interrupted(error: BaseException) -> None:
+    # Frames of an interrupted storage call may hold an open database transaction.
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)
+    error.__traceback__ = None
+    gc.collect()
 
 
 def _release_memory(error: BaseException, device: torch.device) -> None:
