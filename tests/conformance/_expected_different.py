@@ -55,6 +55,14 @@ _CONCURRENT.update(
             "asserts BruteForceSampler's exact 9 trials; concurrent trials are sampled before "
             "the earlier ones finish, as with Optuna's n_jobs > 1"
         ),
+        "tests/pruners_tests/test_hyperband.py::test_hyperband_pruner_and_grid_sampler": (
+            "asserts GridSampler's exact 9 trials; a trial asked while the last grid points "
+            "run samples one again, as with Optuna's n_jobs > 1"
+        ),
+        _STUDY + "test_optimize_parallel_timeout": (
+            "asserts at most timeout / sleep objective calls for Optuna's n_jobs; K trials run "
+            "at once within the same timeout"
+        ),
     }
 )
 _CONCURRENT.update(
