@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class OnOOM(str, enum.Enum):
     """What the executor does with a trial that runs out of device memory.
 
-    ``RETRY``: the attempt is told FAIL (recorded, with the reason, in its user attributes) and
+    ``RETRY``: the attempt is told FAIL (with the reason in its system attributes on request) and
     the same parameters are enqueued again (``study.enqueue_trial``) to run with fewer neighbours
     on the device, up to ``max_oom_retries`` times. ``FAIL``: the trial is told FAIL. Either way
     its neighbours go on.

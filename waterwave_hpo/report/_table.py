@@ -41,7 +41,9 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     ``peak_bytes`` (its peak allocated device memory, measured by its account in the
     stream-aware pool on CUDA; empty elsewhere);
     ``retry_of`` (the trial whose parameters it re-ran after an out-of-memory error);
-    ``fail_reason``; then one ``param_<name>`` column per parameter. Multi-objective studies get
+    ``fail_reason``; ``device``, ``slot``, ``peak_bytes`` and ``fail_reason`` are filled for
+    studies run with ``WaterwaveExecutor(record_trial_attrs=True)``, empty otherwise; then one
+    ``param_<name>`` column per parameter. Multi-objective studies get
     ``value_0``, ``value_1``, ... instead of ``value``.
     """
     rows: list[dict[str, Any]] = []

@@ -23,9 +23,10 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     """Draw each finished trial as a bar from its start to its end, on its device slot's row.
 
     Rows are labelled ``<device> / slot <k>`` from the ``waterwave:device`` and ``waterwave:slot``
-    user attributes that :class:`~waterwave_hpo.WaterwaveExecutor` sets; trials without them
-    (run by plain ``study.optimize``) share one row. Bars are coloured by state (complete,
-    pruned, failed) and labelled with the trial number. Time is in seconds from the first start.
+    system attributes that ``WaterwaveExecutor(record_trial_attrs=True)`` sets; trials without
+    them (run without it, or by plain ``study.optimize``) share one row. Bars are coloured by
+    state (complete, pruned, failed) and labelled with the trial number. Time is in seconds from
+    the first start.
 
     Args:
         trials: The trials to draw; those not finished are skipped.
