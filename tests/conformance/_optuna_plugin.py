@@ -100,6 +100,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _outcomes[report.nodeid] = outcome
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:  # e.g. a missing test dependency: Optuna's file never ran
+        _outcomes[report.nodeid] = "collection error"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _REPORT:
         return
