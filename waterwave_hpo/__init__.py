@@ -4,8 +4,6 @@ Trials are co-hosted in one process, each on its own CUDA stream (Waterwave, IEE
 Computers 72(10), 2023). This module only re-exports the public API.
 """
 
-import logging as _logging
-
 from waterwave_hpo._version import __version__
 from waterwave_hpo.cluster import AllHostsLostError
 from waterwave_hpo.cluster import RayExecutor
@@ -31,7 +29,8 @@ except ModuleNotFoundError as _error:  # pragma: no cover - only in a source che
     raise ImportError(
         f"waterwave_hpo was imported from a source checkout ({__path__[0]}), where "
         "integrations/ is not inside the package and the memory pool library is not built. "
-        "Install it (`pip install .` from the repository root) and run from another directory "
+        "Install it editable (`pip install -e .` from the repository root), which works from "
+        "the checkout, or install it (`pip install .`) and run from another directory "
         "(`python -m pytest` and Ray drivers started at the repository root put the checkout "
         "first on sys.path; use `pytest`)."
     ) from None
@@ -39,8 +38,6 @@ from waterwave_hpo.nodegroup import NodeGroup
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
 from waterwave_hpo.scheduler import PipelineScheduler
-
-_logging.getLogger("waterwave_hpo").addHandler(_logging.NullHandler())
 
 __all__ = [
     "AllHostsLostError",

@@ -5,9 +5,18 @@ Optuna has no executor hook: ``Study.optimize`` runs trials itself. To drive a s
 "inside an objective function or a callback") we set the study's per-thread
 ``in_optimize_loop`` flag and read its stop flag, exactly as ``optuna/study/_optimize.py`` does.
 These attributes have been stable from Optuna 3.x through 5.x; everything touching them is here.
+
+To behave as ``Study.optimize`` does, the executor also uses what ``optuna/study/_optimize.py``
+uses: ``_tell_with_warning`` (an invalid value is logged, not warned), its log functions, the
+progress bar, heartbeat threads and ``fail_stale_trials``; and the storage's system attributes
+for its own bookkeeping. The conformance suite (``tests/conformance``) runs Optuna's own tests
+through the executor, so a change in any of them shows there.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
+import warnings
 
 import optuna
 
@@ -32,12 +41,176 @@ def reset_stop(study: optuna.Study) -> None:
     study._stop_flag = False
 
 
-def set_user_attr(
-    study: optuna.Study, trial: optuna.trial.FrozenTrial, key: str, value: object
-) -> None:
-    """Set a user attribute on any trial of ``study`` that is not finished yet, by its id.
+def set_system_attr(study: optuna.Study, trial_id: int, key: str, value: object) -> None:
+    """Set a system attribute of the unfinished trial ``trial_id`` of ``study``.
 
-    ``optuna.trial.Trial.set_user_attr`` needs the live ``Trial`` object; a trial left RUNNING
-    by a process that died has only its ``FrozenTrial``.
+    ``Trial.set_system_attr`` is deprecated in Optuna; the storage's method is the one Optuna
+    itself uses. The executor keeps its bookkeeping there, out of the user's attributes.
     """
-    study._storage.set_trial_user_attr(trial._trial_id, key, value)
+    study._storage.set_trial_system_attr(trial_id, key, value)  # type: ignore[arg-type]
+
+
+def system_attrs(study: optuna.Study, trial_id: int) -> dict[str, object]:
+    """The system attributes of trial ``trial_id`` of ``study``, read from its storage."""
+    return dict(study._storage.get_trial_system_attrs(trial_id))
+
+
+def trial_id(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int:
+    """The storage id of a live or frozen trial."""
+    return int(trial._trial_id)
+
+
+def enqueue_with_system_attrs(
+    study: optuna.Study, params: dict[str, object], system_attrs: dict[str, object]
+) -> None:
+    """``study.enqueue_trial(params)`` that also records ``system_attrs`` on the queued trial.
+
+    As ``Study.enqueue_trial`` does, the parameters go in the ``fixed_params`` system attribute
+    of a WAITING trial, which ``study.ask()`` pops.
+    """
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            system_attrs={**system_attrs, "fixed_params": params},
+        )
+    )
+
+
+def tell_as_optimize(
+    study: optuna.Study,
+    trial: optuna.trial.Trial,
+    values: object = None,
+    state: optuna.trial.TrialState | None = None,
+) -> tuple[optuna.trial.FrozenTrial, str | None]:
+    """Tell ``trial`` as ``Study.optimize`` does; return the told trial and why it failed.
+
+    ``Study.tell`` warns (``UserWarning``) about an invalid return value; ``Study.optimize``
+    instead logs it as the trial's failure. This calls the function both share with
+    ``suppress_warning=True`` (and ``skip_if_finished=True``: the objective, or the executor on
+    Ctrl+C, may have told the trial already). The second item is the message of an invalid
+    return value, else ``None``.
+    """
+    from optuna.study._tell import _tell_with_warning
+
+    _, _, warning_message = _tell_with_warning(
+        study=study,
+        trial=trial,
+        value_or_values=values,  # type: ignore[arg-type]
+        state=state,
+        skip_if_finished=True,
+        suppress_warning=True,
+    )
+    return study._storage.get_trial(trial_id(trial)), warning_message
+
+
+def log_finished_trial(
+    study: optuna.Study,
+    frozen: optuna.trial.FrozenTrial,
+    error: BaseException | None,
+    fail_message: str | None,
+    value: object,
+) -> None:
+    """Log a finished trial on Optuna's loggers, with Optuna's words, as ``Study.optimize`` does.
+
+    ``"Trial N finished with value: ... Best is trial M with value: ..."`` (INFO), ``"Trial N
+    pruned. ..."`` (INFO), ``"Trial N failed with parameters: ... because of the following
+    error: ..."`` (WARNING); they follow ``optuna.logging.set_verbosity``.
+    """
+    from optuna.study import _optimize
+
+    state = frozen.state
+    if state is optuna.trial.TrialState.COMPLETE and frozen.values is not None:
+        study._log_completed_trial(frozen.values, frozen.number, frozen.params)
+    elif state is optuna.trial.TrialState.PRUNED:
+        _optimize._logger.info(f"Trial {frozen.number} pruned. {error if error else ''}")
+    elif state is optuna.trial.TrialState.FAIL:
+        if error is not None:
+            _optimize._log_failed_trial(
+                frozen.number, frozen.params, repr(error), exc_info=error, value_or_values=value
+            )
+        elif fail_message is not None:
+            _optimize._log_failed_trial(
+                frozen.number, frozen.params, fail_message, value_or_values=value
+            )
+
+
+class Heartbeat(Protocol):
+    """A running trial's heartbeat: Optuna's ``HeartbeatThread`` or its null object."""
+
+    def start(self) -> None:
+        """Start recording heartbeats (nothing for the null object)."""
+
+    def join(self) -> None:
+        """Stop recording heartbeats and wait for the thread to end."""
+
+
+def heartbeat(study: optuna.Study, trial_id: int) -> Heartbeat:
+    """Optuna's heartbeat for trial ``trial_id`` (a null object when the storage has none).
+
+    With ``RDBStorage(heartbeat_interval=...)``, ``Study.optimize`` records a heartbeat for each
+    running trial every ``heartbeat_interval`` seconds from a thread of its own
+    (``optuna/storages/_heartbeat.py``); the executor does the same for each co-hosted trial.
+    """
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    return get_heartbeat_thread(trial_id, study._storage)
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
+    before each ``ask()``, and run the storage's ``failed_trial_callback`` for each."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    if not is_heartbeat_enabled(study._storage):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def in_memory_sqlite_url(study: optuna.Study) -> str | None:
+    """The URL of ``study``'s storage if it is an in-memory SQLite database, else ``None``.
+
+    ``sqlite:///:memory:`` is a database per connection: a trial told from another thread
+    (another connection) is not seen, so trials would stay RUNNING.
+    """
+    storage: object = study._storage
+    backend = getattr(storage, "_backend", storage)  # _CachedStorage wraps RDBStorage
+    url = getattr(backend, "url", None)
+    if not isinstance(backend, optuna.storages.RDBStorage) or not isinstance(url, str):
+        return None
+    if url.startswith("sqlite") and (
+        url.rstrip("/").endswith(":memory:") or url in ("sqlite://", "sqlite:///")
+    ):
+        return url
+    if "mode=memory" in url:
+        return url
+    return None
+
+
+class ProgressBar(Protocol):
+    """Optuna's progress bar of ``Study.optimize``."""
+
+    def update(self, elapsed_seconds: float, study: optuna.Study) -> None:
+        """Count one finished trial (or show the elapsed time of a timeout) and the best."""
+
+    def close(self) -> None:
+        """Close the bar."""
+
+
+def progress_bar(show: bool, n_trials: int | None, timeout_s: float | None) -> ProgressBar:
+    """The progress bar ``Study.optimize`` shows (``optuna/progress_bar.py``): finished trials of
+    ``n_trials``; with only a timeout, elapsed of ``timeout_s`` seconds; with neither, Optuna's
+    warning and no bar. It also routes Optuna's log lines through tqdm while it shows."""
+    from optuna.progress_bar import _ProgressBar
+
+    return _ProgressBar(show, n_trials, timeout_s)
+
+
+def release_thread_session(study: optuna.Study) -> None:
+    """Close this thread's storage session, as ``Study.optimize`` does when a worker ends.
+
+    After an asynchronous exception (Ctrl+C delivered into a trial's thread) inside a storage
+    call, an RDB session may be left in a transaction that holds SQLite's lock.
+    """
+    study._storage.remove_session()

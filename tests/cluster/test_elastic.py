@@ -110,7 +110,7 @@ def _record(results: dict[str, Any], name: str, study: optuna.Study, n_trials: i
         "trials_asked_for": n_trials,
         "complete": states[TrialState.COMPLETE],
         "failed_lost_host": states[TrialState.FAIL],
-        "re_run": sum(1 for t in trials if ATTR_RETRY_OF in t.user_attrs),
+        "re_run": sum(1 for t in trials if ATTR_RETRY_OF in t.system_attrs),
         "left_running_or_waiting": states[TrialState.RUNNING] + states[TrialState.WAITING],
         "trials_lost": n_trials - states[TrialState.COMPLETE],
     }
@@ -144,8 +144,8 @@ def _assert_nothing_lost(study: optuna.Study, n_trials: int) -> None:
     assert TrialState.RUNNING not in states and TrialState.WAITING not in states
     assert states[TrialState.COMPLETE] == n_trials
     failed = [t for t in trials if t.state is TrialState.FAIL]
-    assert all("was lost" in t.user_attrs[ATTR_FAIL_REASON] for t in failed)
-    re_run = {t.user_attrs[ATTR_RETRY_OF] for t in trials if ATTR_RETRY_OF in t.user_attrs}
+    assert all("was lost" in t.system_attrs[ATTR_FAIL_REASON] for t in failed)
+    re_run = {t.system_attrs[ATTR_RETRY_OF] for t in trials if ATTR_RETRY_OF in t.system_attrs}
     assert {t.number for t in failed} <= re_run
 
 
@@ -187,7 +187,7 @@ def test_a_node_lost_while_the_hosts_start_leaves_the_study_to_the_others(
         executor.optimize(study, _sleeps, n_trials=6)
     remover.join()
     assert _states(study) == {TrialState.COMPLETE: 6}
-    assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {nodes.node_id(nodes.gpu_nodes[0])}
+    assert {t.system_attrs[ATTR_NODE] for t in study.trials} == {nodes.node_id(nodes.gpu_nodes[0])}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("did not start" in m and doomed_id[:8] in m for m in warnings), warnings
     assert executor.cluster_stats is not None and executor.cluster_stats.hosts_started == 1
@@ -223,7 +223,7 @@ def test_a_node_lost_while_its_trials_report_re_runs_them_whole(
     def reporting_on_doomed() -> bool:
         return any(
             t.state is TrialState.RUNNING
-            and t.user_attrs.get(ATTR_NODE) == doomed_id
+            and t.system_attrs.get(ATTR_NODE) == doomed_id
             and len(t.intermediate_values) >= 2
             for t in study.get_trials(deepcopy=False)
         )
@@ -238,7 +238,7 @@ def test_a_node_lost_while_its_trials_report_re_runs_them_whole(
     _assert_nothing_lost(study, 8)
     _record(results, "ray_executor_node_lost_while_reporting", study, 8)
     failed = [t for t in study.trials if t.state is TrialState.FAIL]
-    assert failed and all(t.user_attrs[ATTR_NODE] == doomed_id for t in failed)
+    assert failed and all(t.system_attrs[ATTR_NODE] == doomed_id for t in failed)
     complete = [t for t in study.trials if t.state is TrialState.COMPLETE]
     assert all(len(t.intermediate_values) == 8 for t in complete)
 
@@ -275,9 +275,9 @@ def test_a_gpu_node_that_joins_mid_study_gets_trials(
     running.join(timeout=180)
     assert not running.is_alive()
     assert _states(study) == {TrialState.COMPLETE: 8}
-    on_new = [t for t in study.trials if t.user_attrs[ATTR_NODE] == joined["id"]]
+    on_new = [t for t in study.trials if t.system_attrs[ATTR_NODE] == joined["id"]]
     assert on_new, "no trial ran on the node that joined"
-    assert {t.user_attrs[ATTR_NODE] for t in study.trials} == {first_id, joined["id"]}
+    assert {t.system_attrs[ATTR_NODE] for t in study.trials} == {first_id, joined["id"]}
     stats = executor.cluster_stats
     assert stats is not None and (stats.hosts_started, stats.nodes_joined) == (2, 1)
     first_start = min(t.datetime_start.timestamp() for t in on_new)  # type: ignore[union-attr]

@@ -57,13 +57,13 @@ def test_finishes_a_study_with_the_right_counts_and_states() -> None:
     assert states == {TrialState.COMPLETE: 12, TrialState.PRUNED: 4, TrialState.FAIL: 4}
     trials = study.trials
     assert len({t.params["x"] for t in trials}) == 20  # the hosts' samplers were reseeded
-    hosts = {t.user_attrs[ATTR_HOST] for t in trials}
+    hosts = {t.system_attrs[ATTR_HOST] for t in trials}
     assert len(hosts) == N_GPUS  # one host actor per logical GPU, both used
     assert all(t.intermediate_values for t in trials if t.state is TrialState.COMPLETE)
     for t in trials:
         if t.state is TrialState.FAIL:
-            assert "a failing trial" in t.user_attrs[ATTR_FAIL_REASON]
-    per_host = [[t for t in trials if t.user_attrs[ATTR_HOST] == h] for h in hosts]
+            assert "a failing trial" in t.system_attrs[ATTR_FAIL_REASON]
+    per_host = [[t for t in trials if t.system_attrs[ATTR_HOST] == h] for h in hosts]
     assert max(max_concurrent_trials(ts) for ts in per_host) >= 2  # co-hosted on a host
 
 
@@ -95,7 +95,7 @@ def _slow(trial: optuna.trial.Trial) -> float:
 def test_packs_trials_onto_the_host_with_the_most_room() -> None:
     study = optuna.create_study()
     RayExecutor(trials_per_device=2).optimize(study, _slow, n_trials=4)
-    per_host = Counter(t.user_attrs[ATTR_HOST] for t in study.trials)
+    per_host = Counter(t.system_attrs[ATTR_HOST] for t in study.trials)
     assert sorted(per_host.values()) == [2, 2]
     assert max_concurrent_trials(study.trials) == 4
 
@@ -127,8 +127,8 @@ def test_out_of_memory_on_a_host_re_queues_the_parameters() -> None:
     RayExecutor(n_hosts=1, trials_per_device=2).optimize(study, _oom_once, n_trials=4)
     first = study.trials[1]
     assert first.state is TrialState.FAIL
-    assert "out of device memory" in first.user_attrs[ATTR_FAIL_REASON]
-    (rerun,) = [t for t in study.trials if t.user_attrs.get(ATTR_RETRY_OF) == 1]
+    assert "out of device memory" in first.system_attrs[ATTR_FAIL_REASON]
+    (rerun,) = [t for t in study.trials if t.system_attrs.get(ATTR_RETRY_OF) == 1]
     assert rerun.state is TrialState.COMPLETE and rerun.params == first.params
     assert _states(study) == {TrialState.COMPLETE: 4, TrialState.FAIL: 1}
 
@@ -158,14 +158,14 @@ def test_a_killed_host_loses_no_trial() -> None:
     assert states[TrialState.COMPLETE] == 8  # every asked-for trial finished, on the other host
     lost = [t for t in trials if t.state is TrialState.FAIL]
     assert 1 <= len(lost) <= 2  # trial 2 and the neighbour on its host
-    assert all("was lost" in t.user_attrs[ATTR_FAIL_REASON] for t in lost)
-    reruns = {t.user_attrs[ATTR_RETRY_OF]: t for t in trials if ATTR_RETRY_OF in t.user_attrs}
+    assert all("was lost" in t.system_attrs[ATTR_FAIL_REASON] for t in lost)
+    reruns = {t.system_attrs[ATTR_RETRY_OF]: t for t in trials if ATTR_RETRY_OF in t.system_attrs}
     assert sorted(reruns) == sorted(t.number for t in lost)
     for t in lost:
         # What the lost attempt had sampled is run again (a neighbour killed before it sampled
         # anything has nothing to carry over, and its re-run samples afresh).
         assert reruns[t.number].params.items() >= t.params.items()
-        assert reruns[t.number].user_attrs[ATTR_ATTEMPT] == 1
+        assert reruns[t.number].system_attrs[ATTR_ATTEMPT] == 1
         assert reruns[t.number].state is TrialState.COMPLETE
 
 
@@ -210,7 +210,7 @@ def test_ctrl_c_tells_every_running_trial_fail_and_stops_the_hosts() -> None:
     assert TrialState.RUNNING not in states and TrialState.WAITING not in states
     assert states[TrialState.FAIL] >= 2
     assert all(
-        "interrupted" in t.user_attrs[ATTR_FAIL_REASON]
+        "interrupted" in t.system_attrs[ATTR_FAIL_REASON]
         for t in study.trials
         if t.state is TrialState.FAIL
     )

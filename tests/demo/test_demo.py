@@ -107,7 +107,7 @@ def test_resume_fails_an_orphaned_running_trial_and_runs_its_params_again_uncoun
     assert summary["n_interrupted"] == 1
     trials = optuna.load_study(study_name=STUDY_NAME, storage=storage).trials
     assert trials[2].state is optuna.trial.TrialState.FAIL
-    assert trials[2].user_attrs["waterwave:fail_reason"].startswith("interrupted: ")
+    assert trials[2].system_attrs["waterwave:fail_reason"].startswith("interrupted: ")
     (rerun,) = [t for t in trials if t.system_attrs.get("waterwave:rerun_of") == 2]
     assert rerun.state.is_finished() and rerun.params["n_conv"] == orphan.params["n_conv"]
     assert len(trials) == 5
@@ -285,7 +285,7 @@ def test_ctrl_c_writes_what_finished_says_how_to_resume_and_reruns_the_interrupt
     table = pd.read_csv(out / "trials.csv")
     assert len(table) == len(_trials(out))
     interrupted = {t.number: t.params for t in _trials(out) if t.state is TrialState.FAIL}
-    reasons = [t.user_attrs.get("waterwave:fail_reason") for t in _trials(out)]
+    reasons = [t.system_attrs.get("waterwave:fail_reason") for t in _trials(out)]
     assert len(interrupted) == summary["n_interrupted"], reasons
 
     resumed = run_demo(_config(out, trials=4, concurrency=2, epochs=2)).summary

@@ -107,7 +107,7 @@ def test_requeue_and_fail_queues_the_params_once_and_the_rerun_counts_not_the_or
     assert not requeue_and_fail(study, frozen, "interrupted: test")  # finished: not twice
     states = [t.state for t in study.trials]
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.WAITING]
-    assert study.trials[1].user_attrs["waterwave:fail_reason"] == "interrupted: test"
+    assert study.trials[1].system_attrs["waterwave:fail_reason"] == "interrupted: test"
     assert [t.number for t in counted_trials(study.trials)] == [0]  # WAITING, interrupted: no
     study.optimize(lambda t: t.suggest_int("n", 0, 9), n_trials=1)  # pops the re-run
     rerun = study.trials[2]

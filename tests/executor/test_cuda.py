@@ -72,11 +72,12 @@ def test_real_cuda_oom_fails_only_its_trial() -> None:
         return float(x.sum().item())
 
     study = optuna.create_study()
-    ww.WaterwaveExecutor("cuda:0", 3, on_oom="fail").optimize(study, objective, n_trials=3)
+    executor = ww.WaterwaveExecutor("cuda:0", 3, on_oom="fail", record_trial_attrs=True)
+    executor.optimize(study, objective, n_trials=3)
     states = [t.state for t in study.trials]
     assert states[0] is TrialState.FAIL
     assert states[1:] == [TrialState.COMPLETE] * 2
-    assert "out of device memory" in study.trials[0].user_attrs["waterwave:fail_reason"]
+    assert "out of device memory" in study.trials[0].system_attrs["waterwave:fail_reason"]
 
 
 def test_demo_runs_unchanged_on_the_gpu(tmp_path: Path) -> None:

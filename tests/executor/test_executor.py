@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import time
 import weakref
@@ -24,13 +25,13 @@ def _cpu(k: int = 4, **kwargs: object) -> ww.WaterwaveExecutor:
     return ww.WaterwaveExecutor(devices="cpu", trials_per_device=k, **kwargs)  # type: ignore[arg-type]
 
 
-def test_runs_exactly_n_trials_all_complete() -> None:
-    study = optuna.create_study()
+def test_runs_exactly_n_trials_all_complete(storage: optuna.storages.BaseStorage) -> None:
+    study = optuna.create_study(storage=storage)
     _cpu(3).optimize(study, lambda t: t.suggest_float("x", -1, 1) ** 2, n_trials=10)
     assert _states(study) == [TrialState.COMPLETE] * 10
 
 
-def test_trials_really_overlap_in_time() -> None:
+def test_trials_really_overlap_in_time(storage: optuna.storages.BaseStorage) -> None:
     k = 4
     barrier = threading.Barrier(k, timeout=20)
 
@@ -39,39 +40,44 @@ def test_trials_really_overlap_in_time() -> None:
         time.sleep(0.05)
         return 1.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(k).optimize(study, objective, n_trials=k)
     assert _states(study) == [TrialState.COMPLETE] * k
     assert max_concurrent_trials(study.trials) == k
 
 
-def test_never_more_than_trials_per_device_at_once() -> None:
+def test_never_more_than_trials_per_device_at_once(storage: optuna.storages.BaseStorage) -> None:
     lock = threading.Lock()
     running = {"now": 0, "peak": 0}
+    first_three_inside = threading.Barrier(3, timeout=60)
 
     def objective(trial: optuna.trial.Trial) -> float:
         with lock:
             running["now"] += 1
             running["peak"] = max(running["peak"], running["now"])
+        if trial.number < 3:
+            first_three_inside.wait()  # the peak is reached, whatever the storage's speed
         time.sleep(0.02)
         with lock:
             running["now"] -= 1
         return 0.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(3).optimize(study, objective, n_trials=15)
     assert running["peak"] == 3
     assert len(study.trials) == 15
 
 
-def test_current_gives_the_trials_context_and_raises_outside() -> None:
+def test_current_gives_the_trials_context_and_raises_outside(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     seen: dict[int, ww.TrialContext] = {}
 
     def objective(trial: optuna.trial.Trial) -> float:
         seen[trial.number] = ww.current()
         return 0.0
 
-    _cpu(2).optimize(optuna.create_study(), objective, n_trials=4)
+    _cpu(2).optimize(optuna.create_study(storage=storage), objective, n_trials=4)
     assert sorted(seen) == [0, 1, 2, 3]
     for number, context in seen.items():
         assert context.trial_number == number
@@ -84,30 +90,48 @@ def test_current_gives_the_trials_context_and_raises_outside() -> None:
     assert ww.current_or_none() is None
 
 
-def test_trial_user_attrs_record_device_and_slot() -> None:
-    study = optuna.create_study()
+def test_device_and_slot_are_system_attrs_and_user_attrs_stay_the_users(
+    storage: optuna.storages.BaseStorage,
+) -> None:
+    study = optuna.create_study(storage=storage)
+    study.enqueue_trial({}, user_attrs={"mine": 1})
     _cpu(2).optimize(study, lambda t: 0.0, n_trials=4)
+    assert study.trials[0].user_attrs == {"mine": 1}  # enqueue_trial(user_attrs=) round trip
+    assert [t.user_attrs for t in study.trials[1:]] == [{}] * 3
+    # By default trials look as Study.optimize leaves them: Optuna's dataframe columns.
+    columns = study.trials_dataframe().columns
+    assert [c for c in columns if "attrs" in c] == ["user_attrs_mine", "system_attrs_fixed_params"]
+    study = optuna.create_study(storage=storage)
+    _cpu(2, record_trial_attrs=True).optimize(study, lambda t: 0.0, n_trials=4)
+    assert [t.user_attrs for t in study.trials] == [{}] * 4
     for trial in study.trials:
-        assert trial.user_attrs["waterwave:device"] == "cpu"
-        assert trial.user_attrs["waterwave:slot"] in (0, 1)
+        assert trial.system_attrs["waterwave:device"] == "cpu"
+        assert trial.system_attrs["waterwave:slot"] in (0, 1)
 
 
-def test_timeout_stops_starting_trials_and_lets_running_ones_finish() -> None:
+def test_timeout_stops_starting_trials_and_lets_running_ones_finish(
+    storage: optuna.storages.BaseStorage,
+) -> None:
+    # The first two trials run past the timeout: no trial may start after it, both finish.
+    timeout_s = 0.3
+    past_timeout = threading.Event()
+    timer = threading.Timer(2 * timeout_s, past_timeout.set)
+
     def objective(trial: optuna.trial.Trial) -> float:
-        time.sleep(0.3)
+        with contextlib.suppress(RuntimeError):  # started by the first trial only
+            timer.start()  # optimize started before this trial: the timeout passes first
+        assert past_timeout.wait(timeout=60)
         return 0.0
 
-    study = optuna.create_study()
-    started = time.monotonic()
-    _cpu(2).optimize(study, objective, timeout=0.5)
-    elapsed = time.monotonic() - started
-    states = _states(study)
-    assert 2 <= len(states) <= 6
-    assert all(state is TrialState.COMPLETE for state in states)
-    assert elapsed < 3.0
+    study = optuna.create_study(storage=storage)
+    _cpu(2).optimize(study, objective, timeout=timeout_s)
+    # Both slots' trials, or one when a slow storage's ask() outlasts the timeout.
+    assert _states(study) in ([TrialState.COMPLETE] * 2, [TrialState.COMPLETE])
 
 
-def test_callbacks_see_every_finished_trial_in_the_calling_thread() -> None:
+def test_callbacks_see_every_finished_trial_in_the_calling_thread(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     calls: list[tuple[int, TrialState, str]] = []
 
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -118,7 +142,7 @@ def test_callbacks_see_every_finished_trial_in_the_calling_thread() -> None:
             raise optuna.TrialPruned()
         return 1.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(2).optimize(study, objective, n_trials=6, callbacks=[callback])
     assert sorted(number for number, _, _ in calls) == list(range(6))
     assert {thread for _, _, thread in calls} == {threading.current_thread().name}
@@ -126,65 +150,73 @@ def test_callbacks_see_every_finished_trial_in_the_calling_thread() -> None:
         assert state is (TrialState.PRUNED if number % 3 == 0 else TrialState.COMPLETE)
 
 
-def test_study_stop_in_callback_stops_the_study() -> None:
+def test_study_stop_in_callback_stops_the_study(storage: optuna.storages.BaseStorage) -> None:
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if trial.number >= 2:
             study.stop()
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(1).optimize(study, lambda t: 0.0, n_trials=50, callbacks=[callback])
     assert len(study.trials) == 3
     assert all(state is TrialState.COMPLETE for state in _states(study))
 
 
-def test_study_stop_in_objective_stops_the_study() -> None:
+def test_study_stop_in_objective_stops_the_study(storage: optuna.storages.BaseStorage) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         if trial.number == 1:
             trial.study.stop()
         return 0.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(1).optimize(study, objective, n_trials=50)
     assert len(study.trials) == 2
 
 
-def test_pruned_trials_end_pruned_with_their_last_report() -> None:
+def test_pruned_trials_end_pruned_with_their_last_report(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         trial.report(0.5, step=0)
         raise optuna.TrialPruned()
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(2).optimize(study, objective, n_trials=4)
     assert _states(study) == [TrialState.PRUNED] * 4
     assert [t.value for t in study.trials] == [0.5] * 4
 
 
-def test_caught_exception_fails_only_its_trial() -> None:
+def test_caught_exception_fails_only_its_trial(storage: optuna.storages.BaseStorage) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         if trial.number == 1:
             raise ValueError("bad hyperparameters")
         time.sleep(0.02)
         return 1.0
 
-    study = optuna.create_study()
-    _cpu(2).optimize(study, objective, n_trials=6, catch=(ValueError,))
+    study = optuna.create_study(storage=storage)
+    _cpu(2, record_trial_attrs=True).optimize(study, objective, n_trials=6, catch=(ValueError,))
     states = _states(study)
     assert states[1] is TrialState.FAIL
     assert states.count(TrialState.COMPLETE) == 5
-    assert "ValueError: bad hyperparameters" in study.trials[1].user_attrs["waterwave:fail_reason"]
+    assert (
+        "ValueError: bad hyperparameters" in study.trials[1].system_attrs["waterwave:fail_reason"]
+    )
 
 
-def test_catch_accepts_a_single_type_and_a_list_like_optuna() -> None:
+def test_catch_accepts_a_single_type_and_a_list_like_optuna(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         raise KeyError("x")
 
     for catch in (KeyError, [KeyError]):
-        study = optuna.create_study()
+        study = optuna.create_study(storage=storage)
         _cpu(2).optimize(study, objective, n_trials=2, catch=catch)  # type: ignore[arg-type]
         assert _states(study) == [TrialState.FAIL] * 2
 
 
-def test_uncaught_exception_propagates_after_neighbours_finish_and_are_told() -> None:
+def test_uncaught_exception_propagates_after_neighbours_finish_and_are_told(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     neighbours_inside = threading.Barrier(3, timeout=20)
 
     def objective(trial: optuna.trial.Trial) -> float:
@@ -195,7 +227,7 @@ def test_uncaught_exception_propagates_after_neighbours_finish_and_are_told() ->
         time.sleep(0.3)  # still running when trial 0 fails
         return 1.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     with pytest.raises(RuntimeError, match="objective bug"):
         _cpu(3).optimize(study, objective, n_trials=20)
     trials = study.get_trials(deepcopy=False)
@@ -206,13 +238,17 @@ def test_uncaught_exception_propagates_after_neighbours_finish_and_are_told() ->
 
 
 @pytest.mark.filterwarnings("ignore:The value None could not be cast to float")
-def test_invalid_return_value_fails_the_trial_without_raising() -> None:
-    study = optuna.create_study()
+def test_invalid_return_value_fails_the_trial_without_raising(
+    storage: optuna.storages.BaseStorage,
+) -> None:
+    study = optuna.create_study(storage=storage)
     _cpu(2).optimize(study, lambda t: None, n_trials=2)  # type: ignore[arg-type,return-value]
     assert _states(study) == [TrialState.FAIL] * 2
 
 
-def test_out_of_memory_fails_only_its_trial_with_on_oom_fail() -> None:
+def test_out_of_memory_fails_only_its_trial_with_on_oom_fail(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     inside = threading.Barrier(3, timeout=20)
 
     def objective(trial: optuna.trial.Trial) -> float:
@@ -223,16 +259,18 @@ def test_out_of_memory_fails_only_its_trial_with_on_oom_fail() -> None:
         time.sleep(0.1)
         return 1.0
 
-    study = optuna.create_study()
-    _cpu(3, on_oom="fail").optimize(study, objective, n_trials=6)
+    study = optuna.create_study(storage=storage)
+    _cpu(3, on_oom="fail", record_trial_attrs=True).optimize(study, objective, n_trials=6)
     states = _states(study)
     assert len(states) == 6
     assert states[1] is TrialState.FAIL
     assert states.count(TrialState.COMPLETE) == 5
-    assert "out of device memory" in study.trials[1].user_attrs["waterwave:fail_reason"]
+    assert "out of device memory" in study.trials[1].system_attrs["waterwave:fail_reason"]
 
 
-def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours() -> None:
+def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     inside = threading.Barrier(3, timeout=20)
     lock = threading.Lock()
     running = {"now": 0}
@@ -254,7 +292,7 @@ def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours() -> Non
             with lock:
                 running["now"] -= 1
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(3).optimize(study, objective, n_trials=3)
     trials = study.get_trials(deepcopy=False)
     assert len(trials) == 4  # three configurations, one re-run
@@ -262,23 +300,26 @@ def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours() -> Non
     assert trials[0].state is TrialState.FAIL
     assert retry.state is TrialState.COMPLETE
     assert retry.params == trials[0].params
-    assert retry.user_attrs["waterwave:retry_of"] == 0
-    assert retry.user_attrs["waterwave:attempt"] == 1
+    assert retry.system_attrs["waterwave:retry_of"] == 0
+    assert retry.system_attrs["waterwave:attempt"] == 1
     # It failed beside two neighbours; its re-run may have at most one.
     assert concurrency_at_start[3] <= 2
 
 
-def test_out_of_memory_alone_is_not_retried() -> None:
+def test_out_of_memory_alone_is_not_retried(storage: optuna.storages.BaseStorage) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(1).optimize(study, objective, n_trials=2)
     assert _states(study) == [TrialState.FAIL] * 2
 
 
-def test_keyboard_interrupt_tells_every_running_trial_fail() -> None:
+def test_keyboard_interrupt_tells_every_running_trial_fail(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     inside = threading.Barrier(3, timeout=20)
+    finished_loop = threading.Event()
 
     def objective(trial: optuna.trial.Trial) -> float:
         inside.wait()
@@ -287,28 +328,28 @@ def test_keyboard_interrupt_tells_every_running_trial_fail() -> None:
         for step in range(200):  # a long training loop
             time.sleep(0.02)
             trial.report(float(step), step)
+        finished_loop.set()
         return 1.0
 
-    study = optuna.create_study()
-    started = time.monotonic()
+    study = optuna.create_study(storage=storage)
     with pytest.raises(KeyboardInterrupt):
-        _cpu(3).optimize(study, objective, n_trials=10)
-    assert time.monotonic() - started < 3.0
+        _cpu(3, record_trial_attrs=True).optimize(study, objective, n_trials=10)
+    assert not finished_loop.is_set()  # interrupted inside the loop, not after it
     states = _states(study)
     assert len(states) == 3
     assert states == [TrialState.FAIL] * 3
-    assert "interrupted" in study.trials[0].user_attrs["waterwave:fail_reason"]
+    assert "interrupted" in study.trials[0].system_attrs["waterwave:fail_reason"]
 
 
-def test_multi_objective_study() -> None:
-    study = optuna.create_study(directions=["minimize", "maximize"])
+def test_multi_objective_study(storage: optuna.storages.BaseStorage) -> None:
+    study = optuna.create_study(storage=storage, directions=["minimize", "maximize"])
     _cpu(2).optimize(study, lambda t: (t.suggest_float("x", 0, 1), 1.0), n_trials=4)
     assert _states(study) == [TrialState.COMPLETE] * 4
     assert all(len(t.values) == 2 for t in study.trials)
 
 
-def test_nested_optimize_is_refused() -> None:
-    study = optuna.create_study()
+def test_nested_optimize_is_refused(storage: optuna.storages.BaseStorage) -> None:
+    study = optuna.create_study(storage=storage)
     executor = _cpu(1)
 
     def objective(trial: optuna.trial.Trial) -> float:
@@ -322,10 +363,10 @@ def test_nested_optimize_is_refused() -> None:
     assert _states(study) == [TrialState.FAIL]
 
 
-def test_executor_can_be_reused_for_several_studies() -> None:
+def test_executor_can_be_reused_for_several_studies(storage: optuna.storages.BaseStorage) -> None:
     executor = _cpu(2)
     for _ in range(2):
-        study = optuna.create_study()
+        study = optuna.create_study(storage=storage)
         executor.optimize(study, lambda t: 0.0, n_trials=3)
         assert _states(study) == [TrialState.COMPLETE] * 3
 
@@ -366,7 +407,9 @@ def test_bad_constructor_arguments_name_the_argument(
     ],
 )
 def test_bad_optimize_arguments_fail_before_any_trial(
-    kwargs: dict[str, object], error: type[Exception], match: str
+    kwargs: dict[str, object],
+    error: type[Exception],
+    match: str,
 ) -> None:
     study = optuna.create_study()
     with pytest.raises(error, match=match):
@@ -387,7 +430,9 @@ def test_n_trials_zero_runs_nothing() -> None:
     assert study.trials == []
 
 
-def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry() -> None:
+def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     class Activations:
         pass
 
@@ -396,7 +441,7 @@ def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry() -> Non
     freed_before_retry: list[bool] = []
 
     def objective(trial: optuna.trial.Trial) -> float:
-        if trial.user_attrs.get("waterwave:attempt") == 1:
+        if ww.current().attempt == 1:
             freed_before_retry.append(refs[0]() is None)
             return 0.0
         if trial.number < 2:
@@ -408,12 +453,14 @@ def test_out_of_memory_frees_the_failed_trials_objects_before_its_retry() -> Non
         time.sleep(0.1)
         return 1.0
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     _cpu(2).optimize(study, objective, n_trials=2)
     assert freed_before_retry == [True]
 
 
-def test_out_of_memory_rerun_runs_even_behind_trials_the_user_enqueued() -> None:
+def test_out_of_memory_rerun_runs_even_behind_trials_the_user_enqueued(
+    storage: optuna.storages.BaseStorage,
+) -> None:
     inside = threading.Barrier(2, timeout=20)
 
     def objective(trial: optuna.trial.Trial) -> float:
@@ -425,13 +472,13 @@ def test_out_of_memory_rerun_runs_even_behind_trials_the_user_enqueued() -> None
         time.sleep(0.05)
         return x
 
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     for x in (0.1, 0.2, 0.3, 0.4):
         study.enqueue_trial({"x": x})
     _cpu(2).optimize(study, objective, n_trials=3)
     trials = study.get_trials(deepcopy=False)
     assert all(t.state.is_finished() for t in trials)  # nothing left WAITING or RUNNING
-    reruns = [t for t in trials if t.user_attrs.get("waterwave:retry_of") == 0]
+    reruns = [t for t in trials if t.system_attrs.get("waterwave:retry_of") == 0]
     assert len(reruns) == 1
     assert reruns[0].state is TrialState.COMPLETE
     assert reruns[0].params == trials[0].params

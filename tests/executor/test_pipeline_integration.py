@@ -128,7 +128,11 @@ def test_a_trial_that_can_never_fit_fails_alone_and_nothing_hangs() -> None:
     budget = _profile_peak_bytes() // 4
     running = {"now": 0, "peak": 0}
     executor = ww.WaterwaveExecutor(
-        "cpu", trials_per_device=2, memory_budget_bytes=budget, on_oom="fail"
+        "cpu",
+        trials_per_device=2,
+        memory_budget_bytes=budget,
+        on_oom="fail",
+        record_trial_attrs=True,
     )
     study = optuna.create_study()
     finished = threading.Event()
@@ -142,7 +146,7 @@ def test_a_trial_that_can_never_fit_fails_alone_and_nothing_hangs() -> None:
     thread.join(timeout=60)
     assert finished.is_set(), "optimize() hung"
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
-    assert "budget" in study.trials[0].user_attrs["waterwave:fail_reason"]
+    assert "budget" in study.trials[0].system_attrs["waterwave:fail_reason"]
 
 
 def test_gates_pass_straight_through_without_a_budget_on_the_cpu() -> None:

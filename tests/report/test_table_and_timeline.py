@@ -25,7 +25,8 @@ def study() -> optuna.Study:
         return x
 
     study = optuna.create_study()
-    ww.WaterwaveExecutor("cpu", 2).optimize(study, objective, n_trials=5, catch=(ValueError,))
+    executor = ww.WaterwaveExecutor("cpu", 2, record_trial_attrs=True)
+    executor.optimize(study, objective, n_trials=5, catch=(ValueError,))
     return study
 
 

@@ -471,7 +471,6 @@ def _run_waterwave(
     CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot."""
     from waterwave_hpo.executor import WaterwaveExecutor
     from waterwave_hpo.executor import current
-    from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 
     lock = threading.Lock()
     number_to_index: dict[int, int] = {}
@@ -485,7 +484,7 @@ def _run_waterwave(
     def objective(trial: optuna.trial.Trial) -> float:
         ctx = current()
         with lock:
-            retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
+            retry_of = ctx.retry_of
             index = next(fresh) if retry_of is None else number_to_index[int(retry_of)]
             number_to_index[trial.number] = index
             record = TrialRecord(index=index, attempt=ctx.attempt, slot=ctx.slot)
@@ -504,6 +503,7 @@ def _run_waterwave(
         # On CUDA the pool is installed by _run_here; "on" makes any fallback an error, never
         # a hidden warning.
         memory_pool="on" if device.type == "cuda" else "auto",
+        record_trial_attrs=True,
     )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))

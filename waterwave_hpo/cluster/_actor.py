@@ -193,8 +193,8 @@ class HostActor:
         Precondition: the driver only submits to a slot whose previous trial it has seen end.
         """
         trial = optuna.trial.Trial(self._study, trial_id)
-        trial.set_user_attr(ATTR_HOST, self._info.label)
-        trial.set_user_attr(ATTR_NODE, self._info.node_id)
+        _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
+        _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
         with self._lock:
             self._host.submit(self._host.slots[slot], TrialJob(trial, attempt, retry_of))
 

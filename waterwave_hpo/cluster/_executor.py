@@ -143,6 +143,9 @@ class RayExecutor(WaterwaveExecutor):
             policy=policy,
             memory_pool=memory_pool,
             max_trials_per_device=max_trials_per_device,
+            # Hosts always record where a trial ran (waterwave:host, :node, :device, :slot,
+            # :fail_reason) as system attributes: on a cluster that is how a lost node is traced.
+            record_trial_attrs=True,
         )
         self.devices: list[torch.device] = []  # the driver runs no trial (see cluster_stats)
         if n_hosts != "auto":

@@ -21,6 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
@@ -200,17 +201,19 @@ class RemoteHost:
         kind = record.kind
         error = record.error
         frozen = None
+        fail_message = None
         try:
-            if record.state is None:
-                frozen = study.tell(job.trial, record.values, skip_if_finished=True)  # type: ignore[arg-type]
-            else:
-                frozen = study.tell(job.trial, state=record.state, skip_if_finished=True)
+            frozen, fail_message = _optuna_compat.tell_as_optimize(
+                study, job.trial, record.values, record.state
+            )
         except Exception as tell_error:  # the driver could not tell: fail it, never leave it
             kind, error = OutcomeKind.FATAL, tell_error
             frozen = _fail(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
         with self._lock:
             self.slots[record.slot].job = None
-        self.settings.outcomes.put(TrialOutcome(job, kind, frozen, error, record.neighbours))
+        self.settings.outcomes.put(
+            TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
+        )
 
     def _mark_lost(self, error: BaseException) -> None:
         with self._lock:
@@ -235,7 +238,9 @@ class RemoteHost:
 
 def _fail(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:
     with contextlib.suppress(Exception):
-        job.trial.set_user_attr(ATTR_FAIL_REASON, reason[:500])
+        _optuna_compat.set_system_attr(
+            study, _optuna_compat.trial_id(job.trial), ATTR_FAIL_REASON, reason[:500]
+        )
     with contextlib.suppress(Exception):
         return study.tell(job.trial, state=TrialState.FAIL, skip_if_finished=True)
     return None

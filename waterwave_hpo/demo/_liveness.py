@@ -167,7 +167,9 @@ def requeue_and_fail(study: optuna.Study, trial: FrozenTrial, reason: str) -> bo
     if not any(rerun_of(t) == trial.number for t in study.get_trials(deepcopy=False)):
         requeue(study, trial)
     try:
-        _optuna_compat.set_user_attr(study, trial, ATTR_FAIL_REASON, reason)
+        _optuna_compat.set_system_attr(
+            study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+        )
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
     except UpdateFinishedTrialError:
         return False

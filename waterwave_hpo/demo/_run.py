@@ -24,6 +24,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 import torch
 
+from waterwave_hpo import _optuna_compat
 from waterwave_hpo._version import __version__
 from waterwave_hpo.demo._data import load_digits
 from waterwave_hpo.demo._journal import open_journal
@@ -146,7 +147,11 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise DemoSettingError(name, value, f"must be an int >= {minimum}.")
     try:
-        executor = WaterwaveExecutor(devices=config.device, trials_per_device=config.concurrency)
+        executor = WaterwaveExecutor(
+            devices=config.device,
+            trials_per_device=config.concurrency,
+            record_trial_attrs=True,
+        )
     except (TypeError, ValueError) as error:
         raise DemoSettingError(
             "device", config.device, str(error), _device_flags(str(error))
@@ -248,7 +253,9 @@ class _OwnedObjective:
             with self._lock:
                 self.failed_by_itself.add(trial.number)
             # Optuna fails such a trial when told; keep why where trials.csv reads it.
-            trial.set_user_attr(ATTR_FAIL_REASON, reason)
+            _optuna_compat.set_system_attr(
+                trial.study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+            )
         return value
 
 

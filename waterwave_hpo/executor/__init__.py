@@ -1,5 +1,6 @@
 """The executor: co-hosted trials, one thread and one CUDA stream each, on every device."""
 
+from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._context import NotInTrialError
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._context import current
@@ -22,6 +23,7 @@ __all__ = [
     "current",
     "current_or_none",
     "is_out_of_memory",
+    "trial_attr",
     "trial_memory_stats",
     "trial_scope",
 ]

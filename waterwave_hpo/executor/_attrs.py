@@ -1,4 +1,16 @@
-"""Trial user attributes the executor writes, so a study records where and how a trial ran."""
+"""Trial system attributes the executor writes, so a study records where and how a trial ran.
+
+They are the executor's bookkeeping, kept out of the user's ``trial.user_attrs`` (so
+``trials_dataframe()`` columns and ``enqueue_trial(user_attrs=...)`` round trips are Optuna's):
+they are written as system attributes through the study's storage and read back with
+:func:`trial_attr` (``frozen_trial.system_attrs``) by trials.csv, the timeline and retries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optuna.trial import FrozenTrial
 
 ATTR_DEVICE = "waterwave:device"
 """The device the trial ran on, e.g. ``"cuda:0"`` or ``"cpu"``."""
@@ -12,3 +24,21 @@ ATTR_FAIL_REASON = "waterwave:fail_reason"
 """Why a FAIL trial failed: the exception, or out of memory with how many neighbours."""
 ATTR_PEAK_BYTES = "waterwave:peak_bytes"
 """The trial's peak allocated device memory in bytes, measured by its pool account (CUDA)."""
+
+
+def trial_attr(trial: FrozenTrial, key: str, default: Any = None) -> Any:
+    """The executor's attribute ``key`` (one of the ``ATTR_*`` names) of ``trial``, or ``default``.
+
+    Args:
+        trial: A trial of a study the executor ran (``study.trials[i]``).
+        key: ``ATTR_DEVICE``, ``ATTR_SLOT``, ``ATTR_ATTEMPT``, ``ATTR_RETRY_OF``,
+            ``ATTR_FAIL_REASON``, ``ATTR_PEAK_BYTES`` or ``waterwave_hpo.cluster.ATTR_HOST``.
+        default: Returned when the trial does not have it (not run by the executor, or, for
+            ``ATTR_RETRY_OF``, not a re-run).
+
+    Studies written by waterwave-hpo 0.1 kept these in ``user_attrs``; they are read from there
+    when the system attribute is missing, so such studies still resume and report.
+    """
+    if key in trial.system_attrs:
+        return trial.system_attrs[key]
+    return trial.user_attrs.get(key, default)

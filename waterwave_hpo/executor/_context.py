@@ -33,6 +33,8 @@ class TrialContext:
             error (see ``WaterwaveExecutor(on_oom="retry")``).
         scheduler: The device host's pipeline scheduler that NodeGroup gates ask for memory,
             or ``None`` when the executor runs without one.
+        retry_of: On a re-run (``attempt > 0``), the number of the trial whose parameters it
+            repeats; ``None`` otherwise.
     """
 
     trial: optuna.trial.Trial
@@ -42,6 +44,7 @@ class TrialContext:
     slot: int
     attempt: int = 0
     scheduler: Any = None
+    retry_of: int | None = None
 
 
 _CURRENT: ContextVar[TrialContext | None] = ContextVar("waterwave_hpo_current_trial", default=None)

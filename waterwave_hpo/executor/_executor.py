@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Iterator
 from collections.abc import Sequence
 import contextlib
 from dataclasses import dataclass
 import logging
 import queue
+import signal
+import threading
 import time
 from typing import Any
 
@@ -17,12 +20,12 @@ import optuna
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 import torch
-from tqdm.auto import tqdm
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._devices import DeviceSpec
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
@@ -41,6 +44,9 @@ from waterwave_hpo.scheduler import PolicyName
 from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim import PackingPrediction
 
+# The executor's own messages (OOM re-runs, lost hosts). No handler of its own: when the
+# application has not configured logging, Python's last-resort handler prints WARNING and above
+# to stderr, so they are visible by default; a configured root logger receives them instead.
 _logger = logging.getLogger("waterwave_hpo")
 
 ObjectiveFunc = Callable[[optuna.trial.Trial], Any]
@@ -65,6 +71,12 @@ class WaterwaveExecutor:
     propagates from :meth:`optimize` (Optuna's semantics); running out of device memory fails
     it alone or re-queues its parameters (``on_oom``); Ctrl+C tells every running trial FAIL
     before ``KeyboardInterrupt`` propagates.
+
+    As ``Study.optimize``: finished trials are logged on Optuna's logger with Optuna's words;
+    with ``RDBStorage(heartbeat_interval=...)`` this process records a heartbeat for each trial
+    it runs (on a local slot or a Ray host) and fails stale trials (running the storage's
+    stale-trial callback, e.g. a retry) before each ``ask()``, so a crashed process's trials end
+    FAIL. ``sqlite:///:memory:`` is refused: SQLite keeps such a database per connection.
 
     Args:
         devices: ``"auto"`` (every visible CUDA device, else the CPU), ``"cpu"``, ``"cuda"``
@@ -95,6 +107,14 @@ class WaterwaveExecutor:
             and keep PyTorch's), one account per trial; ``"on"``: the same, but raise instead
             of falling back; ``"off"``: PyTorch's allocator.
         max_trials_per_device: The cap for ``trials_per_device="auto"`` (>= 1).
+        record_trial_attrs: Record where and how each trial ran as system attributes of the
+            trial (``waterwave:device``, ``waterwave:slot``, ``waterwave:peak_bytes``,
+            ``waterwave:fail_reason``; read them with
+            ``waterwave_hpo.executor.trial_attr``), which ``waterwave_hpo.report``'s trials
+            table and timeline show. Off by default, so a study's trials look as
+            ``Study.optimize`` leaves them (``trials_dataframe()`` has Optuna's columns). The
+            user's ``user_attrs`` are never touched. A re-run after an out-of-memory error
+            always records ``waterwave:retry_of`` and ``waterwave:attempt``.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -120,6 +140,7 @@ class WaterwaveExecutor:
         policy: str | PolicyName | Policy = PolicyName.WATERWAVE,
         memory_pool: MemoryPoolMode | str = MemoryPoolMode.AUTO,
         max_trials_per_device: int = 16,
+        record_trial_attrs: bool = False,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
         self._init_trial_settings(
@@ -130,6 +151,7 @@ class WaterwaveExecutor:
             policy=policy,
             memory_pool=memory_pool,
             max_trials_per_device=max_trials_per_device,
+            record_trial_attrs=record_trial_attrs,
         )
 
     def _init_trial_settings(
@@ -142,6 +164,7 @@ class WaterwaveExecutor:
         policy: str | PolicyName | Policy,
         memory_pool: MemoryPoolMode | str,
         max_trials_per_device: int,
+        record_trial_attrs: bool,
     ) -> None:
         """Check and keep the settings every host applies (all but the devices, which a
         subclass with remote hosts does not resolve here); the arguments are ``__init__``'s.
@@ -150,6 +173,12 @@ class WaterwaveExecutor:
             TypeError: For an argument of the wrong type.
             ValueError: For an argument out of range.
         """
+        if not isinstance(record_trial_attrs, bool):
+            raise TypeError(
+                f"record_trial_attrs={record_trial_attrs!r} must be True or False, not "
+                f"{type(record_trial_attrs).__name__}."
+            )
+        self.record_trial_attrs = record_trial_attrs
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )
@@ -256,14 +285,20 @@ class WaterwaveExecutor:
                 ``None`` for no limit.
             catch: Exception types that fail only their trial; the study goes on.
             callbacks: Called as ``callback(study, frozen_trial)`` after each trial is told, in
-                the thread that called ``optimize``, one at a time. ``study.stop()`` works there
-                and in objectives.
+                the thread that called ``optimize``, one at a time; not for a trial whose
+                exception propagates (Optuna's rule). ``study.stop()`` works there and in
+                objectives: no trial is asked for after it; the trials running at that moment
+                (up to ``trials_per_device`` per device) still finish, are told and reach the
+                callbacks. So ``MaxTrialsCallback(n)`` may end with up to
+                ``n + trials_per_device * len(devices) - 1`` trials in the state it counts.
             gc_after_trial: Run ``gc.collect()`` after each trial.
-            show_progress_bar: Show a tqdm progress bar of finished trials.
+            show_progress_bar: Show Optuna's progress bar: finished trials of ``n_trials``, or
+                with only a ``timeout`` the elapsed time; with neither, Optuna's warning.
 
         Raises:
             TypeError: If ``study``, ``func``, ``catch`` or ``callbacks`` has the wrong type.
-            ValueError: If ``n_trials`` or ``timeout`` is out of range.
+            ValueError: If ``n_trials`` or ``timeout`` is out of range, or the study's storage
+                is an in-memory SQLite database (``sqlite:///:memory:``).
             RuntimeError: If called inside another ``optimize`` of the same study.
             Exception: The first exception an objective raised that is not in ``catch``, after
                 the other running trials have finished and been told.
@@ -289,6 +324,14 @@ class WaterwaveExecutor:
         callback_list = _check_callbacks(callbacks)
         if _optuna_compat.in_optimize_loop(study):
             raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
+        memory_url = _optuna_compat.in_memory_sqlite_url(study)
+        if memory_url is not None:
+            raise ValueError(
+                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
+                "keeps per connection: trials told from the executor's threads would be lost "
+                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
+                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
+            )
 
         run = _OptimizeRun(
             executor=self,
@@ -300,6 +343,7 @@ class WaterwaveExecutor:
                 max_oom_retries=self.max_oom_retries,
                 gc_after_trial=bool(gc_after_trial),
                 outcomes=queue.SimpleQueue(),
+                record_trial_attrs=self.record_trial_attrs,
             ),
             n_trials=n_trials,
             timeout_s=None if timeout is None else float(timeout),
@@ -352,11 +396,14 @@ class _OptimizeRun:
         self.retries: deque[_RetryRequest] = deque()
         self.error: BaseException | None = None  # first fatal error, re-raised at the end
         self.stopping = False
-        self.progress = tqdm(
-            total=n_trials, disable=not show_progress_bar, unit="trial", dynamic_ncols=True
-        )
+        self.progress = _optuna_compat.progress_bar(show_progress_bar, n_trials, timeout_s)
         self.time_start = 0.0
         self.asked: optuna.trial.Trial | None = None  # asked, not yet handed to a slot
+        # One heartbeat per running trial, wherever it runs (a local slot or a Ray host): this
+        # process records them while it holds the trial; if it dies they stop, and another
+        # process's fail_stale_trials fails the trial (RDBStorage(heartbeat_interval=...)).
+        self.heartbeats: dict[int, _optuna_compat.Heartbeat] = {}
+        self.aborted: list[optuna.trial.Trial] = []  # running when optimize was interrupted
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -374,6 +421,12 @@ class _OptimizeRun:
             self.progress.close()
             for host in self.hosts:
                 host.shutdown(timeout_s=_SHUTDOWN_GRACE_S)
+            for number in list(self.heartbeats):
+                self._stop_heartbeat(number)
+            # Once the slots have stopped (and released their storage sessions), tell FAIL
+            # again whatever the abort could not (a storage locked by an interrupted thread).
+            for trial in self.aborted:
+                _fail_quietly(self.settings, trial, "optimize() was interrupted")
             _optuna_compat.set_in_optimize_loop(study, False)
         if self.error is not None:
             raise self.error
@@ -421,21 +474,31 @@ class _OptimizeRun:
                 host = self._host_for(max_running=None)
                 if host is None:
                     return
-            self.asked = trial = self.study.ask()
-            attempt = int(trial.user_attrs.get(ATTR_ATTEMPT, 0))
-            retry_of = trial.user_attrs.get(ATTR_RETRY_OF)
-            if attempt == 0:
-                # A new trial, sampled or enqueued by the user (ask() pops the oldest WAITING
-                # trial, which may be older than a re-run we enqueued; that one comes next).
-                self.n_started += 1
-            else:
-                for request in list(self.retries):
-                    if (request.retry_of, request.attempt) == (retry_of, attempt):
-                        self.retries.remove(request)
-            slot = host.idle_slot()
-            assert slot is not None
-            host.submit(slot, TrialJob(trial, attempt, retry_of))
-            self.asked = None
+            _optuna_compat.fail_stale_trials(self.study)  # as Study.optimize, before ask()
+            with _ctrl_c_deferred():
+                self._ask_and_submit(host)
+
+    def _ask_and_submit(self, host: DeviceHost) -> None:
+        self.asked = trial = self.study.ask()
+        beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
+        beat.start()
+        self.heartbeats[trial.number] = beat
+        attrs = _optuna_compat.system_attrs(self.study, _optuna_compat.trial_id(trial))
+        attempt = int(attrs.get(ATTR_ATTEMPT, 0))  # type: ignore[call-overload]
+        retry_of = attrs.get(ATTR_RETRY_OF)
+        if attempt == 0:
+            # A new trial, sampled or enqueued by the user (ask() pops the oldest WAITING
+            # trial, which may be older than a re-run we enqueued; that one comes next).
+            self.n_started += 1
+        else:
+            for request in list(self.retries):
+                if (request.retry_of, request.attempt) == (retry_of, attempt):
+                    self.retries.remove(request)
+        slot = host.idle_slot()
+        assert slot is not None
+        retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
+        host.submit(slot, TrialJob(trial, attempt, retry_number))
+        self.asked = None
 
     def _enqueue(self, request: _RetryRequest) -> bool:
         """Put ``request``'s parameters in the study's queue, once.
@@ -444,16 +507,16 @@ class _OptimizeRun:
         waiting: another process sharing the study took it and runs it.
         """
         if not request.enqueued:
-            self.study.enqueue_trial(
+            _optuna_compat.enqueue_with_system_attrs(
+                self.study,
                 request.params,
-                user_attrs={ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
-                skip_if_exists=False,
+                {ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
             )
             request.enqueued = True
             return True
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         if any(
-            (t.user_attrs.get(ATTR_RETRY_OF), t.user_attrs.get(ATTR_ATTEMPT))
+            (trial_attr(t, ATTR_RETRY_OF), trial_attr(t, ATTR_ATTEMPT))
             == (request.retry_of, request.attempt)
             for t in waiting
         ):
@@ -482,6 +545,7 @@ class _OptimizeRun:
         frozen = outcome.frozen_trial
         kind = outcome.kind
         number = outcome.job.trial.number
+        self._stop_heartbeat(number)
         if kind is OutcomeKind.INTERRUPTED:
             return
         if kind in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
@@ -515,11 +579,11 @@ class _OptimizeRun:
                     request.max_running,
                 )
         else:
-            self.progress.update(1)
             self._log(outcome)
         if kind is OutcomeKind.FATAL and self.error is None:
             self.error = outcome.error
-        if frozen is not None:
+        if frozen is not None and kind is not OutcomeKind.FATAL:
+            # Optuna's rule: no callback for a trial whose exception propagates.
             for callback in self.callbacks:
                 try:
                     callback(self.study, frozen)
@@ -528,18 +592,25 @@ class _OptimizeRun:
                         self.error = error
                     self.stopping = True
                     break
-        if frozen is not None:
-            self._show_best()
+        if kind not in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
+            self.progress.update(time.monotonic() - self.time_start, self.study)
+
+    def _stop_heartbeat(self, number: int) -> None:
+        beat = self.heartbeats.pop(number, None)
+        if beat is not None:
+            beat.join()
 
     def _abort(self, interrupt: BaseException) -> None:
         # Tell every running trial FAIL first (nothing may be left RUNNING), then stop threads.
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         if self.asked is not None:
-            _fail_quietly(self.study, self.asked, reason)
+            self.aborted.append(self.asked)
+            _fail_quietly(self.settings, self.asked, reason)
         for host in self.hosts:
             for slot, job in host.running_jobs():
-                _fail_quietly(self.study, job.trial, reason)
+                self.aborted.append(job.trial)
+                _fail_quietly(self.settings, job.trial, reason)
                 slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
         # drain what has already been reported, without waiting for the rest.
@@ -550,40 +621,46 @@ class _OptimizeRun:
     # -- reporting ------------------------------------------------------------------------
 
     def _log(self, outcome: TrialOutcome) -> None:
-        frozen = outcome.frozen_trial
-        number = outcome.job.trial.number
-        if frozen is None:
+        # Optuna's lines on Optuna's loggers, as Study.optimize logs them.
+        if outcome.frozen_trial is None:
             return
-        if frozen.state is TrialState.COMPLETE:
-            _logger.info(
-                "Trial %d finished with value %s and parameters %s.",
-                number,
-                frozen.values if len(frozen.values or []) > 1 else frozen.value,
-                frozen.params,
+        error = outcome.error
+        _optuna_compat.log_finished_trial(
+            self.study, outcome.frozen_trial, error, outcome.fail_message, outcome.value
+        )
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl+C while a trial is asked for and handed to a slot, then raise it.
+
+    A ``KeyboardInterrupt`` inside ``study.ask()`` (a slow storage: SQLite, a journal file)
+    would leave the trial it just created RUNNING, known to no one. Only in the main thread,
+    and only while Python's own SIGINT handler is installed (a user's handler is left alone).
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
+    study = settings.study
+    if settings.record_trial_attrs:
+        with contextlib.suppress(Exception):
+            _optuna_compat.set_system_attr(
+                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
             )
-        elif frozen.state is TrialState.PRUNED:
-            _logger.info("Trial %d pruned.", number)
-        else:
-            _logger.warning(
-                "Trial %d failed with parameters %s: %s",
-                number,
-                frozen.params,
-                frozen.user_attrs.get(ATTR_FAIL_REASON, "invalid return value"),
-            )
-
-    def _show_best(self) -> None:
-        if self.progress.disable or len(self.study.directions) != 1:
-            return
-        try:
-            best = self.study.best_trial
-        except ValueError:  # no COMPLETE trial yet
-            return
-        self.progress.set_postfix_str(f"best trial {best.number}: {best.value:.6g}")
-
-
-def _fail_quietly(study: optuna.Study, trial: optuna.trial.Trial, reason: str) -> None:
-    with contextlib.suppress(Exception):
-        trial.set_user_attr(ATTR_FAIL_REASON, reason)
     with contextlib.suppress(Exception):
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 

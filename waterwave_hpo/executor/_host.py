@@ -61,6 +61,9 @@ class RunSettings:
     max_oom_retries: int
     gc_after_trial: bool
     outcomes: queue.SimpleQueue[TrialOutcome]
+    record_trial_attrs: bool = True
+    """Record the trial's device, slot, peak bytes and failure reason as ``waterwave:*``
+    system attributes (``WaterwaveExecutor(record_trial_attrs=...)``)."""
 
 
 class DeviceHost:
@@ -191,7 +194,10 @@ class _Slot:
                 else:
                     try:
                         outcome = _run_trial(self, job, stream)
-                    except TrialInterrupted:
+                    except TrialInterrupted as interrupted:  # inside the executor's own calls
+                        _release_interrupted(interrupted)
+                        with contextlib.suppress(Exception):
+                            _optuna_compat.release_thread_session(self.host.settings.study)
                         outcome = TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
                     except BaseException as error:  # the study's storage failed, not the trial
                         outcome = _fail_without_running(self.host.settings, job, error)
@@ -245,6 +251,7 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         slot=slot.index,
         attempt=job.attempt,
         scheduler=slot.host.scheduler,
+        retry_of=None if job.retry_of is None else int(job.retry_of),
     )
     _optuna_compat.set_in_optimize_loop(study, True)
     token = _CURRENT.set(context)
@@ -256,8 +263,8 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     error: BaseException | None = None
     slot.busy = True
     try:
-        trial.set_user_attr(ATTR_DEVICE, str(device))
-        trial.set_user_attr(ATTR_SLOT, slot.index)
+        _set_attr(settings, trial, ATTR_DEVICE, str(device))
+        _set_attr(settings, trial, ATTR_SLOT, slot.index)
         account = memory.open_account(trial.number, stream)
         with on_trial_stream(device, stream, memory.pool):
             value = settings.func(trial)
@@ -280,19 +287,27 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
             memory.trial_ended(trial.number)  # a pruned or finished trial frees its share at once
 
     if isinstance(error, TrialInterrupted):
-        # The executor has told the study FAIL already; make sure, without raising.
+        # The executor has told the study FAIL already; make sure, without raising. The
+        # interrupt may have landed inside a storage call, leaving a database connection in a
+        # transaction (SQLite: holding the file's write lock) referenced only by the
+        # traceback's frames: free them, and this thread's session, before anyone writes.
+        _release_interrupted(error)
+        error = None
+        with contextlib.suppress(Exception):
+            _optuna_compat.release_thread_session(study)
         with contextlib.suppress(Exception):
             settings.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None, error)
+        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
 
     if peak_bytes is not None:
         with contextlib.suppress(Exception):
-            trial.set_user_attr(ATTR_PEAK_BYTES, peak_bytes)
+            _set_attr(settings, trial, ATTR_PEAK_BYTES, peak_bytes)
+    fail_message: str | None = None
     if pruned:
-        frozen = _tell(settings.study, trial, state=TrialState.PRUNED)
+        frozen, _ = _tell(settings.study, trial, state=TrialState.PRUNED)
         kind = OutcomeKind.PRUNED
     elif error is None:
-        frozen = _tell(settings.study, trial, values=value)
+        frozen, fail_message = _tell(settings.study, trial, values=value)
         kind = OutcomeKind.COMPLETE
     else:
         kind = _classify(settings, job, error, neighbours, out_of_memory)
@@ -301,11 +316,14 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         else:
             reason = "".join(traceback.format_exception_only(type(error), error)).strip()
         with contextlib.suppress(Exception):
-            trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
-        frozen = _tell(settings.study, trial, state=TrialState.FAIL)
+            _set_attr(settings, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        frozen, _ = _tell(settings.study, trial, state=TrialState.FAIL)
+    if fail_message is not None:
+        with contextlib.suppress(Exception):
+            _set_attr(settings, trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
     if settings.gc_after_trial:
         gc.collect()
-    return TrialOutcome(job, kind, frozen, error, neighbours)
+    return TrialOutcome(job, kind, frozen, error, neighbours, fail_message, value)
 
 
 def _classify(
@@ -328,6 +346,14 @@ def _classify(
     return OutcomeKind.FATAL
 
 
+def _release_interrupted(error: BaseException) -> None:
+    # Frames of an interrupted storage call may hold an open database transaction.
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)
+    error.__traceback__ = None
+    gc.collect()
+
+
 def _release_memory(error: BaseException, device: torch.device) -> None:
     # The traceback's frames hold the failed trial's tensors; free them before anyone retries.
     tb = error.__traceback__
@@ -342,17 +368,23 @@ def _release_memory(error: BaseException, device: torch.device) -> None:
             torch.cuda.empty_cache()
 
 
+def _set_attr(settings: RunSettings, trial: optuna.trial.Trial, key: str, value: object) -> None:
+    # The executor's bookkeeping is a system attribute, and only on request: the user's
+    # attributes stay the user's, and trials_dataframe() shows Optuna's columns.
+    if settings.record_trial_attrs:
+        _optuna_compat.set_system_attr(settings.study, _optuna_compat.trial_id(trial), key, value)
+
+
 def _tell(
     study: optuna.Study,
     trial: optuna.trial.Trial,
     values: Any = None,
     state: TrialState | None = None,
-) -> optuna.trial.FrozenTrial:
-    # skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the objective may
-    # have told the study itself.
-    if state is None:
-        return study.tell(trial, values, skip_if_finished=True)
-    return study.tell(trial, state=state, skip_if_finished=True)
+) -> tuple[optuna.trial.FrozenTrial, str | None]:
+    # As Study.optimize tells: an invalid return value is logged as the trial's failure, not
+    # warned; skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the
+    # objective may have told the study itself.
+    return _optuna_compat.tell_as_optimize(study, trial, values, state)
 
 
 def _fail_without_running(
@@ -362,7 +394,7 @@ def _fail_without_running(
     reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
     frozen = None
     with contextlib.suppress(Exception):
-        job.trial.set_user_attr(ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        _set_attr(settings, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
     with contextlib.suppress(Exception):
-        frozen = _tell(settings.study, job.trial, state=TrialState.FAIL)
+        frozen, _ = _tell(settings.study, job.trial, state=TrialState.FAIL)
     return TrialOutcome(job, OutcomeKind.FATAL, frozen, error)

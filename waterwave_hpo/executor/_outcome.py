@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import enum
 from typing import TYPE_CHECKING
+from typing import Any
 
 if TYPE_CHECKING:
     import optuna
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 class OnOOM(str, enum.Enum):
     """What the executor does with a trial that runs out of device memory.
 
-    ``RETRY``: the attempt is told FAIL (recorded, with the reason, in its user attributes) and
+    ``RETRY``: the attempt is told FAIL (with the reason in its system attributes on request) and
     the same parameters are enqueued again (``study.enqueue_trial``) to run with fewer neighbours
     on the device, up to ``max_oom_retries`` times. ``FAIL``: the trial is told FAIL. Either way
     its neighbours go on.
@@ -65,3 +66,7 @@ class TrialOutcome:
     error: BaseException | None = None
     neighbours: int = 0
     """Trials running beside this one on its device when it ended (used by OOM retries)."""
+    fail_message: str | None = None
+    """Why the study marked a returned value FAIL (not a number, wrong count), else ``None``."""
+    value: Any = None
+    """What the objective returned (logged with a failure, as Optuna does)."""

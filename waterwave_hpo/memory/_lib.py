@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -137,13 +138,25 @@ def library_path() -> Path:
     """The path of the pool library this process loads.
 
     Returns:
-        ``$WATERWAVE_HPO_POOL_LIBRARY`` if set, else ``waterwave_hpo/_lib/libwaterwave_pool.so``
-        next to the installed package.
+        ``$WATERWAVE_HPO_POOL_LIBRARY`` if set; else ``waterwave_hpo/_lib/libwaterwave_pool.so``
+        next to the package (a regular install); else the one the installed distribution
+        lists (an editable install, ``pip install -e .``: the sources stay in the checkout and
+        scikit-build-core puts the built library in site-packages).
     """
     override = os.environ.get(LIBRARY_ENV_VAR)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parent.parent / "_lib" / LIBRARY_NAME
+    beside = Path(__file__).resolve().parent.parent / "_lib" / LIBRARY_NAME
+    if beside.is_file():
+        return beside
+    try:
+        distribution = importlib.metadata.distribution("waterwave-hpo")
+    except importlib.metadata.PackageNotFoundError:
+        return beside
+    for file in distribution.files or ():
+        if file.name == LIBRARY_NAME:
+            return Path(str(distribution.locate_file(file))).resolve()
+    return beside
 
 
 @functools.lru_cache(maxsize=1)

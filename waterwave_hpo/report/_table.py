@@ -13,6 +13,7 @@ from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._attrs import trial_attr
 
 _COLUMNS = [
     "number",
@@ -40,7 +41,9 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     ``peak_bytes`` (its peak allocated device memory, measured by its account in the
     stream-aware pool on CUDA; empty elsewhere);
     ``retry_of`` (the trial whose parameters it re-ran after an out-of-memory error);
-    ``fail_reason``; then one ``param_<name>`` column per parameter. Multi-objective studies get
+    ``fail_reason``; ``device``, ``slot``, ``peak_bytes`` and ``fail_reason`` are filled for
+    studies run with ``WaterwaveExecutor(record_trial_attrs=True)``, empty otherwise; then one
+    ``param_<name>`` column per parameter. Multi-objective studies get
     ``value_0``, ``value_1``, ... instead of ``value``.
     """
     rows: list[dict[str, Any]] = []
@@ -59,11 +62,11 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
             "datetime_start": _iso(trial.datetime_start),
             "datetime_complete": _iso(trial.datetime_complete),
             "duration_s": duration,
-            "device": trial.user_attrs.get(ATTR_DEVICE),
-            "slot": trial.user_attrs.get(ATTR_SLOT),
-            "peak_bytes": trial.user_attrs.get(ATTR_PEAK_BYTES),
-            "retry_of": trial.user_attrs.get(ATTR_RETRY_OF),
-            "fail_reason": trial.user_attrs.get(ATTR_FAIL_REASON),
+            "device": trial_attr(trial, ATTR_DEVICE),
+            "slot": trial_attr(trial, ATTR_SLOT),
+            "peak_bytes": trial_attr(trial, ATTR_PEAK_BYTES),
+            "retry_of": trial_attr(trial, ATTR_RETRY_OF),
+            "fail_reason": trial_attr(trial, ATTR_FAIL_REASON),
         }
         if n_objectives == 1:
             row["value"] = trial.value if trial.values is not None else _last_reported(trial)

@@ -10,6 +10,7 @@ from optuna.trial import TrialState
 
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._attrs import trial_attr
 
 _COLOURS = {
     TrialState.COMPLETE: "#2e7d32",
@@ -22,9 +23,10 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     """Draw each finished trial as a bar from its start to its end, on its device slot's row.
 
     Rows are labelled ``<device> / slot <k>`` from the ``waterwave:device`` and ``waterwave:slot``
-    user attributes that :class:`~waterwave_hpo.WaterwaveExecutor` sets; trials without them
-    (run by plain ``study.optimize``) share one row. Bars are coloured by state (complete,
-    pruned, failed) and labelled with the trial number. Time is in seconds from the first start.
+    system attributes that ``WaterwaveExecutor(record_trial_attrs=True)`` sets; trials without
+    them (run without it, or by plain ``study.optimize``) share one row. Bars are coloured by
+    state (complete, pruned, failed) and labelled with the trial number. Time is in seconds from
+    the first start.
 
     Args:
         trials: The trials to draw; those not finished are skipped.
@@ -95,8 +97,8 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
 
 
 def _row(trial: FrozenTrial) -> tuple[str, int | None]:
-    device = str(trial.user_attrs.get(ATTR_DEVICE, "trials"))
-    slot = trial.user_attrs.get(ATTR_SLOT)
+    device = str(trial_attr(trial, ATTR_DEVICE, "trials"))
+    slot = trial_attr(trial, ATTR_SLOT)
     return device, None if slot is None else int(slot)
 
 
