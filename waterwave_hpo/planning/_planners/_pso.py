@@ -8,14 +8,17 @@ seeded with known plans.
 
 What is ours: the units (the NodeGroup profiler's atoms, not single tensors); the discrete
 update (each particle holds per-unit preference scores for the three choices, pulled towards
-its own best and the swarm's best, and a unit takes its highest-scoring choice, with a small
-mutation rate); the seeds (the ``none``, ``swap_all``, ``checkpoint_sqrt`` and Capuchin-style
-plans); the penalty's form; and a closing one-unit-at-a-time improvement pass on the best plan.
+its own best and the swarm's best; a unit samples its choice by the softmax of its scores,
+with a small mutation rate); the seeds (the ``none``, ``swap_all``, ``checkpoint_sqrt``,
+recompute-everything and Capuchin-style plans); the penalty's form; and a closing improvement
+pass on the best plan that changes one or two units at a time.
 Deterministic under ``seed`` (its own ``random.Random``, no global state).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import math
 import random
 
 from waterwave_hpo.planning._cost import predict
@@ -44,6 +47,11 @@ MUTATION = 0.04
 #: Fitness penalty per unit of relative excess over the budget, in multiples of the
 #: keep-everything step time.
 PENALTY = 100.0
+#: Scores are clamped to [-V_MAX, V_MAX]; a choice is sampled with weight exp(score / T).
+V_MAX = 4.0
+TEMPERATURE = 0.5
+#: The closing improvement pass also tries changing two units at once up to this many units.
+PAIR_MOVES_MAX_UNITS = 32
 
 
 def fitness(p: Prediction, budget_bytes: int, time_scale_s: float) -> float:
@@ -114,13 +122,13 @@ def plan_pso(
                         + C_PERSONAL * r1 * (pb - here)
                         + C_GLOBAL * r2 * (gb - here)
                     )
+                    vd[c] = max(-V_MAX, min(V_MAX, vd[c]))
                 if rng.random() < MUTATION:
                     new.append(rng.choice(_CHOICES))
                 else:
-                    # Stay unless another choice's score is higher than the current one's.
-                    cur = _CHOICES.index(x[d])
-                    top = max(range(3), key=lambda c: vd[c] + (1e-9 if c == cur else 0.0))
-                    new.append(_CHOICES[top])
+                    # Sample a choice with probability growing with its score (softmax).
+                    weights = [math.exp(vd[c] / TEMPERATURE) for c in range(3)]
+                    new.append(rng.choices(_CHOICES, weights)[0])
             xn = tuple(new)
             positions[p] = xn
             f = score(xn)
@@ -138,14 +146,18 @@ def plan_pso(
 
 
 def _improve(
-    x: tuple[Placement, ...], f: float, score: object
+    x: tuple[Placement, ...], f: float, score: Callable[[tuple[Placement, ...]], float]
 ) -> tuple[tuple[Placement, ...], float]:
-    """Change one unit at a time while that lowers the fitness (ours, after the swarm)."""
-    assert callable(score)
+    """Change one unit, or two (up to ``PAIR_MOVES_MAX_UNITS`` units), while the fitness drops.
+
+    Ours, after the swarm: a plan one or two changes from a better one is common when the
+    budget binds (trade one unit's recompute for another's swap).
+    """
+    n = len(x)
     improved = True
     while improved:
         improved = False
-        for d in range(len(x)):
+        for d in range(n):
             for c in _CHOICES:
                 if c is x[d]:
                     continue
@@ -153,4 +165,18 @@ def _improve(
                 fy = score(y)
                 if fy < f:
                     x, f, improved = y, fy, True
+        if improved or n > PAIR_MOVES_MAX_UNITS:
+            continue
+        for d in range(n):
+            for e in range(d + 1, n):
+                for c in _CHOICES:
+                    for c2 in _CHOICES:
+                        if c is x[d] or c2 is x[e]:
+                            continue
+                        y = list(x)
+                        y[d], y[e] = c, c2
+                        ty = tuple(y)
+                        fy = score(ty)
+                        if fy < f:
+                            x, f, improved = ty, fy, True
     return x, f
