@@ -173,9 +173,9 @@ def _improve(
                     for c2 in _CHOICES:
                         if c is x[d] or c2 is x[e]:
                             continue
-                        y = list(x)
-                        y[d], y[e] = c, c2
-                        ty = tuple(y)
+                        moved = list(x)
+                        moved[d], moved[e] = c, c2
+                        ty = tuple(moved)
                         fy = score(ty)
                         if fy < f:
                             x, f, improved = ty, fy, True
