@@ -121,6 +121,7 @@ class _Swapped:
         "nbytes",
         "out_event",
         "pending",
+        "source",
         "transfer",
     )
 
@@ -130,6 +131,7 @@ class _Swapped:
         self.ledger = ledger
         self.transfer = transfer
         self.device = t.device
+        self.source = weakref.ref(t)
         self.nbytes = tensor_bytes(t)
         self.key_out: Any = key
         self.key_in: Any = None
@@ -208,6 +210,7 @@ class PlanHooks:
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._swapped: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._pending: list[weakref.ref[_Swapped]] = []
+        self._by_view: weakref.WeakValueDictionary[Any, _Swapped] = weakref.WeakValueDictionary()
         self._forwards = 0
         self._lock = threading.Lock()
 
@@ -323,6 +326,9 @@ class PlanHooks:
                 return
 
     def _unit_backward_start(self, u: int, forward: int) -> None:
+        # The next unit's backward has ended when this one's begins (both hooks sit on the
+        # same tensor, this one registered first): release its recompute transient first.
+        self._unit_backward_end(("recompute", forward, u + 1))
         for j in (u, u - 1):
             if j >= 0 and self.choices[j] is Placement.SWAP:
                 for ref in self._swapped.pop(j, []):
@@ -354,7 +360,13 @@ class PlanHooks:
         u = stack[-1] if stack else -1
         key = ("device", str(t.device), ptr)
         if u >= 0 and self.choices[u] is Placement.SWAP and t.layout is torch.strided:
+            # One host copy per tensor however often it is saved (conv2 saves relu's output).
+            view = (str(t.device), ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            found = self._by_view.get(view)
+            if found is not None and found.source() is t:  # not a new tensor at a reused address
+                return found
             swapped = _Swapped(t, self.ledger, self.transfer, key, nbytes)
+            self._by_view[view] = swapped
             ref = weakref.ref(swapped)
             self._swapped.setdefault(u, []).append(ref)
             if swapped.pending is not None:
