@@ -234,9 +234,8 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "command": "python experiments/bench_home.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if k != "models"
-        ),
+        "command": "python experiments/bench_home.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "models"),
         "loadavg_start": os.getloadavg(),
         "models": {},
     }
@@ -270,7 +269,9 @@ def write_md(results: dict[str, Any], path: Path) -> None:
         "",
         "## Largest batch under a fixed budget (measured ledger peak, one real Adam step)",
         "",
-        "| model | units | budget bytes | " + " | ".join(ORDER) + " | pso / none | pso / capuchin |",
+        "| model | units | budget bytes | "
+        + " | ".join(ORDER)
+        + " | pso / none | pso / capuchin |",
         "|---|---|---|" + "---|" * (len(ORDER) + 2),
     ]
     for name, e in results["models"].items():
@@ -285,7 +286,8 @@ def write_md(results: dict[str, Any], path: Path) -> None:
         cap = lb["capuchin"]["largest_batch"] or 1
         pso = lb["pso"]["largest_batch"]
         lines.append(
-            f"| {name} | {e['units']} | {e['budget_bytes']} | " + " | ".join(cells)
+            f"| {name} | {e['units']} | {e['budget_bytes']} | "
+            + " | ".join(cells)
             + f" | {pso / none:.2f}x | {pso / cap:.2f}x |"
         )
     lines += [
