@@ -287,3 +287,53 @@ def test_a_model_without_cuts_is_one_unit_with_a_warning() -> None:
         step(model, x)
     for p, q in zip(model.parameters(), bare.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm self-attention: ``attn(h, h, h)`` must see one tensor three times when it is
+    recomputed too (``nn.MultiheadAttention`` takes another path otherwise)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True, dropout=0.1)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("planner", ["checkpoint_sqrt", "swap_all"])
+def test_attention_blocks_recompute_and_swap_bit_for_bit(planner: str) -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), AttentionBlock(16), AttentionBlock(16))
+
+    x = torch.randn(2, 6, 8)
+    bare, model = build(), build()
+    expected = step(bare, x)
+    ww.fit_memory(model, 1 << 40, example_input=x, planner=planner)
+    assert "recompute" in ww.plan_of(model).choices.values() or planner == "swap_all"
+    ledger = memory_ledger(model)
+    ledger.reset_peak()
+    assert torch.equal(step(model, x), expected)
+    for p, q in zip(model.parameters(), bare.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert ledger.peak_bytes + step_profile_of(model).static_bytes <= (
+        ww.plan_of(model).predicted_peak_bytes
+    )
+
+
+def test_a_run_of_chained_recompute_units_keeps_only_its_first_input() -> None:
+    """Consecutive layers of one nn.Sequential recomputed together are one checkpoint."""
+    x = torch.randn(64, 32)
+    model = chain()
+    ww.fit_memory(model, 1 << 40, example_input=x, planner="none")
+    profile = step_profile_of(model)
+    assert all(u.chains_previous for u in profile.units[1:])
+    everything = [Placement.RECOMPUTE] * len(profile.units)
+    expected = profile.static_bytes + profile.units[0].input_bytes
+    expected += sum(u.saved_bytes for u in profile.units)  # the whole run, recomputed at once
+    assert predict(profile, everything).peak_bytes == expected

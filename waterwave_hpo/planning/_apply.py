@@ -32,10 +32,12 @@ import weakref
 
 import torch
 from torch import nn
+import torch.utils._pytree
 import torch.utils.checkpoint
 
 from waterwave_hpo.nodegroup._profile import iter_tensors
 from waterwave_hpo.nodegroup._profile import tensor_bytes
+from waterwave_hpo.planning._cost import recompute_runs
 from waterwave_hpo.planning._ledger import StepLedger
 from waterwave_hpo.planning._plan import Placement
 from waterwave_hpo.planning._plan import StepProfile
@@ -121,7 +123,7 @@ class _Swapped:
         "nbytes",
         "out_event",
         "pending",
-        "source",
+        "storage",
         "transfer",
     )
 
@@ -131,7 +133,7 @@ class _Swapped:
         self.ledger = ledger
         self.transfer = transfer
         self.device = t.device
-        self.source = weakref.ref(t)
+        self.storage: Any = None  # weakref to the swapped storage, set by the pack hook
         self.nbytes = tensor_bytes(t)
         self.key_out: Any = key
         self.key_in: Any = None
@@ -175,12 +177,83 @@ class _Swapped:
             self.ledger.release(self.key_in)
 
 
+class _SwappedView:
+    """One saved tensor of a swapped storage: how to rebuild it from the storage's bytes."""
+
+    __slots__ = ("dtype", "held", "offset", "size", "stride")
+
+    def __init__(
+        self,
+        held: _Swapped,
+        dtype: torch.dtype,
+        offset: int,
+        size: torch.Size,
+        stride: tuple[int, ...],
+    ) -> None:
+        self.held = held
+        self.dtype = dtype
+        self.offset = offset
+        self.size = size
+        self.stride = stride
+
+    def fetch(self) -> torch.Tensor:
+        raw = self.held.fetch()
+        view = torch.empty(0, dtype=self.dtype, device=raw.device)
+        return view.set_(raw.untyped_storage(), self.offset, self.size, self.stride)
+
+
 def _unpack(obj: Any) -> torch.Tensor:
-    if isinstance(obj, _Swapped):
+    if isinstance(obj, _SwappedView):
         return obj.fetch()
     if isinstance(obj, _Kept):
         return obj.tensor
     return obj  # type: ignore[no-any-return]
+
+
+def _checkpoint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``checkpoint(fn, *args, **kwargs)`` (non-reentrant, RNG preserved) that keeps the
+    arguments' identities: checkpoint saves and restores each tensor argument on its own, so
+    ``attn(h, h, h)`` would be recomputed as three distinct tensors, and
+    ``nn.MultiheadAttention`` takes another path (separate projections) when ``query is key``
+    no longer holds. Each distinct tensor is passed once and the call rebuilt from them."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    unique: list[torch.Tensor] = []
+    where: dict[int, int] = {}
+    slots: list[int] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            slot = where.setdefault(id(leaf), len(unique))
+            if slot == len(unique):
+                unique.append(leaf)
+            slots.append(slot)
+        else:
+            slots.append(-1)
+
+    def run(*tensors: torch.Tensor) -> Any:
+        rebuilt = [tensors[s] if s >= 0 else leaf for s, leaf in zip(slots, leaves, strict=True)]
+        a, kw = torch.utils._pytree.tree_unflatten(rebuilt, spec)
+        return fn(*a, **kw)
+
+    return torch.utils.checkpoint.checkpoint(
+        run, *unique, use_reentrant=False, preserve_rng_state=True
+    )
+
+
+def _once_in_backward(modules: list[nn.Module], fn: Any) -> Any:
+    """``fn``, undoing a recompute's second update of the modules' buffers (BatchNorm)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not _in_backward():
+            return fn(*args, **kwargs)
+        buffers = [(b, b.clone()) for m in modules for b in m.buffers()]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+    return run
 
 
 def _in_backward() -> bool:
@@ -210,7 +283,7 @@ class PlanHooks:
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._swapped: dict[int, list[weakref.ref[_Swapped]]] = {}
         self._pending: list[weakref.ref[_Swapped]] = []
-        self._by_view: weakref.WeakValueDictionary[Any, _Swapped] = weakref.WeakValueDictionary()
+        self._by_storage: weakref.WeakValueDictionary[Any, _Swapped] = weakref.WeakValueDictionary()
         self._forwards = 0
         self._lock = threading.Lock()
 
@@ -218,6 +291,13 @@ class PlanHooks:
     def install(self) -> None:
         model = self.model_ref()
         assert model is not None
+        runs = recompute_runs(self.profile, self.choices)
+        n = len(self.choices)
+        self._run_start = runs
+        self._run_end = list(range(n))
+        for i in range(n - 1, -1, -1):
+            if i + 1 < n and runs[i + 1] == runs[i]:
+                self._run_end[i] = self._run_end[i + 1]
         for u, calls in enumerate(self.modules.modules):
             if not calls:
                 continue
@@ -226,14 +306,24 @@ class PlanHooks:
                 first.register_forward_pre_hook(functools.partial(self._unit_pre, u))
             )
             self._handles.append(last.register_forward_hook(functools.partial(self._unit_post, u)))
-            for _name, m in calls:
-                if self.choices[u] is Placement.RECOMPUTE:
-                    self._wrap(m, self._recompute_forward)
-                else:
+            if self.choices[u] is not Placement.RECOMPUTE:
+                for _name, m in calls:
                     self._handles.append(
                         m.register_forward_pre_hook(functools.partial(self._push, u))
                     )
                     self._handles.append(m.register_forward_hook(self._pop))
+            elif runs[u] == u and self._run_end[u] == u:
+                for _name, m in calls:
+                    self._wrap(m, functools.partial(self._recompute_forward, [m]))
+            elif runs[u] == u:  # the first unit of a chained run: one checkpoint for all of it
+                members = [
+                    m
+                    for v in range(u, self._run_end[u] + 1)
+                    for _name, m in self.modules.modules[v]
+                ]
+                self._wrap(members[0], functools.partial(self._run_forward, members))
+                for m in members[1:]:
+                    self._wrap(m, self._passed_forward)
         self._wrap(model, self._root_forward)
 
     def remove(self) -> None:
@@ -260,32 +350,73 @@ class PlanHooks:
             with self._lock:
                 self._forwards += 1
                 self._local.forward = self._forwards
+            self._local.skip = None  # left over if an earlier forward raised
+            self._local.passed = None
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 return inner(*args, **kwargs)
 
         return forward
 
-    def _recompute_forward(self, m: nn.Module, inner: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not _in_backward():
-                return inner(*args, **kwargs)
-            # The recompute in backward: undo its second update of running statistics.
-            buffers = [(b, b.clone()) for b in m.buffers()]
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                with torch.no_grad():
-                    for b, saved in buffers:
-                        b.copy_(saved)
-
+    def _recompute_forward(self, modules: list[nn.Module], m: nn.Module, inner: Any) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(
-                run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-            )
+            return _checkpoint(_once_in_backward(modules, inner), args, kwargs)
 
         return forward
+
+    def _run_forward(self, members: list[nn.Module], m: nn.Module, inner: Any) -> Any:
+        """The first module of a chained recompute run: runs the whole run in one checkpoint;
+        the ``nn.Sequential`` then calls the others, which pass the run's output through."""
+        local = self._local
+        rest = members[1:]
+
+        def run_all(x: Any) -> Any:
+            was = getattr(local, "in_run", False)
+            local.in_run = True
+            try:
+                x = inner(x)
+                for other in rest:
+                    x = other(x)
+                return x
+            finally:
+                local.in_run = was
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or kwargs or len(args) != 1:
+                return inner(*args, **kwargs)
+            out = _checkpoint(_once_in_backward(members, run_all), args, {})
+            local.skip = list(rest)
+            return out
+
+        return forward
+
+    def _passed_forward(self, m: nn.Module, inner: Any) -> Any:
+        local = self._local
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not getattr(local, "in_run", False):
+                skip: list[nn.Module] | None = getattr(local, "skip", None)
+                if skip and skip[0] is m:
+                    skip.pop(0)
+                    local.passed = m
+                    return args[0]
+            return inner(*args, **kwargs)
+
+        return forward
+
+    def _passing(self, module: nn.Module, post: bool) -> bool:
+        """Whether this call of ``module`` only passes a run's output through."""
+        local = self._local
+        if post:
+            if getattr(local, "passed", None) is module:
+                local.passed = None
+                return True
+            return False
+        skip: list[nn.Module] | None = getattr(local, "skip", None)
+        if not skip or getattr(local, "in_run", False):
+            return False
+        return skip[0] is module
 
     # ------------------------------------------------------------------ unit tracking
     def _stack(self) -> list[int]:
@@ -305,7 +436,7 @@ class PlanHooks:
 
     def _unit_pre(self, u: int, module: nn.Module, args: Any) -> None:
         """At a unit's forward start: hook its input's gradient (= the unit's backward end)."""
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or _in_backward() or self._passing(module, False):
             return
         key = ("recompute", getattr(self._local, "forward", 0), u)
         for t in iter_tensors(args):
@@ -315,7 +446,7 @@ class PlanHooks:
 
     def _unit_post(self, u: int, module: nn.Module, args: Any, output: Any) -> None:
         """At a unit's forward end: hook its output's gradient (= the unit's backward start)."""
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or _in_backward() or self._passing(module, True):
             return
         forward = getattr(self._local, "forward", 0)
         for t in iter_tensors(output):
@@ -335,13 +466,15 @@ class PlanHooks:
                     held = ref()
                     if held is not None:
                         held.prefetch()
-        if self.choices[u] is Placement.RECOMPUTE:
-            key = ("recompute", forward, u)
-            self.ledger.add(key, self.profile.units[u].saved_bytes)
-            # Released by the gradient hook on the unit's input; at the end of backward if
-            # the input needs no gradient (releasing twice is harmless).
+        if self.choices[u] is Placement.RECOMPUTE and self._run_end[u] == u:
+            # The run's last unit: its backward recomputes the whole run. Each unit's share is
+            # released when the unit before begins its backward, or at the end of backward
+            # (releasing twice is harmless).
             engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: self._unit_backward_end(key))
+            for v in range(self._run_start[u], u + 1):
+                key = ("recompute", forward, v)
+                self.ledger.add(key, self.profile.units[v].saved_bytes)
+                engine.queue_callback(functools.partial(self._unit_backward_end, key))
 
     def _unit_backward_end(self, key: Any) -> None:
         self.ledger.release(key)
@@ -360,18 +493,19 @@ class PlanHooks:
         u = stack[-1] if stack else -1
         key = ("device", str(t.device), ptr)
         if u >= 0 and self.choices[u] is Placement.SWAP and t.layout is torch.strided:
-            # One host copy per tensor however often it is saved (conv2 saves relu's output).
-            view = (str(t.device), ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            found = self._by_view.get(view)
-            if found is not None and found.source() is t:  # not a new tensor at a reused address
-                return found
-            swapped = _Swapped(t, self.ledger, self.transfer, key, nbytes)
-            self._by_view[view] = swapped
-            ref = weakref.ref(swapped)
-            self._swapped.setdefault(u, []).append(ref)
-            if swapped.pending is not None:
-                self._pending.append(ref)
-            return swapped
+            # One host copy per storage however many views of it are saved (q, k and v of
+            # one projection; conv2 saving relu's output): the whole storage, as profiled.
+            found = self._by_storage.get(key)
+            if found is None or found.storage() is not storage:
+                raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                found = _Swapped(raw, self.ledger, self.transfer, key, nbytes)
+                found.storage = weakref.ref(storage)
+                self._by_storage[key] = found
+                ref = weakref.ref(found)
+                self._swapped.setdefault(u, []).append(ref)
+                if found.pending is not None:
+                    self._pending.append(ref)
+            return _SwappedView(found, t.dtype, int(t.storage_offset()), t.size(), t.stride())
         return _Kept(t, self.ledger, key, nbytes)
 
     def _poll(self) -> None:

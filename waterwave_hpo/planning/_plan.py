@@ -39,6 +39,9 @@ class Unit:
             recompute keeps on the device (the checkpoint's inputs).
         forward_s: Forward seconds of the profiled step.
         backward_s: Backward seconds of the profiled step.
+        chains_previous: Whether this unit's modules directly follow the previous unit's in
+            one ``nn.Sequential``, so a run of recompute units is one checkpoint that keeps
+            only the run's first input (Chen et al. 2016's segments; ours: found per model).
     """
 
     name: str
@@ -46,6 +49,7 @@ class Unit:
     input_bytes: int
     forward_s: float
     backward_s: float
+    chains_previous: bool = False
 
 
 @dataclass(frozen=True)

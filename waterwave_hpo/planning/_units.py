@@ -144,6 +144,8 @@ def profile_units(
             "activations itself. Remove the checkpointing from the model, or do not call "
             "fit_memory on it."
         )
+    groups = tuple(tuple((n, m) for n, m in calls if id(m) not in twice) for calls in groups)
+    places = [_sequential_place(model, calls) for calls in groups]
     units = tuple(
         Unit(
             name="+".join(name or "<model>" for name, _ in calls) or f"unit{u}",
@@ -151,6 +153,7 @@ def profile_units(
             input_bytes=observer.input_bytes[u],
             forward_s=atoms[u].forward_s,
             backward_s=backward[u],
+            chains_previous=u > 0 and _follows(places[u - 1], places[u]),
         )
         for u, calls in enumerate(groups)
     )
@@ -249,6 +252,40 @@ class _SavedObserver:
             self.saved_bytes[u] += nbytes
         else:
             self.other_bytes += nbytes
+
+
+def _follows(before: tuple[str, int, int] | None, after: tuple[str, int, int] | None) -> bool:
+    """Whether ``after``'s modules come right after ``before``'s in the same Sequential."""
+    return (
+        before is not None
+        and after is not None
+        and before[0] == after[0]
+        and after[1] == before[2] + 1
+    )
+
+
+def _sequential_place(
+    model: nn.Module, calls: tuple[tuple[str, nn.Module], ...]
+) -> tuple[str, int, int] | None:
+    """``(parent name, first index, last index)`` if ``calls`` are consecutive children of one
+    plain ``nn.Sequential`` (whose forward only feeds each child's output to the next)."""
+    if not calls:
+        return None
+    parents = {name.rpartition(".")[0] for name, _ in calls}
+    if len(parents) != 1 or any(name == "" for name, _ in calls):
+        return None
+    parent_name = parents.pop()
+    parent = model.get_submodule(parent_name)
+    if type(parent).forward is not nn.Sequential.forward:
+        return None
+    keys = list(parent._modules)
+    try:
+        idx = [keys.index(name.rpartition(".")[2]) for name, _ in calls]
+    except ValueError:
+        return None
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        return None
+    return parent_name, idx[0], idx[-1]
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
