@@ -227,7 +227,21 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--cap", type=int, default=256, help="largest batch tried")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--merge", type=Path, nargs="*", default=None,
+        help="combine the results.json of earlier runs (e.g. models run in parallel) into --out",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.merge:
+        parts = [json.loads((d / "results.json").read_text()) for d in args.merge]
+        merged = dict(parts[0])
+        merged["models"] = {k: v for part in parts for k, v in part["models"].items()}
+        merged["command"] = " ; ".join(part["command"] for part in parts)
+        merged["loadavg_end"] = parts[-1]["loadavg_end"]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
+        write_md(merged, args.out / "README.md")
+        return
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
