@@ -337,3 +337,19 @@ def test_a_run_of_chained_recompute_units_keeps_only_its_first_input() -> None:
     expected = profile.static_bytes + profile.units[0].input_bytes
     expected += sum(u.saved_bytes for u in profile.units)  # the whole run, recomputed at once
     assert predict(profile, everything).peak_bytes == expected
+
+
+@pytest.mark.parametrize("planner", ["swap_all", "checkpoint_sqrt"])
+def test_two_forwards_before_one_backward_accumulate_as_the_bare_model(planner: str) -> None:
+    x1, x2 = torch.randn(8, 32), torch.randn(8, 32)
+    bare, model = chain(), chain()
+    torch.manual_seed(3)
+    (bare(x1).sum() + bare(x2).square().sum()).backward()  # type: ignore[no-untyped-call]
+    ww.fit_memory(model, 1 << 40, example_input=x1, planner=planner)
+    torch.manual_seed(3)
+    (model(x1).sum() + model(x2).square().sum()).backward()  # type: ignore[no-untyped-call]
+    for p, q in zip(model.parameters(), bare.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert memory_ledger(model).current_bytes == 0
+    with torch.no_grad():  # no plan work without a graph
+        assert model(x1).shape == (8, 5)
