@@ -37,6 +37,8 @@ except ModuleNotFoundError as _error:  # pragma: no cover - only in a source che
 from waterwave_hpo.nodegroup import NodeGroup
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
+from waterwave_hpo.planning import fit_memory
+from waterwave_hpo.planning import plan_of
 from waterwave_hpo.scheduler import PipelineScheduler
 
 __all__ = [
@@ -54,9 +56,11 @@ __all__ = [
     "create_study",
     "current",
     "current_or_none",
+    "fit_memory",
     "load_study",
     "node_groups",
     "pipeline",
+    "plan_of",
     "shared_gpu",
     "trial_memory_stats",
     "tune_hosts",

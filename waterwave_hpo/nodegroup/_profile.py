@@ -382,6 +382,17 @@ class Profiler:
             out.append(max(0.0, self.clock.seconds(began, finished)))
         return out
 
+    def atom_modules(self) -> tuple[tuple[tuple[str, nn.Module], ...], ...]:
+        """Per atom, the outermost module calls whose whole call lies in it, in call order.
+
+        Each entry is ``(qualified name, module)``. Work outside every module call (functional
+        ops in a parent's ``forward``) belongs to no entry. Used by the memory planner
+        (``waterwave_hpo.planning``) to wrap an atom's computation.
+        """
+        return tuple(
+            tuple((c.name, c.module) for c in self._outermost(a.start, a.end)) for a in self._atoms
+        )
+
     def groups(self, k: int) -> tuple[tuple[NodeGroup, ...], tuple[nn.Module, ...]]:
         """Cut the atoms into ``k`` groups of least largest ``saved_bytes``.
 

@@ -1,0 +1,202 @@
+"""``fit_memory(model, budget_bytes)`` and ``plan_of(model)``: HOME for any training loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import time
+from typing import Any
+import weakref
+
+import torch
+from torch import nn
+
+from waterwave_hpo.nodegroup._pipeline import _PIPELINES
+from waterwave_hpo.planning._apply import PlanHooks
+from waterwave_hpo.planning._cost import DEFAULT_BANDWIDTH_BYTES_PER_S
+from waterwave_hpo.planning._ledger import StepLedger
+from waterwave_hpo.planning._plan import MemoryPlan
+from waterwave_hpo.planning._plan import StepProfile
+from waterwave_hpo.planning._planners import PLANNERS
+from waterwave_hpo.planning._units import profile_units
+
+
+@dataclass
+class _Installed:
+    plan: MemoryPlan
+    profile: StepProfile
+    hooks: PlanHooks
+    ledger: StepLedger
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+
+
+def fit_memory(
+    model: nn.Module,
+    budget_bytes: int,
+    *,
+    example_input: Any,
+    planner: str = "pso",
+    optimizer: torch.optim.Optimizer | None = None,
+    seed: int = 0,
+    bandwidth_bytes_per_s: float = DEFAULT_BANDWIDTH_BYTES_PER_S,
+) -> nn.Module:
+    """Make one training step of ``model`` fit in ``budget_bytes``: keep, swap or recompute.
+
+    HOME (He et al., "HOME: A Holistic GPU Memory Management Framework for Deep Learning",
+    IEEE Trans. Computers 2022): every placement unit (the NodeGroup profiler's atoms: module
+    boundaries one tensor alone crosses) keeps its saved activations on the device, swaps them
+    to host memory and back before backward, or recomputes them in backward; the placement of
+    the whole model is chosen at once by a planner over a cost model of step time and peak
+    bytes. Profiles one step on ``example_input`` (undone: parameters, gradients, buffers such
+    as BatchNorm statistics and the RNG state are left as they were), plans, and installs the
+    plan with hooks. Losses and gradients are those of the bare model, bit for bit where the
+    ops are deterministic, dropout included.
+
+    Example::
+
+        model = ww.fit_memory(model, 2 << 30, example_input=batch, optimizer=opt)
+        ww.plan_of(model).choices  # {"layer1": "keep", "layer2": "recompute", ...}
+
+    Args:
+        model: The model, on its device, in the mode it trains in.
+        budget_bytes: Device bytes one step may use at its peak: parameters, gradients,
+            optimizer state and saved activations (``> 0``).
+        example_input: A batch of the size it will train on: a tensor, or a tuple of positional
+            arguments.
+        planner: ``"pso"`` (HOME), ``"exhaustive"`` (exact, at most 10 units),
+            ``"capuchin"`` (greedy), or a baseline that ignores the budget: ``"none"``
+            (PyTorch), ``"swap_all"`` (vDNN), ``"checkpoint_sqrt"`` (Chen et al. 2016).
+        optimizer: The optimizer whose state counts towards the budget (estimated from its
+            type before its first step), or ``None``.
+        seed: Seed of the ``"pso"`` planner; the same seed gives the same plan.
+        bandwidth_bytes_per_s: Host<->device copy rate for the cost model (on CUDA measure it;
+            on the CPU the default, 12 GB/s, models a PCIe 3.0 x16 link).
+
+    Returns:
+        ``model`` (the same object), with the plan installed. Calling again re-plans.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``budget_bytes <= 0``, ``planner`` is unknown, the model has
+            ``ww.pipeline`` gates, or ``budget_bytes`` is below the floor (parameters +
+            gradients + optimizer state), named in bytes in the message.
+        PlanDoesNotFitError: (a ``ValueError``) If a budget-aware planner finds no plan whose
+            predicted peak is within the budget.
+        CheckpointedModelError: (a ``ValueError``) If the model already uses
+            ``torch.utils.checkpoint``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model is of type {type(model).__name__!r} but must be a torch.nn.Module.")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(
+            f"budget_bytes is of type {type(budget_bytes).__name__!r} but must be an int (bytes)."
+        )
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes is {budget_bytes} but must be > 0 (bytes).")
+    if not isinstance(planner, str) or planner not in PLANNERS:
+        raise ValueError(f"planner is {planner!r} but must be one of {sorted(PLANNERS)}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer is of type {type(optimizer).__name__!r} but must be a "
+            "torch.optim.Optimizer or None."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed is of type {type(seed).__name__!r} but must be an int.")
+    if not isinstance(bandwidth_bytes_per_s, (int, float)) or not bandwidth_bytes_per_s > 0:
+        raise ValueError(
+            f"bandwidth_bytes_per_s is {bandwidth_bytes_per_s!r} but must be a number > 0 "
+            "(bytes per second)."
+        )
+    if model in _PIPELINES:
+        raise ValueError(
+            "model has ww.pipeline gates; fit_memory does not combine with them yet: the gates "
+            "reserve the profiled (unplanned) saved bytes, and a recompute re-runs module "
+            "forwards inside backward, where the gates would fire again. Use one or the other."
+        )
+    old = _INSTALLED.pop(model, None)
+    if old is not None:
+        old.hooks.remove()
+    profile, modules = profile_units(model, example_input, optimizer)
+    if profile.static_bytes > budget_bytes:
+        raise ValueError(
+            f"budget_bytes={budget_bytes} is below the floor no plan can go under: "
+            f"{profile.static_bytes} bytes of parameters + gradients + optimizer state. "
+            "Raise the budget or shrink the model."
+        )
+    started = time.perf_counter()
+    result = PLANNERS[planner](
+        profile, budget_bytes, bandwidth_bytes_per_s=float(bandwidth_bytes_per_s), seed=seed
+    )
+    search_s = time.perf_counter() - started
+    names = _unique([u.name for u in profile.units])
+    plan = MemoryPlan(
+        choices={name: c.value for name, c in zip(names, result.choices, strict=True)},
+        predicted_peak_bytes=result.prediction.peak_bytes,
+        predicted_step_seconds=result.prediction.step_s,
+        planner=planner,
+        budget_bytes=budget_bytes,
+        search_s=search_s,
+    )
+    ledger = StepLedger()
+    hooks = PlanHooks(model, modules, profile, result.choices, ledger)
+    hooks.install()
+    _INSTALLED[model] = _Installed(plan, profile, hooks, ledger)
+    return model
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        out.append(name if k == 0 else f"{name}#{k}")
+    return out
+
+
+def _installed(model: nn.Module) -> _Installed:
+    found = _INSTALLED.get(model)
+    if found is None:
+        raise ValueError(
+            f"model {type(model).__name__} has no memory plan; call "
+            "waterwave_hpo.fit_memory(model, budget_bytes, example_input=batch) first."
+        )
+    return found
+
+
+def plan_of(model: nn.Module) -> MemoryPlan:
+    """The :class:`MemoryPlan` that :func:`fit_memory` installed on ``model``.
+
+    Raises:
+        ValueError: If ``fit_memory`` was not called on ``model``.
+    """
+    return _installed(model).plan
+
+
+def step_profile_of(model: nn.Module) -> StepProfile:
+    """The profile (units, static bytes) the installed plan was made from.
+
+    Raises:
+        ValueError: If ``fit_memory`` was not called on ``model``.
+    """
+    return _installed(model).profile
+
+
+def memory_ledger(model: nn.Module) -> StepLedger:
+    """The ledger of saved-activation device bytes the installed plan's hooks keep.
+
+    ``ledger.peak_bytes + step_profile_of(model).static_bytes`` is the measured peak that
+    ``plan_of(model).predicted_peak_bytes`` bounds; ``ledger.reset_peak()`` between steps.
+
+    Raises:
+        ValueError: If ``fit_memory`` was not called on ``model``.
+    """
+    return _installed(model).ledger
+
+
+def remove_memory_plan(model: nn.Module) -> None:
+    """Take the installed plan off ``model`` (no-op without one)."""
+    old = _INSTALLED.pop(model, None)
+    if old is not None:
+        old.hooks.remove()
