@@ -163,6 +163,7 @@ def attach_baseline(
     *,
     density: float = 0.01,
     powersgd_rank: int = 1,
+    warmup_steps: int = 1,
     process_group: dist.ProcessGroup | None = None,
 ) -> NaiveTopKState | powerSGD_hook.PowerSGDState | None:
     """Register ``baseline``'s comm hook on ``ddp_model``.
@@ -172,6 +173,8 @@ def attach_baseline(
         baseline: Which scheme.
         density: ``NAIVE_TOPK`` only: fraction of entries sent.
         powersgd_rank: ``POWERSGD`` only: the matrix approximation rank.
+        warmup_steps: ``NAIVE_TOPK`` and ``POWERSGD``: dense steps first (PowerSGD needs >= 2,
+            so it takes ``max(2, warmup_steps)``).
         process_group: The group (``None``: default).
 
     Returns:
@@ -197,12 +200,12 @@ def attach_baseline(
         state = powerSGD_hook.PowerSGDState(
             process_group=group,
             matrix_approximation_rank=powersgd_rank,
-            start_powerSGD_iter=2,
+            start_powerSGD_iter=max(2, warmup_steps),
             min_compression_rate=1,
         )
         ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    naive = NaiveTopKState(group, density)
+    naive = NaiveTopKState(group, density, warmup_steps)
     ddp_model.register_comm_hook(naive, naive_topk_hook)
     return naive
 
