@@ -209,7 +209,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     panels = [
         ("bytes_per_step", "bytes sent per step per rank (log)", True),
-        ("extra_memory_bytes", "extra memory of comm state, bytes (log)", True),
+        (
+            "extra_memory_bytes",
+            "extra memory of comm state, bytes (log; dense: 0, drawn at 1)",
+            True,
+        ),
         ("accuracy", "test accuracy after the epochs", False),
         ("step_time_ratio", "step time / dense (same run, CPU)", False),
     ]

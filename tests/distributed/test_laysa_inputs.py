@@ -116,3 +116,19 @@ def test_one_process_warns_once_and_trains_dense() -> None:
     assert issubclass(ours[0].category, RuntimeWarning)
     for a, b in zip(model.module.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_state_pickles_like_powersgds_without_its_process_group() -> None:
+    import pickle
+
+    model, optimizer = _model()
+    attached = laysa(model, density=0.25, optimizer=optimizer, warmup_steps=3)
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    loaded = pickle.loads(pickle.dumps(attached.state))
+    assert (loaded.density, loaded.warmup_steps, loaded.iteration) == (0.25, 3, 2)
+    assert loaded.process_group is dist.group.WORLD
+    assert loaded.restored_state_dict == attached.state_dict()

@@ -106,7 +106,9 @@ def naive_topk_hook(
     for param, view in zip(bucket.parameters(), bucket.gradients(), strict=True):
         residual = state.residuals.get(id(param))
         if residual is None:
-            residual = ledger.allocate(torch.zeros(view.numel(), dtype=view.dtype))
+            residual = ledger.allocate(
+                torch.zeros(view.numel(), dtype=view.dtype, device=view.device)
+            )
         accumulated = ledger.allocate(view.flatten() + residual)
         magnitude = ledger.allocate(accumulated.abs())
         k = k_for(view.numel(), state.density)
@@ -126,7 +128,9 @@ def naive_topk_hook(
     )
     for tensor in (*values, *indices):
         ledger.release(tensor)
-    recv = ledger.allocate(torch.empty(world_size * send.numel(), dtype=torch.uint8))
+    recv = ledger.allocate(
+        torch.empty(world_size * send.numel(), dtype=torch.uint8, device=buffer.device)
+    )
     state._bytes_this_step += send.nbytes
     if last:
         state.end_step()

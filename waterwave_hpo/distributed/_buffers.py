@@ -84,7 +84,7 @@ class BucketBuffers:
         self.slots = slots
         self.dtype = dtype
         self.total_k = sum(s.k for s in slots)
-        value_bytes = torch.empty((), dtype=dtype).element_size()
+        value_bytes = dtype.itemsize
         self._value_bytes_total = self.total_k * value_bytes
         message_bytes = self.total_k * (value_bytes + INDEX_DTYPE.itemsize)
         self.send = ledger.allocate(torch.empty(message_bytes, dtype=torch.uint8, device=device))

@@ -7,19 +7,24 @@ for the residual the next step adds back; naive top-k resolves it with one more 
 layer. LaySA's mirror weight update applies the weight update from the exchanged sparse
 gradient, so the gradient memory can keep the residual.
 
-Ours, to fit any ``torch.optim.Optimizer`` (SGD, momentum, Adam, weight decay...): at
-``optimizer.step()`` each sparse layer's averaged gradient is scattered from the received
-(values, indices) into gradient memory, set as that parameter's ``.grad`` and stepped alone
-(one layer at a time, LaySA's layer-centric reuse); the bucket (the residual) is never seen by
-the optimizer. The gradient memory is the parameter's own ``.grad`` where DDP keeps one apart
-from its bucket (``gradient_as_bucket_view=False``, DDP's default: no extra memory at all),
-else one shared scratch the size of the largest layer. A ``.grad`` that is the bucket is left
-``None`` after the step, so the user's ``zero_grad()`` (either mode) cannot touch the
-residual; on the next backward a post-accumulate-grad hook adds the residual to the fresh
-gradient before DDP copies it into the bucket.
+Ours, to fit any ``torch.optim.Optimizer`` (SGD, momentum, Adam, weight decay...): when
+``optimizer.step()`` starts, each sparse layer's averaged gradient is scattered from the
+received (values, indices) into gradient memory the optimizer then steps on; the bucket (the
+residual) is never seen by the optimizer. Where DDP keeps ``.grad`` apart from its bucket
+(``gradient_as_bucket_view=False``, DDP's default), that memory is the parameter's own
+``.grad`` and the user's step applies every layer at once: no extra memory at all. Where
+``.grad`` *is* the bucket (``gradient_as_bucket_view=True``), each such layer is stepped alone
+after the user's step through one shared scratch the size of the largest layer (LaySA's
+layer-centric reuse), and its ``.grad`` is left ``None``, so the user's ``zero_grad()`` (either
+mode) cannot touch the residual. On the next backward a post-accumulate-grad hook adds the
+residual to the fresh gradient before DDP copies it into the bucket.
 
-Limits: ``optimizer.step(closure)`` (e.g. LBFGS) is not supported for sparse layers; the
-optimizer is called once per sparse layer per step (cheap for a fused/foreach optimizer).
+Between ``backward()`` and ``step()`` a sparse layer's ``.grad`` holds DDP's copy of the
+residual, not the averaged gradient: clip or inspect gradients inside the optimizer (or at
+``density=1``), not in that window.
+
+Limits: ``optimizer.step(closure)`` (e.g. LBFGS) is not supported for sparse layers; with
+``gradient_as_bucket_view=True`` the optimizer is called once more per sparse layer per step.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from typing import Any
 
 import torch
 
+from waterwave_hpo.distributed._buffers import LayerSlot
 from waterwave_hpo.distributed._state import LaySAState
+from waterwave_hpo.distributed._state import SentBucket
 
 
 class MirrorWeightUpdate:
@@ -50,7 +57,7 @@ class MirrorWeightUpdate:
         self.optimizer = optimizer
         self._inside_step = False
         self._added: set[int] = set()
-        self._stashed: dict[int, torch.Tensor] = {}
+        self._deferred: list[tuple[SentBucket, LayerSlot]] = []
         self._handles: list[Any] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -84,24 +91,39 @@ class MirrorWeightUpdate:
             return  # the gradient accumulated into the bucket itself: g + r is there already
         param.grad.add_(view)
 
-    def _sparse_params(self) -> list[torch.nn.Parameter]:
-        return [slot.param for sent in self.state.sent for slot in sent.buffers.slots]
+    @staticmethod
+    def _average_into(out: torch.Tensor, sent: SentBucket, slot: LayerSlot) -> None:
+        """``out`` (``[numel]``) <- the layer's averaged sparse gradient over all ranks."""
+        values = sent.buffers.recv_values()
+        indices = sent.buffers.recv_indices()
+        segment = slice(slot.segment, slot.segment + slot.k)
+        out.zero_()
+        for rank in range(sent.world_size):
+            out.index_add_(0, indices[rank, segment], values[rank, segment])
+        out.div_(sent.world_size)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._inside_step:
             return
-        for param in self._sparse_params():
-            view = self.state.residual_views[id(param)][1]
-            grad = param.grad
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                self._stashed[id(param)] = grad  # DDP's copy of the bucket: reusable memory
-            param.grad = None  # the bucket holds the residual, not a gradient to apply
+        for sent in self.state.sent:
+            for slot in sent.buffers.slots:
+                param = slot.param
+                view = self.state.residual_views[id(param)][1]
+                grad = param.grad
+                if grad is not None and grad.is_contiguous() and grad.data_ptr() != view.data_ptr():
+                    # DDP keeps .grad apart from its bucket (its default): the averaged
+                    # gradient goes there and this very step applies it with every layer
+                    self._average_into(grad.view(-1), sent, slot)
+                else:
+                    param.grad = None  # .grad is the bucket (the residual): after the step
+                    self._deferred.append((sent, slot))
+        self.state.sent.clear()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._inside_step:
             return
         self._added.clear()
-        if not self.state.sent:
+        if not self._deferred:
             return
         self._inside_step = True
         others = [
@@ -110,37 +132,19 @@ class MirrorWeightUpdate:
             for p in group["params"]
             if p.grad is not None
         ]
-        # own .grads go back after the loop (they hold the averaged gradient, as after dense
-        # DDP); the shared scratch does not
-        handed_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for p, _ in others:
-                p.grad = None
-            for sent in self.state.sent:
-                values = sent.buffers.recv_values()
-                indices = sent.buffers.recv_indices()
-                for slot in sent.buffers.slots:
-                    segment = slice(slot.segment, slot.segment + slot.k)
-                    own = self._stashed.pop(id(slot.param), None)
-                    if own is not None:  # gradient_as_bucket_view=False: no extra buffer
-                        averaged = own.view(-1)
-                    else:  # .grad is the bucket (the residual): the shared layer scratch
-                        averaged = self.state.buffers.shared(
-                            "layer", slot.numel, sent.buffers.dtype, slot.param.device
-                        )
-                    averaged.zero_()
-                    for rank in range(sent.world_size):
-                        averaged.index_add_(0, indices[rank, segment], values[rank, segment])
-                    averaged.div_(sent.world_size)
-                    slot.param.grad = averaged.view_as(slot.param)
-                    optimizer.step()
-                    slot.param.grad = None  # stepped alone: the next layer's step skips it
-                    if own is not None:
-                        handed_back.append((slot.param, own))
-
+                p.grad = None  # stepped already
+            for sent, slot in self._deferred:
+                averaged = self.state.buffers.shared(
+                    "layer", slot.numel, sent.buffers.dtype, slot.param.device
+                )
+                self._average_into(averaged, sent, slot)
+                slot.param.grad = averaged.view_as(slot.param)
+                optimizer.step()  # this layer alone
+                slot.param.grad = None  # the scratch is the next layer's
         finally:
-            self._stashed.clear()
-            self.state.sent.clear()
-            for p, grad in (*others, *handed_back):
+            self._deferred.clear()
+            for p, grad in others:
                 p.grad = grad
             self._inside_step = False
