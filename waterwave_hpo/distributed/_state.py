@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import logging
 from typing import Any
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,22 @@ from waterwave_hpo.distributed._ledger import CommMemoryLedger
 _logger = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+
+_nccl_warned = False
+
+
+def _warn_nccl_untested_once() -> None:
+    """Say, once per process, that the NCCL (GPU) path is written but has never been run."""
+    global _nccl_warned
+    if not _nccl_warned:
+        _nccl_warned = True
+        warnings.warn(
+            "LaySA on NCCL is written against PyTorch's CUDA APIs but has not been run on a GPU "
+            "yet (it is tested with gloo on the CPU); compare a few steps with density=1.0 "
+            "against plain DDP before relying on it.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_density(density: object) -> float:
@@ -102,7 +119,8 @@ class LaySAState:
             )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None, "torch.distributed is not initialized"
-        check_backend(group)
+        if check_backend(group) == "nccl":
+            _warn_nccl_untested_once()
         self.process_group: dist.ProcessGroup = group
         self.warmup_steps = warmup_steps
         self.iteration = 0
