@@ -118,6 +118,7 @@ def test_one_process_warns_once_and_trains_dense() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.filterwarnings("ignore:LaySA. the process group has one process")
 def test_the_state_pickles_like_powersgds_without_its_process_group() -> None:
     import pickle
 
