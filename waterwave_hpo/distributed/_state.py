@@ -1,0 +1,224 @@
+"""The state of the LaySA communication hook: settings, step count, buffers, residuals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import logging
+from typing import Any
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from waterwave_hpo.distributed._buffers import BucketBuffers
+from waterwave_hpo.distributed._buffers import LayerCentricBuffers
+from waterwave_hpo.distributed._ledger import CommMemoryLedger
+
+_logger = logging.getLogger(__name__)
+
+SUPPORTED_BACKENDS = ("gloo", "nccl")
+
+_nccl_warned = False
+
+
+def _warn_nccl_untested_once() -> None:
+    """Say, once per process, that the NCCL (GPU) path is written but has never been run."""
+    global _nccl_warned
+    if not _nccl_warned:
+        _nccl_warned = True
+        warnings.warn(
+            "LaySA on NCCL is written against PyTorch's CUDA APIs but has not been run on a GPU "
+            "yet (it is tested with gloo on the CPU); compare a few steps with density=1.0 "
+            "against plain DDP before relying on it.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def check_density(density: object) -> float:
+    """Validate ``density`` (fraction of each layer's gradient entries sent per step).
+
+    Raises:
+        TypeError: If it is not a real number.
+        ValueError: If it is outside (0, 1].
+    """
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(
+            f"The density argument is of type {type(density).__name__!r} but must be a float "
+            "in (0, 1], e.g. density=0.01."
+        )
+    if not 0.0 < float(density) <= 1.0:
+        raise ValueError(
+            f"The density argument is {density!r} but must be in (0, 1] (the fraction of each "
+            "layer's gradient entries sent per step); use e.g. density=0.01, or 1.0 for dense."
+        )
+    return float(density)
+
+
+def check_backend(process_group: dist.ProcessGroup) -> str:
+    """The group's backend, if the hook supports it.
+
+    Raises:
+        ValueError: If the backend is not gloo or nccl.
+    """
+    backend = str(dist.get_backend(process_group))
+    if backend not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"The process group's backend is {backend!r} but LaySA supports "
+            f"{' and '.join(SUPPORTED_BACKENDS)}; create the group with "
+            "dist.init_process_group('gloo') on the CPU or 'nccl' on GPUs."
+        )
+    return backend
+
+
+@dataclass
+class SentBucket:
+    """A bucket whose sparse message was exchanged this step, awaiting the mirror update."""
+
+    buffers: BucketBuffers
+    world_size: int
+
+
+class LaySAState:
+    """State of :func:`laysa_hook`, in the manner of PyTorch's ``PowerSGDState``.
+
+    Holds the settings, the step count, the layer-centric buffers and, between steps, where
+    each layer's error-feedback residual lives (a view of DDP's gradient bucket). Pickles
+    (``torch.save``) with the residuals' values and without the process group, which is set to
+    the default group on load, as ``PowerSGDState`` does.
+
+    Args:
+        process_group: The data-parallel group (``None``: the default group).
+        density: Fraction of each layer's gradient entries sent per step, in (0, 1]. At 1 every
+            step is DDP's dense average, exactly.
+        warmup_steps: Dense steps before sparsification starts (at least 1: DDP rebuilds its
+            buckets after the first iteration).
+
+    Raises:
+        TypeError: If ``density`` or ``warmup_steps`` has the wrong type.
+        ValueError: If ``density`` is outside (0, 1], ``warmup_steps`` < 1, or the backend is
+            neither gloo nor nccl.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        density: float,
+        warmup_steps: int = 1,
+    ) -> None:
+        self.density = check_density(density)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
+            raise TypeError(
+                f"The warmup_steps argument is of type {type(warmup_steps).__name__!r} but must "
+                "be an int >= 1."
+            )
+        if warmup_steps < 1:
+            raise ValueError(
+                f"The warmup_steps argument is {warmup_steps} but must be >= 1 (DDP rebuilds "
+                "its buckets after the first step, so that step is dense); use warmup_steps=1."
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialized"
+        if check_backend(group) == "nccl":
+            _warn_nccl_untested_once()
+        self.process_group: dist.ProcessGroup = group
+        self.warmup_steps = warmup_steps
+        self.iteration = 0
+        self.ledger = CommMemoryLedger()
+        self.buffers = LayerCentricBuffers(self.ledger)
+        self.bytes_sent_last_step = 0
+        self.bytes_sent_total = 0
+        self._bytes_this_step = 0
+        self.sent: list[SentBucket] = []
+        # id(param) -> (param, view of DDP's bucket holding its residual)
+        self.residual_views: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        # id(param) -> residual restored from a checkpoint, added on the next backward
+        self.pending_residuals: dict[int, torch.Tensor] = {}
+        self.params: list[torch.nn.Parameter] = []
+        self.warned_single_process = False
+
+    def is_dense_step(self) -> bool:
+        """Whether this step all-reduces densely (warm-up, or density 1)."""
+        return self.density >= 1.0 or self.iteration < self.warmup_steps
+
+    def end_step(self) -> None:
+        """Called by the hook after the last bucket of a step."""
+        self.iteration += 1
+        self.bytes_sent_last_step = self._bytes_this_step
+        self.bytes_sent_total += self._bytes_this_step
+        self._bytes_this_step = 0
+
+    def count_sent(self, nbytes: int) -> None:
+        """Count ``nbytes`` this rank contributed to a collective this step."""
+        self._bytes_this_step += nbytes
+
+    def residual(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The error-feedback residual of ``param`` now (zeros if none), shape of ``param``.
+
+        The residual is what this rank computed but has not sent yet; it is added to the
+        parameter's next gradient.
+        """
+        pending = self.pending_residuals.get(id(param))
+        if pending is not None:
+            return pending.clone()
+        found = self.residual_views.get(id(param))
+        if found is None:
+            return torch.zeros_like(param)
+        return found[1].detach().clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings, step count and every residual (a tensor per parameter, or ``None``).
+
+        Plain tensors and numbers: ``torch.save`` it with the model and optimizer and load it
+        with ``torch.load(..., weights_only=True)``.
+        """
+        residuals = [
+            self.residual(p)
+            if (id(p) in self.residual_views or id(p) in self.pending_residuals)
+            else None
+            for p in self.params
+        ]
+        return {
+            "density": self.density,
+            "warmup_steps": self.warmup_steps,
+            "iteration": self.iteration,
+            "bytes_sent_total": self.bytes_sent_total,
+            "residuals": residuals,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step count and residuals saved by :meth:`state_dict`.
+
+        The residuals are added to the next gradients. The density and warm-up of this state
+        are kept (they are the caller's settings).
+
+        Raises:
+            ValueError: If the checkpoint holds a different number of parameters.
+        """
+        residuals: list[torch.Tensor | None] = state_dict["residuals"]
+        if len(residuals) != len(self.params):
+            raise ValueError(
+                f"The saved LaySA state has {len(residuals)} parameters but this model has "
+                f"{len(self.params)}; load a checkpoint of the same model."
+            )
+        self.iteration = int(state_dict["iteration"])
+        self.bytes_sent_total = int(state_dict["bytes_sent_total"])
+        self.residual_views.clear()
+        self.pending_residuals = {
+            id(p): r.to(p.device)
+            for p, r in zip(self.params, residuals, strict=True)
+            if r is not None
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        _logger.warning(
+            "The process group is not serializable and is excluded from a saved LaySAState; "
+            "the default group is used on load."
+        )
+        return self.state_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(None, state["density"], state["warmup_steps"])  # type: ignore[misc]
+        self.iteration = state["iteration"]
+        self.bytes_sent_total = state["bytes_sent_total"]
+        self.restored_state_dict: dict[str, Any] | None = state
