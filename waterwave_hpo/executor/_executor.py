@@ -478,7 +478,7 @@ class _OptimizeRun:
             with _ctrl_c_deferred():
                 self._ask_and_submit(host)
 
-    def _ask_and_submit(self, host: DeviceHost) -> None:
+    def _ask_and_submit(self, host: Host[Any]) -> None:
         self.asked = trial = self.study.ask()
         beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
         beat.start()
