@@ -299,7 +299,7 @@ def run_optuna(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
             "number": t.number,
             "state": t.state.name,
             "value": t.value,
-            "host": t.user_attrs.get("waterwave:host"),
+            "host": t.system_attrs.get("waterwave:host"),
             "peak_bytes": t.user_attrs.get("peak_bytes"),
             "duration_s": (t.datetime_complete - t.datetime_start).total_seconds()
             if t.datetime_complete and t.datetime_start

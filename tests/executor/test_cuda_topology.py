@@ -54,7 +54,7 @@ def test_a_co_hosted_study_on_the_cuda_paths_keeps_the_rules(
         return float(loss.detach())
 
     study = optuna.create_study()
-    executor = ww.WaterwaveExecutor("cuda:0", 2)
+    executor = ww.WaterwaveExecutor("cuda:0", 2, record_trial_attrs=True)
     executor.optimize(study, objective, n_trials=4)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert topology.cuda.events[0] == "pool 0"  # installed before CUDA initialised
@@ -63,4 +63,4 @@ def test_a_co_hosted_study_on_the_cuda_paths_keeps_the_rules(
     assert topology.worker.backwards == 12  # every backward on the shared worker
     for t in study.trials:  # each trial's peak is its own account, not its slot stream's
         assert allocated[t.number] == (t.number + 1) * MIB
-        assert t.user_attrs[ATTR_PEAK_BYTES] == (t.number + 1) * MIB
+        assert t.system_attrs[ATTR_PEAK_BYTES] == (t.number + 1) * MIB
