@@ -9,6 +9,8 @@
 #include <limits>
 #include <string>
 
+#include "format_bytes.hpp"
+
 namespace ww {
 
 void set_last_error(const std::string& msg);  // c_api.cpp
@@ -287,7 +289,7 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
   if (ai != stream_to_account_.end()) account = ai->second;
   if (nbytes > (std::numeric_limits<std::size_t>::max() >> 2)) {
     trace_oom_locked(nbytes, stream, WW_OOM_CAPACITY, account);
-    set_last_error("out of memory: " + std::to_string(nbytes) + " bytes exceeds any capacity");
+    set_last_error("out of memory: " + format_bytes(nbytes) + " exceeds any capacity");
     return WW_OOM_CAPACITY;
   }
   const std::size_t size = round_size(nbytes);
@@ -392,13 +394,13 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
     }
   }
   trace_oom_locked(nbytes, stream, status, account);
-  set_last_error(std::string("out of memory: ") + std::to_string(nbytes) + " bytes (" +
-                 std::to_string(size) + " rounded) on stream " + std::to_string(stream) + "; " +
-                 (status == WW_OOM_UPSTREAM ? "the device refused a new segment"
-                                            : "the pool's capacity of " + std::to_string(capacity_) +
-                                                  " bytes is reached") +
-                 " (" + std::to_string(total_.c.allocated_bytes) + " allocated, " +
-                 std::to_string(total_.c.reserved_bytes) + " reserved)");
+  set_last_error(std::string("out of memory: ") + format_bytes(nbytes) + ", " +
+                 format_bytes(size) + " rounded, on stream " + std::to_string(stream) + "; " +
+                 (status == WW_OOM_UPSTREAM
+                      ? std::string("the device refused a new segment")
+                      : "the pool's capacity of " + format_bytes(capacity_) + " is reached") +
+                 " (" + format_bytes(total_.c.allocated_bytes) + " allocated, " +
+                 format_bytes(total_.c.reserved_bytes) + " reserved)");
   return status;
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cuda_driver_api.hpp"
+#include "format_bytes.hpp"
 #include "upstream.hpp"
 
 namespace ww {
@@ -149,7 +150,7 @@ class CudaUpstream final : public Upstream {
     // illegal address left by a kernel, a device assert, a lost device) is a backend error with
     // the driver's message, so a dead context is never "retried with fewer neighbours".
     if (r != kOutOfMemory) {
-      set_upstream_error("cuMemAlloc of " + std::to_string(nbytes) + " bytes on CUDA device " +
+      set_upstream_error("cuMemAlloc of " + format_bytes(nbytes) + " on CUDA device " +
                          std::to_string(ordinal_) + " failed: " + error_string(d_, r));
     }
     return nullptr;

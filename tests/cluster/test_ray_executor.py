@@ -255,15 +255,15 @@ def test_study_stop_in_a_remote_objective_stops_the_search() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"n_hosts": 0}, ValueError, "n_hosts=0 must be >= 1"),
+        ({"n_hosts": 0}, ValueError, "n_hosts=0: must be >= 1"),
         ({"n_hosts": "many"}, TypeError, "n_hosts='many'"),
-        ({"num_gpus_per_host": 2}, ValueError, "num_gpus_per_host=2 must be 1"),
+        ({"num_gpus_per_host": 2}, ValueError, "num_gpus_per_host=2: must be 1"),
         ({"num_gpus_per_host": 0}, ValueError, "n_hosts='auto' counts the cluster's GPUs"),
         ({"host_resources": {"GPU": 1}}, ValueError, "num_gpus_per_host"),
-        ({"num_cpus_per_host": 0}, ValueError, "num_cpus_per_host=0 must be > 0"),
+        ({"num_cpus_per_host": 0}, ValueError, "num_cpus_per_host=0: must be > 0"),
         ({"trials_per_device": 0}, ValueError, "trials_per_device=0"),
         ({"max_host_retries": -1}, ValueError, "max_host_retries=-1"),
-        ({"max_devices": 0}, ValueError, "max_devices=0 must be >= 1"),
+        ({"max_devices": 0}, ValueError, "max_devices=0: must be >= 1"),
         ({"n_hosts": 2, "max_devices": 1}, ValueError, "max_devices=1 is below n_hosts=2"),
     ],
 )

@@ -374,9 +374,9 @@ def test_executor_can_be_reused_for_several_studies(storage: optuna.storages.Bas
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"trials_per_device": 0}, ValueError, "trials_per_device=0 must be >= 1"),
+        ({"trials_per_device": 0}, ValueError, "trials_per_device=0: must be >= 1"),
         ({"trials_per_device": -2}, ValueError, "trials_per_device=-2"),
-        ({"trials_per_device": "4"}, TypeError, "trials_per_device='4' must be an int"),
+        ({"trials_per_device": "4"}, TypeError, "trials_per_device='4': must be an int"),
         ({"trials_per_device": True}, TypeError, "trials_per_device=True"),
         ({"devices": "cuda:99"}, ValueError, "cuda:99"),
         ({"devices": "tpu"}, ValueError, "'tpu'"),
@@ -396,14 +396,14 @@ def test_bad_constructor_arguments_name_the_argument(
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"n_trials": -1}, ValueError, "n_trials=-1 must be >= 0"),
+        ({"n_trials": -1}, ValueError, "n_trials=-1: must be >= 0"),
         ({"n_trials": 2.5}, TypeError, "n_trials=2.5"),
-        ({"timeout": 0}, ValueError, "timeout=0 must be > 0"),
+        ({"timeout": 0}, ValueError, "timeout=0: must be > 0"),
         ({"timeout": "1"}, TypeError, "timeout='1'"),
         ({"catch": "ValueError"}, TypeError, "catch"),
-        ({"catch": (ValueError, 3)}, TypeError, "catch contains 3"),
+        ({"catch": (ValueError, 3)}, TypeError, r"catch\[1\]=3: must be an exception type"),
         ({"callbacks": lambda s, t: None}, TypeError, "callbacks"),
-        ({"callbacks": [3]}, TypeError, "callbacks contains 3"),
+        ({"callbacks": [3]}, TypeError, r"callbacks\[0\]=3: must be a callable"),
     ],
 )
 def test_bad_optimize_arguments_fail_before_any_trial(
@@ -418,9 +418,9 @@ def test_bad_optimize_arguments_fail_before_any_trial(
 
 
 def test_bad_study_and_func_are_refused() -> None:
-    with pytest.raises(TypeError, match=r"study must be an optuna\.Study"):
+    with pytest.raises(TypeError, match=r"study='study': must be an optuna\.Study"):
         _cpu().optimize("study", lambda t: 0.0, n_trials=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="func must be callable"):
+    with pytest.raises(TypeError, match="func=3: must be callable"):
         _cpu().optimize(optuna.create_study(), 3, n_trials=1)  # type: ignore[arg-type]
 
 

@@ -256,9 +256,12 @@ def test_stream_objects_with_cuda_stream_or_ptr_are_accepted() -> None:
     assert streams == {7, 9}
 
 
-@pytest.mark.parametrize("bad", [-1, 0, 1.5, "1GB", True])
-def test_bad_capacity_names_the_argument(bad: object) -> None:
-    with pytest.raises(ValueError, match="capacity_bytes"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(-1, ValueError), (0, ValueError), (1.5, TypeError), ("1GB", TypeError), (True, TypeError)],
+)
+def test_bad_capacity_names_the_argument(bad: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"capacity_bytes={bad!r}: "):
         StreamAwarePool(bad, backend="sim")  # type: ignore[arg-type]
 
 

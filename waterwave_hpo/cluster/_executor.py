@@ -13,6 +13,7 @@ from typing import Any
 import optuna
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo.cluster._actor import HostActor
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import HostSpec
@@ -23,7 +24,6 @@ from waterwave_hpo.cluster._storage import StorageServer
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._executor import Callback
 from waterwave_hpo.executor._executor import ObjectiveFunc
-from waterwave_hpo.executor._executor import _check_positive_int
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import MemoryPoolMode
@@ -150,14 +150,18 @@ class RayExecutor(WaterwaveExecutor):
         self.devices: list[torch.device] = []  # the driver runs no trial (see cluster_stats)
         if n_hosts != "auto":
             if isinstance(n_hosts, str):
-                raise TypeError(f"n_hosts={n_hosts!r} must be an int >= 1 or 'auto'.")
-            _check_positive_int("n_hosts", n_hosts, 1)
+                raise _checks.type_error(
+                    "n_hosts", n_hosts, "an int >= 1 or 'auto'", "pass e.g. n_hosts=2"
+                )
+            _checks.check_int("n_hosts", n_hosts, minimum=1)
         self.n_hosts = n_hosts
         if isinstance(num_gpus_per_host, bool) or num_gpus_per_host not in (0, 1):
-            raise ValueError(
-                f"num_gpus_per_host={num_gpus_per_host!r} must be 1 (one host actor per GPU) "
-                "or 0 (CPU hosts). A host drives one device; to share a GPU among trials, "
-                "raise trials_per_device instead of splitting the GPU."
+            raise _checks.value_error(
+                "num_gpus_per_host",
+                num_gpus_per_host,
+                "must be 1 (one host actor per GPU) or 0 (CPU hosts)",
+                "a host drives one device; to share a GPU among trials, raise "
+                "trials_per_device instead of splitting the GPU",
             )
         if num_gpus_per_host == 0 and n_hosts == "auto":
             raise ValueError(
@@ -168,14 +172,14 @@ class RayExecutor(WaterwaveExecutor):
         self.num_cpus_per_host = _check_positive_number("num_cpus_per_host", num_cpus_per_host)
         self.host_resources = _check_resources(host_resources)
         if max_devices is not None:
-            _check_positive_int("max_devices", max_devices, 1)
+            _checks.check_int("max_devices", max_devices, minimum=1)
             if isinstance(n_hosts, int) and max_devices < n_hosts:
                 raise ValueError(
                     f"max_devices={max_devices} is below n_hosts={n_hosts}: it caps the hosts "
                     f"alive at once. Pass max_devices >= {n_hosts}, or None."
                 )
         self.max_devices = max_devices
-        self.max_host_retries = _check_positive_int("max_host_retries", max_host_retries, 0)
+        self.max_host_retries = _checks.check_int("max_host_retries", max_host_retries, minimum=0)
         self.startup_timeout_s = _check_positive_number("startup_timeout_s", startup_timeout_s)
         self._server: StorageServer | None = None
         self._fleet: HostFleet | None = None
@@ -225,9 +229,11 @@ class RayExecutor(WaterwaveExecutor):
         """
         ray = import_ray()
         if not isinstance(study, optuna.Study):
-            raise TypeError(
-                f"study must be an optuna.Study, got {type(study).__name__!r}. Create one with "
-                "waterwave_hpo.create_study(...) or optuna.create_study(...)."
+            raise _checks.type_error(
+                "study",
+                study,
+                "an optuna.Study",
+                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
             )
         if not ray.is_initialized():
             ray.init()
@@ -369,27 +375,28 @@ class ClusterStats:
 
 
 def _check_positive_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r} must be a number > 0, not {type(value).__name__}.")
-    if not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0.")
-    return float(value)
+    return _checks.check_number(name, value)
 
 
 def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
     if resources is None:
         return {}
     if not isinstance(resources, Mapping):
-        raise TypeError(
-            f"host_resources={resources!r} must be a mapping of Ray custom resource names to "
-            'amounts, e.g. {"accelerator_type:A100": 0.001}.'
+        raise _checks.type_error(
+            "host_resources",
+            resources,
+            "a mapping of Ray custom resource names to amounts",
+            'pass e.g. {"accelerator_type:A100": 0.001}',
         )
     result: dict[str, float] = {}
     for key, amount in resources.items():
         if key in ("CPU", "GPU", "memory"):
-            raise ValueError(
-                f"host_resources contains {key!r}; set CPUs with num_cpus_per_host and GPUs "
-                "with num_gpus_per_host, and keep host_resources for custom resources."
+            raise _checks.value_error(
+                f"host_resources[{key!r}]",
+                amount,
+                f"{key!r} is not a custom resource",
+                "set CPUs with num_cpus_per_host and GPUs with num_gpus_per_host, and keep "
+                "host_resources for custom resources",
             )
         result[str(key)] = _check_positive_number(f"host_resources[{key!r}]", amount)
     return result

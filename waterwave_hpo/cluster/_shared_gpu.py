@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
+from waterwave_hpo import _checks
 from waterwave_hpo.cluster._imports import import_ray
 
 if TYPE_CHECKING:
@@ -66,17 +67,25 @@ def shared_gpu(
     """
     k, auto = _check_trials_per_gpu(trials_per_gpu, max_trials_per_gpu)
     if k > 10_000:
-        raise ValueError(f"trials_per_gpu={k} is more than Ray's GPU resolution (1/10000) allows.")
+        raise _checks.value_error(
+            "trials_per_gpu",
+            k,
+            "is more than Ray's GPU resolution (1/10000) allows",
+            "pass <= 10000",
+        )
     _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
     if memory_budget_bytes is not None:
         _check_int("memory_budget_bytes", memory_budget_bytes, 1)
     if memory_per_trial_bytes is not None:
         _check_int("memory_per_trial_bytes", memory_per_trial_bytes, 1)
         if memory_budget_bytes is not None and memory_per_trial_bytes > memory_budget_bytes:
-            raise ValueError(
-                f"memory_per_trial_bytes={memory_per_trial_bytes} is more than "
-                f"memory_budget_bytes={memory_budget_bytes}; no trial could ever get its "
-                "lease. Lower memory_per_trial_bytes or raise memory_budget_bytes."
+            raise _checks.value_error(
+                "memory_per_trial_bytes",
+                memory_per_trial_bytes,
+                f"is more than memory_budget_bytes={memory_budget_bytes} "
+                f"({_checks.format_bytes(memory_budget_bytes)}), so no trial could ever get its "
+                "lease",
+                "lower memory_per_trial_bytes or raise memory_budget_bytes",
             )
     _check_number("lease_ttl_s", lease_ttl_s, allow_zero=False)
     import_ray()
@@ -113,21 +122,17 @@ def _check_trials_per_gpu(trials_per_gpu: object, max_trials_per_gpu: object) ->
     auto = trials_per_gpu == "auto"
     if not auto:
         if isinstance(trials_per_gpu, str):
-            raise ValueError(f"trials_per_gpu={trials_per_gpu!r} must be an int >= 1 or 'auto'.")
+            raise _checks.type_error(
+                "trials_per_gpu", trials_per_gpu, "an int >= 1 or 'auto'", "pass e.g. 4"
+            )
         _check_int("trials_per_gpu", trials_per_gpu, 1)
     _check_int("max_trials_per_gpu", max_trials_per_gpu, 1)
     return int(max_trials_per_gpu if auto else trials_per_gpu), auto  # type: ignore[call-overload]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int >= {minimum}.")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}.")
+    _checks.check_int(name, value, minimum=minimum)
 
 
 def _check_number(name: str, value: object, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r} must be a number.")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}.")
+    _checks.check_number(name, value, allow_zero=allow_zero)

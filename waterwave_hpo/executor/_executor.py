@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
@@ -174,9 +175,8 @@ class WaterwaveExecutor:
             ValueError: For an argument out of range.
         """
         if not isinstance(record_trial_attrs, bool):
-            raise TypeError(
-                f"record_trial_attrs={record_trial_attrs!r} must be True or False, not "
-                f"{type(record_trial_attrs).__name__}."
+            raise _checks.type_error(
+                "record_trial_attrs", record_trial_attrs, "a bool", "pass True or False"
             )
         self.record_trial_attrs = record_trial_attrs
         self.max_trials_per_device = _check_positive_int(
@@ -184,8 +184,8 @@ class WaterwaveExecutor:
         )
         self.auto_trials = trials_per_device == "auto"
         if isinstance(trials_per_device, str) and not self.auto_trials:
-            raise TypeError(
-                f"trials_per_device={trials_per_device!r} must be an int >= 1 or 'auto'."
+            raise _checks.type_error(
+                "trials_per_device", trials_per_device, "an int >= 1 or 'auto'", "pass e.g. 4"
             )
         self.trials_per_device = (
             self.max_trials_per_device
@@ -207,8 +207,8 @@ class WaterwaveExecutor:
         try:
             self.memory_pool = MemoryPoolMode(memory_pool)
         except ValueError:
-            raise ValueError(
-                f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'."
+            raise _checks.value_error(
+                "memory_pool", memory_pool, "is not one of 'auto', 'on', 'off'", "pass 'auto'"
             ) from None
 
     def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
@@ -305,21 +305,22 @@ class WaterwaveExecutor:
             KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
         """
         if not isinstance(study, optuna.Study):
-            raise TypeError(
-                f"study must be an optuna.Study, got {type(study).__name__!r}. Create one with "
-                "waterwave_hpo.create_study(...) or optuna.create_study(...)."
+            raise _checks.type_error(
+                "study",
+                study,
+                "an optuna.Study",
+                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
             )
         if not callable(func):
-            raise TypeError(f"func must be callable (the objective), got {func!r}.")
+            raise _checks.type_error(
+                "func", func, "callable", "pass the objective, a function taking a trial"
+            )
         if n_trials is not None:
             n_trials = _check_positive_int("n_trials", n_trials, 0)
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout={timeout!r} must be a number of seconds or None.")
-            if not timeout > 0:
-                raise ValueError(
-                    f"timeout={timeout!r} must be > 0 seconds; pass None for no time limit."
-                )
+            _checks.check_number(
+                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
+            )
         catch_tuple = _check_catch(catch)
         callback_list = _check_callbacks(callbacks)
         if _optuna_compat.in_optimize_loop(study):
@@ -666,23 +667,16 @@ def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str)
 
 
 def _check_positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{name}={value!r} must be an int >= {minimum}, not {type(value).__name__}."
-        )
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}. Pass an int >= {minimum}.")
-    return value
+    return _checks.check_int(name, value, minimum=minimum)
 
 
 def _check_on_oom(value: object) -> OnOOM:
-    try:
-        return OnOOM(value)
-    except ValueError:
-        raise ValueError(
-            f"on_oom={value!r} is not one of 'retry', 'fail'. Pass on_oom='retry' to re-run "
-            "the trial's parameters with fewer neighbours, or on_oom='fail' to fail it."
-        ) from None
+    return _checks.check_choice(
+        "on_oom",
+        value,
+        OnOOM,
+        "pass 'retry' to re-run the trial's parameters with fewer neighbours, or 'fail' to fail it",
+    )
 
 
 def _check_catch(catch: object) -> tuple[type[Exception], ...]:
@@ -691,15 +685,19 @@ def _check_catch(catch: object) -> tuple[type[Exception], ...]:
     elif isinstance(catch, Iterable) and not isinstance(catch, (str, bytes)):
         items = list(catch)
     else:
-        raise TypeError(
-            f"catch={catch!r} must be an exception type or a tuple of exception types, e.g. "
-            "catch=(ValueError,)."
+        raise _checks.type_error(
+            "catch",
+            catch,
+            "an exception type or a tuple of exception types",
+            "pass e.g. catch=(ValueError,)",
         )
-    for item in items:
+    for index, item in enumerate(items):
         if not (isinstance(item, type) and issubclass(item, BaseException)):
-            raise TypeError(
-                f"catch contains {item!r}, which is not an exception type; pass exception "
-                "classes such as catch=(ValueError, RuntimeError)."
+            raise _checks.type_error(
+                f"catch[{index}]",
+                item,
+                "an exception type",
+                "pass exception classes such as catch=(ValueError, RuntimeError)",
             )
     return tuple(items)  # type: ignore[arg-type]
 
@@ -707,16 +705,4 @@ def _check_catch(catch: object) -> tuple[type[Exception], ...]:
 def _check_callbacks(callbacks: object) -> list[Callback]:
     if callbacks is None:
         return []
-    if not isinstance(callbacks, Iterable) or callable(callbacks):
-        raise TypeError(
-            f"callbacks={callbacks!r} must be a list of callables taking (study, frozen_trial); "
-            "wrap a single callback in a list."
-        )
-    result = list(callbacks)
-    for callback in result:
-        if not callable(callback):
-            raise TypeError(
-                f"callbacks contains {callback!r}, which is not callable; each callback takes "
-                "(study, frozen_trial)."
-            )
-    return result
+    return _checks.check_callables("callbacks", callbacks, "(study, frozen_trial)")

@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING
 from typing import Any
 
+from waterwave_hpo import _checks
 from waterwave_hpo.memory._errors import OOMReason
 from waterwave_hpo.memory._errors import PoolBackendError
 from waterwave_hpo.memory._errors import PoolOutOfMemoryError
@@ -64,7 +65,7 @@ def round_size(nbytes: int) -> int:
     Multiples of 512 bytes up to 1 MiB; above, multiples of 1/16 of the next power of two.
     """
     if nbytes < 0:
-        raise ValueError(f"The nbytes argument is {nbytes}; it must be >= 0.")
+        raise _checks.value_error("nbytes", nbytes, "must be >= 0", "pass a size in bytes")
     return int(load_library().ww_round_size(nbytes))
 
 
@@ -138,7 +139,8 @@ class Account:
             quota_bytes: The limit in bytes (> 0), or None for no limit.
 
         Raises:
-            ValueError: ``quota_bytes`` is not a positive int or None.
+            TypeError: ``quota_bytes`` is neither an int nor None.
+            ValueError: ``quota_bytes`` is not positive.
         """
         self._check_open()
         self._pool.set_quota(self, quota_bytes)
@@ -203,7 +205,8 @@ class StreamAwarePool:
         device: CUDA device ordinal (``cuda``/``cupy``); ignored by ``sim``.
 
     Raises:
-        ValueError: ``capacity_bytes``, ``backend`` or ``device`` is invalid.
+        TypeError: ``capacity_bytes`` or ``device`` is not an int.
+        ValueError: ``capacity_bytes``, ``backend`` or ``device`` is out of range.
         RuntimeError: The backend cannot start (no CUDA driver, no such device, CuPy missing).
         ImportError: The C++ library is not built (reinstall with ``pip install .``).
     """
@@ -218,28 +221,23 @@ class StreamAwarePool:
     ) -> None:
         self._ptr: int | None = None
         self._pinned = False  # set by use_pool: PyTorch holds it until the process ends
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-        ):
-            raise ValueError(
-                f"The capacity_bytes argument is {capacity_bytes!r} (type "
-                f"{type(capacity_bytes).__name__}) but must be a positive int or None."
-            )
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(
-                f"The capacity_bytes argument is {capacity_bytes} but must be a positive number of "
-                "bytes, or None for the device's memory."
-            )
+        _checks.check_optional_int(
+            "capacity_bytes",
+            capacity_bytes,
+            minimum=1,
+            fix="pass a positive number of bytes, or None for the device's memory",
+        )
         try:
             self._backend = Backend(backend)
         except ValueError:
-            raise ValueError(
-                f"The backend argument is {backend!r} but must be one of "
-                f"{[b.value for b in Backend]}."
+            allowed = ", ".join(repr(b.value) for b in Backend)
+            raise _checks.value_error(
+                "backend", backend, f"is not one of {allowed}", "pass 'cuda' on a GPU"
             ) from None
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 64:
-            raise ValueError(
-                f"The device argument is {device!r} but must be a CUDA device ordinal in [0, 64)."
+        _checks.check_int("device", device, minimum=0, fix="pass a CUDA device ordinal in [0, 64)")
+        if device >= 64:
+            raise _checks.value_error(
+                "device", device, "must be < 64", "pass a CUDA device ordinal in [0, 64)"
             )
         self._device = device
         self._lib = load_library()
@@ -352,7 +350,8 @@ class StreamAwarePool:
             The device pointer (for ``sim``, a host address), 512-byte aligned.
 
         Raises:
-            ValueError: ``nbytes`` is negative or not an int.
+            TypeError: ``nbytes`` is not an int.
+            ValueError: ``nbytes`` is negative.
             PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
             PoolBackendError: The backend failed otherwise (a CUDA error other than
                 ``CUDA_ERROR_OUT_OF_MEMORY``, e.g. an illegal address); not an out of memory.
@@ -368,12 +367,12 @@ class StreamAwarePool:
             ``(pointer, source)``.
 
         Raises:
-            ValueError: ``nbytes`` is negative or not an int.
+            TypeError: ``nbytes`` is not an int.
+            ValueError: ``nbytes`` is negative.
             PoolOutOfMemoryError: Capacity, quota or device exhausted; the pool is unchanged.
             PoolBackendError: The backend failed otherwise (not an out of memory).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"The nbytes argument is {nbytes!r} but must be an int >= 0.")
+        _checks.check_int("nbytes", nbytes, minimum=0, fix="pass a size in bytes")
         handle = stream_handle(stream)
         out = ctypes.c_uint64(0)
         src = ctypes.c_int(0)
@@ -469,18 +468,15 @@ class StreamAwarePool:
             quota_bytes: The limit in bytes (> 0), or None to remove it.
 
         Raises:
-            ValueError: ``quota_bytes`` is not a positive int or None, or ``account`` belongs to
+            TypeError: ``quota_bytes`` is neither an int nor None.
+            ValueError: ``quota_bytes`` is not positive, or ``account`` belongs to
                 another pool.
         """
         if account._pool is not self:
             raise ValueError(f"The account argument {account!r} belongs to another pool.")
-        if quota_bytes is not None and (
-            isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes <= 0
-        ):
-            raise ValueError(
-                f"The quota_bytes argument is {quota_bytes!r} but must be a positive int, or None "
-                "for no quota."
-            )
+        _checks.check_optional_int(
+            "quota_bytes", quota_bytes, minimum=1, fix="pass a positive int, or None for no quota"
+        )
         rc = self._lib.ww_account_set_quota(self._handle(), account.id, quota_bytes or 0)
         if rc != _WW_OK:
             raise ValueError(f"Cannot set the quota of {account!r}: {last_error()}.")
