@@ -41,6 +41,43 @@ def reset_stop(study: optuna.Study) -> None:
     study._stop_flag = False
 
 
+def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
+    """The storage object behind ``study`` (what Optuna keeps in ``study._storage``)."""
+    return study._storage
+
+
+def study_id(study: optuna.Study) -> int:
+    """The storage id of ``study``."""
+    return int(study._study_id)
+
+
+def request_stop(study: optuna.Study) -> None:
+    """Ask a running optimize loop to start no new trial, as ``Study.stop`` does.
+
+    Unlike ``Study.stop`` it may be called from any thread, not only inside the loop.
+    """
+    study._stop_flag = True
+
+
+def study_system_attrs(study: optuna.Study) -> dict[str, object]:
+    """The study's own system attributes, read from its storage."""
+    return dict(study._storage.get_study_system_attrs(study._study_id))
+
+
+def set_study_system_attr(study: optuna.Study, key: str, value: object) -> None:
+    """Set a system attribute of the study itself (``Study.set_system_attr`` is deprecated)."""
+    study._storage.set_study_system_attr(study._study_id, key, value)  # type: ignore[arg-type]
+
+
+def fail_trial(study: optuna.Study, trial_id: int) -> None:
+    """Set the unfinished trial ``trial_id`` to FAIL in the storage without the tell bookkeeping.
+
+    Raises:
+        optuna.exceptions.UpdateFinishedTrialError: The trial had already finished.
+    """
+    study._storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL)
+
+
 def set_system_attr(study: optuna.Study, trial_id: int, key: str, value: object) -> None:
     """Set a system attribute of the unfinished trial ``trial_id`` of ``study``.
 

@@ -109,9 +109,9 @@ def _add_doctor(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from waterwave_hpo.bench._methods import Method
-    from waterwave_hpo.bench._workloads import Setting
-    from waterwave_hpo.bench._workloads import Workload
+    from waterwave_hpo.bench import Method
+    from waterwave_hpo.bench import Setting
+    from waterwave_hpo.bench import Workload
 
     bench = commands.add_parser(
         "bench",

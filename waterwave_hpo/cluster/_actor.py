@@ -21,15 +21,15 @@ from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._storage import StorageChannel
-from waterwave_hpo.executor._devices import resolve_devices
-from waterwave_hpo.executor._host import DeviceHost
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._memory import make_device_memory
-from waterwave_hpo.executor._outcome import OnOOM
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.executor import OnOOM
+from waterwave_hpo.executor._internal import DeviceHost
+from waterwave_hpo.executor._internal import OutcomeKind
+from waterwave_hpo.executor._internal import RunSettings
+from waterwave_hpo.executor._internal import TrialJob
+from waterwave_hpo.executor._internal import TrialOutcome
+from waterwave_hpo.executor._internal import make_device_memory
+from waterwave_hpo.executor._internal import resolve_devices
 
 ATTR_HOST = "waterwave:host"
 """The host actor that ran the trial: ``"<node ip>/pid<pid>/<device>"`` (Ray cluster only)."""
@@ -117,12 +117,13 @@ class _HostStudy(optuna.Study):
         number = trial if isinstance(trial, int) else trial.number
         with self._told_lock:
             self._told.setdefault(number, (state, values))
+        storage = _optuna_compat.storage_of(self)
         trial_id = (
-            self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+            storage.get_trial_id_from_study_id_trial_number(_optuna_compat.study_id(self), number)
             if isinstance(trial, int)
-            else trial._trial_id
+            else _optuna_compat.trial_id(trial)
         )
-        return self._storage.get_trial(trial_id)
+        return storage.get_trial(trial_id)
 
 
 class HostActor:

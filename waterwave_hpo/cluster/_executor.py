@@ -21,13 +21,13 @@ from waterwave_hpo.cluster._fleet import HostFleet
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
+from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
-from waterwave_hpo.executor._executor import Callback
-from waterwave_hpo.executor._executor import ObjectiveFunc
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host_protocol import Host
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._internal import Callback
+from waterwave_hpo.executor._internal import Host
+from waterwave_hpo.executor._internal import ObjectiveFunc
+from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import optuna
 
+from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
@@ -212,7 +213,7 @@ class HostFleet:
                     _logger.debug("Could not replace host %s: %r", host.device, grow_error)
             if self.all_lost:
                 # Nothing can run any more: stop asking (the flag _optuna_compat reads).
-                self._study._stop_flag = True
+                _optuna_compat.request_stop(self._study)
 
     @property
     def all_lost(self) -> bool:
@@ -265,7 +266,7 @@ class HostFleet:
             self._grow(nodes)
             self._ask_autoscaler()
             if self.all_lost:
-                self._study._stop_flag = True
+                _optuna_compat.request_stop(self._study)
 
     def _grow(self, nodes: list[NodeView]) -> None:
         """Start hosts on GPUs not used yet while fewer than the cap are alive or starting."""

@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 from waterwave_hpo.cluster import _ray_compat
-from waterwave_hpo.executor import _streams
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
-from waterwave_hpo.executor._host import on_trial_stream
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._memory import make_device_memory
-from waterwave_hpo.executor._oom import is_out_of_memory
+from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.executor import TrialContext
+from waterwave_hpo.executor import is_out_of_memory
+from waterwave_hpo.executor._internal import CURRENT_CONTEXT
+from waterwave_hpo.executor._internal import acquire_stream
+from waterwave_hpo.executor._internal import make_device_memory
+from waterwave_hpo.executor._internal import on_trial_stream
+from waterwave_hpo.executor._internal import release_stream
 
 _WAIT_S = 0.05
 _ERROR_MAX_CHARS = 8000
@@ -311,7 +312,7 @@ class TrialHost:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-                stream = _streams.acquire_stream(device)
+                stream = acquire_stream(device)
             if hosted.checkpoint is not None:
                 checkpoint_dir = unpack_directory(hosted.checkpoint)
                 hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(checkpoint_dir)
@@ -324,7 +325,7 @@ class TrialHost:
                 slot=0,
                 scheduler=self.memory.scheduler,
             )
-            token = _CURRENT.set(context)
+            token = CURRENT_CONTEXT.set(context)
             self._local.hosted = hosted
             try:
                 # A stop is raised in this thread only while in_fn, set and cleared under the
@@ -341,7 +342,7 @@ class TrialHost:
                         hosted.in_fn = False
             finally:
                 self._local.hosted = None
-                _CURRENT.reset(token)
+                CURRENT_CONTEXT.reset(token)
             event = HostedEvent("done")
         except HostedTrialStopped:
             event = HostedEvent("done")
@@ -360,7 +361,7 @@ class TrialHost:
                 self.memory.trial_ended(hosted.number)
             if stream is not None:
                 with contextlib.suppress(Exception):
-                    _streams.release_stream(stream)
+                    release_stream(stream)
             if checkpoint_dir is not None:
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
         with self._cond:

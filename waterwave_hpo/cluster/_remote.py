@@ -24,11 +24,11 @@ from optuna.trial import TrialState
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import OutcomeKind
+from waterwave_hpo.executor._internal import RunSettings
+from waterwave_hpo.executor._internal import TrialJob
+from waterwave_hpo.executor._internal import TrialOutcome
 from waterwave_hpo.scheduler import PipelineScheduler
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -135,7 +135,9 @@ class RemoteHost:
             import ray
 
             ray.get(
-                self.actor.submit.remote(slot.index, job.trial._trial_id, job.attempt, job.retry_of)
+                self.actor.submit.remote(
+                    slot.index, _optuna_compat.trial_id(job.trial), job.attempt, job.retry_of
+                )
             )
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
@@ -186,7 +188,7 @@ class RemoteHost:
             if snapshot.stop_requested:
                 # An objective on the host called study.stop(): stop the driver's loop too
                 # (the flag _optuna_compat.stop_requested reads).
-                self.settings.study._stop_flag = True
+                _optuna_compat.request_stop(self.settings.study)
             for record in records:
                 self._tell(record)
 

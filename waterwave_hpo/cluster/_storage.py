@@ -50,6 +50,7 @@ from optuna.study._study_direction import StudyDirection
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
+from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._imports import import_ray
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -182,7 +183,10 @@ class StudyAccessPolicy:
             if trial_id in self._trial_ids:
                 return True
         # A trial the driver asked since the last look: read the study's trial ids again.
-        ids = {t._trial_id for t in self.storage.get_all_trials(self.study_id, deepcopy=False)}
+        ids = {
+            _optuna_compat.trial_id(t)
+            for t in self.storage.get_all_trials(self.study_id, deepcopy=False)
+        }
         with self._lock:
             self._trial_ids |= ids
             return trial_id in self._trial_ids
@@ -294,8 +298,10 @@ class StorageServer:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.policy = StudyAccessPolicy(study._storage, study._study_id, study.study_name)
-        self._storage = study._storage
+        self._storage = _optuna_compat.storage_of(study)
+        self.policy = StudyAccessPolicy(
+            self._storage, _optuna_compat.study_id(study), study.study_name
+        )
         self._relay = (
             ray.remote(StorageRelay)
             .options(

@@ -33,8 +33,8 @@ from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.demo._process import ProcessIdentity
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import ATTR_RETRY_OF
 
 ATTR_OWNER = "waterwave:owner"
 """Trial system attribute: the :class:`ProcessIdentity` (as JSON) of the process running it."""
@@ -99,7 +99,9 @@ class Heartbeat:
 
 def record_owner(trial: optuna.trial.Trial, me: ProcessIdentity) -> None:
     """Record ``me`` as the owner of a running trial (first thing in the objective)."""
-    trial.study._storage.set_trial_system_attr(trial._trial_id, ATTR_OWNER, me.to_json())
+    _optuna_compat.set_system_attr(
+        trial.study, _optuna_compat.trial_id(trial), ATTR_OWNER, me.to_json()
+    )
 
 
 def owner_of(trial: FrozenTrial) -> ProcessIdentity | None:
@@ -170,7 +172,7 @@ def requeue_and_fail(study: optuna.Study, trial: FrozenTrial, reason: str) -> bo
         _optuna_compat.set_system_attr(
             study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
         )
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        _optuna_compat.fail_trial(study, _optuna_compat.trial_id(trial))
     except UpdateFinishedTrialError:
         return False
     return True
@@ -224,7 +226,7 @@ def _attr(trial: FrozenTrial, key: str) -> Any:
 
 
 def _heartbeats(study: optuna.Study) -> dict[str, tuple[ProcessIdentity, float]]:
-    attrs = study._storage.get_study_system_attrs(study._study_id)
+    attrs = _optuna_compat.study_system_attrs(study)
     beats: dict[str, tuple[ProcessIdentity, float]] = {}
     for key, value in attrs.items():
         if not key.startswith(HEARTBEAT_PREFIX) or not isinstance(value, dict):
@@ -249,4 +251,4 @@ def _age_s(trial: FrozenTrial, now_s: float) -> float:
 
 
 def _set_study_system_attr(study: optuna.Study, key: str, value: Any) -> None:
-    study._storage.set_study_system_attr(study._study_id, key, value)
+    _optuna_compat.set_study_system_attr(study, key, value)

@@ -41,7 +41,7 @@ from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.demo._process import this_process
 from waterwave_hpo.executor import WaterwaveExecutor
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.report import max_concurrent_trials
 from waterwave_hpo.report import plot_timeline
@@ -312,9 +312,9 @@ def _writable_directory(out: Path) -> Path:
 def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path) -> None:
     # Trials trained for other epochs or from another seed are not comparable: refuse to mix.
     ours = {name: getattr(config, name) for name in _OBJECTIVE_SETTINGS}
-    stored = study._storage.get_study_system_attrs(study._study_id).get(ATTR_SETTINGS)
+    stored = _optuna_compat.study_system_attrs(study).get(ATTR_SETTINGS)
     if not isinstance(stored, dict):
-        study._storage.set_study_system_attr(study._study_id, ATTR_SETTINGS, ours)
+        _optuna_compat.set_study_system_attr(study, ATTR_SETTINGS, ours)
         return
     for name, value in ours.items():
         if name in stored and stored[name] != value:

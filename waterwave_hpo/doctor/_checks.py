@@ -59,7 +59,7 @@ def _passed(ok: bool) -> CheckStatus:
 def check_pool_library() -> CheckResult:
     """The C++ pool library is built and loads."""
     from waterwave_hpo.memory import library_path
-    from waterwave_hpo.memory._lib import load_library
+    from waterwave_hpo.memory._internal import load_library
 
     load_library()
     return CheckResult(
@@ -150,7 +150,7 @@ def torch_alloc_free_us(device: str, size_bytes: int, repeats: int) -> float:
 
 def check_alloc_latency_cuda(device: torch.device) -> CheckResult:
     """The pool's allocate + free through PyTorch vs PyTorch's caching allocator."""
-    from waterwave_hpo.bench._runners import call_in_child
+    from waterwave_hpo.bench._internal import call_in_child
 
     pool_us = torch_alloc_free_us(str(device), _LATENCY_SIZE_BYTES, _LATENCY_REPEATS)
     native_us = float(
@@ -405,8 +405,8 @@ def check_cudnn_sim() -> CheckResult:
     import warnings
 
     from waterwave_hpo.memory import StreamAwarePool
-    from waterwave_hpo.memory._torch_api import install_guards
-    from waterwave_hpo.memory._torch_api import remove_guards
+    from waterwave_hpo.memory._internal import install_guards
+    from waterwave_hpo.memory._internal import remove_guards
 
     pool = StreamAwarePool(capacity_bytes=8 * MIB, backend="sim")
     saved = torch.backends.cudnn.benchmark

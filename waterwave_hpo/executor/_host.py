@@ -219,7 +219,7 @@ def on_trial_stream(
     if stream is None:
         yield
         return
-    from waterwave_hpo.memory._cupy import cupy_on_stream
+    from waterwave_hpo.memory._internal import cupy_on_stream
 
     index = device.index if device.index is not None else 0
     # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work.

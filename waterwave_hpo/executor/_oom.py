@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from waterwave_hpo.memory._torch import OOM_MARKER
+from waterwave_hpo.memory import OOM_MARKER
 from waterwave_hpo.scheduler import BudgetExceededError
 
 _OOM_MESSAGES = ("cuda out of memory", "cuda error: out of memory", "out of memory")

@@ -43,13 +43,13 @@ import weakref
 import torch
 
 from waterwave_hpo.nodegroup._profile import iter_tensors
-from waterwave_hpo.scheduler._ledger import Phase
-from waterwave_hpo.scheduler._ledger import Reservation
+from waterwave_hpo.scheduler import Phase
+from waterwave_hpo.scheduler import Reservation
 
 if TYPE_CHECKING:
     from waterwave_hpo.nodegroup._group import NodeGroup
-    from waterwave_hpo.scheduler._scheduler import PipelineScheduler
-    from waterwave_hpo.scheduler._trial_profile import TrialProfile
+    from waterwave_hpo.scheduler import PipelineScheduler
+    from waterwave_hpo.scheduler import TrialProfile
 
 
 def in_backward() -> bool:
@@ -62,7 +62,7 @@ def in_backward() -> bool:
 def _current_scheduler() -> tuple[PipelineScheduler, int] | None:
     # Imported here: waterwave_hpo.executor imports the scheduler package, so a module-level
     # import could close a cycle through the facade.
-    from waterwave_hpo.executor._context import current_or_none
+    from waterwave_hpo.executor import current_or_none
 
     ctx = current_or_none()
     if ctx is None or ctx.scheduler is None:

@@ -19,7 +19,7 @@ from waterwave_hpo.nodegroup._partition import partition
 from waterwave_hpo.nodegroup._profile import Profiler
 from waterwave_hpo.nodegroup._profile import iter_tensors
 from waterwave_hpo.nodegroup._profile import tensor_bytes
-from waterwave_hpo.scheduler._trial_profile import TrialProfile
+from waterwave_hpo.scheduler import TrialProfile
 
 #: ``groups="auto"`` never makes a group whose profiled forward is shorter than this (seconds):
 #: a gate costs tens of microseconds, so shorter groups would cost more than they bring.

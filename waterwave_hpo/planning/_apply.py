@@ -35,8 +35,8 @@ from torch import nn
 import torch.utils._pytree
 import torch.utils.checkpoint
 
-from waterwave_hpo.nodegroup._profile import iter_tensors
-from waterwave_hpo.nodegroup._profile import tensor_bytes
+from waterwave_hpo.nodegroup._internal import iter_tensors
+from waterwave_hpo.nodegroup._internal import tensor_bytes
 from waterwave_hpo.planning._cost import recompute_runs
 from waterwave_hpo.planning._ledger import StepLedger
 from waterwave_hpo.planning._plan import Placement

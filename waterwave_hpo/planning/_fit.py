@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from waterwave_hpo.nodegroup._pipeline import _PIPELINES
+from waterwave_hpo.nodegroup._internal import has_pipeline
 from waterwave_hpo.planning._apply import PlanHooks
 from waterwave_hpo.planning._cost import DEFAULT_BANDWIDTH_BYTES_PER_S
 from waterwave_hpo.planning._ledger import StepLedger
@@ -108,7 +108,7 @@ def fit_memory(
             f"bandwidth_bytes_per_s is {bandwidth_bytes_per_s!r} but must be a number > 0 "
             "(bytes per second)."
         )
-    if model in _PIPELINES:
+    if has_pipeline(model):
         raise ValueError(
             "model has ww.pipeline gates; fit_memory does not combine with them yet: the gates "
             "reserve the profiled (unplanned) saved bytes, and a recompute re-runs module "

@@ -17,10 +17,10 @@ import warnings
 import torch
 from torch import nn
 
-from waterwave_hpo.nodegroup._pipeline import _profile_on
-from waterwave_hpo.nodegroup._profile import Profiler
-from waterwave_hpo.nodegroup._profile import iter_tensors
-from waterwave_hpo.nodegroup._profile import tensor_bytes
+from waterwave_hpo.nodegroup._internal import Profiler
+from waterwave_hpo.nodegroup._internal import iter_tensors
+from waterwave_hpo.nodegroup._internal import profile_on
+from waterwave_hpo.nodegroup._internal import tensor_bytes
 from waterwave_hpo.planning._plan import StepProfile
 from waterwave_hpo.planning._plan import Unit
 
@@ -103,7 +103,7 @@ def profile_units(
     profiler = Profiler(model)
     profiler.install()
     try:
-        _profile_on(model, example_input)
+        profile_on(model, example_input)
     finally:
         profiler.remove()
     atoms = profiler.atoms()
@@ -129,7 +129,7 @@ def profile_units(
     observer = _SavedObserver(model, owner, len(groups))
     observer.install()
     try:
-        _profile_on(model, example_input)
+        profile_on(model, example_input)
     finally:
         observer.remove()
     if observer.user_hooks_in is not None:

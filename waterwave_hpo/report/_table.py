@@ -8,12 +8,12 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from waterwave_hpo.executor._attrs import ATTR_DEVICE
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
-from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor import trial_attr
+from waterwave_hpo.executor._internal import ATTR_DEVICE
+from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import ATTR_PEAK_BYTES
+from waterwave_hpo.executor._internal import ATTR_RETRY_OF
+from waterwave_hpo.executor._internal import ATTR_SLOT
 
 _COLUMNS = [
     "number",

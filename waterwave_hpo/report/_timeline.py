@@ -8,9 +8,9 @@ from pathlib import Path
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
-from waterwave_hpo.executor._attrs import ATTR_DEVICE
-from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor import trial_attr
+from waterwave_hpo.executor._internal import ATTR_DEVICE
+from waterwave_hpo.executor._internal import ATTR_SLOT
 
 _COLOURS = {
     TrialState.COMPLETE: "#2e7d32",

@@ -32,7 +32,7 @@ from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import Request
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.scheduler import TrialView
-from waterwave_hpo.scheduler._policy import make_policy
+from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim._result import AttemptOutcome
 from waterwave_hpo.sim._result import SimAttempt
 from waterwave_hpo.sim._result import SimResult

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from waterwave_hpo.scheduler import TrialProfile
-from waterwave_hpo.scheduler._policy import make_policy
+from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim._engine import simulate
 from waterwave_hpo.sim._result import SimResult
 from waterwave_hpo.sim._spec import Sharing

@@ -1,0 +1,52 @@
+"""What the executor offers the project's other packages beyond its public facade.
+
+The cluster (remote device hosts, co-hosted Tune trials), the report and the demo build on the
+executor's bookkeeping and host machinery. They import it from here, never from the executor's
+other private modules, so those can change behind this one list (issue 16, item 3;
+``tests/test_private_imports.py`` keeps it so). Not part of the public API: no compatibility
+promise to users.
+"""
+
+from __future__ import annotations
+
+from waterwave_hpo.executor._attrs import ATTR_DEVICE
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._context import _CURRENT as CURRENT_CONTEXT
+from waterwave_hpo.executor._devices import resolve_devices
+from waterwave_hpo.executor._executor import Callback
+from waterwave_hpo.executor._executor import ObjectiveFunc
+from waterwave_hpo.executor._host import DeviceHost
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._host import on_trial_stream
+from waterwave_hpo.executor._host_protocol import Host
+from waterwave_hpo.executor._memory import make_device_memory
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._streams import acquire_stream
+from waterwave_hpo.executor._streams import release_stream
+
+__all__ = [
+    "ATTR_DEVICE",
+    "ATTR_FAIL_REASON",
+    "ATTR_PEAK_BYTES",
+    "ATTR_RETRY_OF",
+    "ATTR_SLOT",
+    "CURRENT_CONTEXT",
+    "Callback",
+    "DeviceHost",
+    "Host",
+    "ObjectiveFunc",
+    "OutcomeKind",
+    "RunSettings",
+    "TrialJob",
+    "TrialOutcome",
+    "acquire_stream",
+    "make_device_memory",
+    "on_trial_stream",
+    "release_stream",
+    "resolve_devices",
+]
