@@ -21,12 +21,12 @@ from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
 from waterwave_hpo.executor import WaterwaveExecutor
-from waterwave_hpo.executor._executor import Callback
-from waterwave_hpo.executor._executor import ObjectiveFunc
 from waterwave_hpo.executor._executor import _check_positive_int
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._optimize import Callback
+from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
