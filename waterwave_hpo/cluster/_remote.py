@@ -1,14 +1,13 @@
 """The driver's side of a host actor: a :class:`RemoteHost` that the executor drives like a
 :class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
 
-The executor's loop (``_OptimizeRun``) asks trials and hands them to hosts; for a remote host,
-:meth:`RemoteHost.submit` sends the trial's id to the actor. A poller thread per host collects
-how each attempt ended, tells the study in the driver's process (so the user's sampler, pruner
-state and callbacks see it), and puts the outcome on the executor's queue. When the actor dies
-(killed, out of host memory, its node lost) the poller tells each of its running trials FAIL and
-reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its parameters on the
-remaining hosts: nothing is lost and nothing stays RUNNING.
-"""
+The executor's loop (``OptimizeRun`` in ``executor/_optimize.py``) asks trials and hands them to
+hosts; for a remote host, :meth:`RemoteHost.submit` sends the trial's id to the actor. A poller
+thread per host collects how each attempt ended, tells the study in the driver's process (so the
+user's sampler, pruner state and callbacks see it), and puts the outcome on the executor's queue.
+When the actor dies (killed, out of host memory, its node lost) the poller tells each of its
+running trials FAIL and reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its
+parameters on the remaining hosts: nothing is lost and nothing stays RUNNING."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 :class:`~waterwave_hpo.executor._host.DeviceHost` (slot threads in this process) and the Ray
 executor's :class:`~waterwave_hpo.cluster._remote.RemoteHost` (a host actor, driven from the
-driver) both implement :class:`Host`; the loop (``_OptimizeRun``) sees only this interface, as
-Optuna's heartbeat sees only ``BaseHeartbeat`` (``optuna/storages/_heartbeat.py``).
+driver) both implement :class:`Host`; the loop (``OptimizeRun`` in ``executor/_optimize.py``)
+sees only this interface, as Optuna's heartbeat sees only ``BaseHeartbeat``
+(``optuna/storages/_heartbeat.py``).
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
 from waterwave_hpo.executor._context import _CURRENT as CURRENT_CONTEXT
 from waterwave_hpo.executor._devices import resolve_devices
-from waterwave_hpo.executor._executor import Callback
-from waterwave_hpo.executor._executor import ObjectiveFunc
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host import on_trial_stream
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import make_device_memory
+from waterwave_hpo.executor._optimize import Callback
+from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome

@@ -1,0 +1,354 @@
+"""The loop of one ``WaterwaveExecutor.optimize`` call: ask, hand trials to hosts, tell, retry.
+
+:class:`~waterwave_hpo.executor.WaterwaveExecutor` is the public, thin class (its arguments,
+their checks, its docstrings); this module is its run loop, as Optuna's ``Study.optimize`` calls
+``optuna/study/_optimize.py``. It lives in the calling thread; the hosts' slot threads reach it
+only through the outcome queue of :class:`~waterwave_hpo.executor._host.RunSettings`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
+from dataclasses import dataclass
+import logging
+import queue
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
+from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._host_protocol import Host
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+
+if TYPE_CHECKING:
+    from waterwave_hpo.executor._executor import WaterwaveExecutor
+
+# The executor's own messages (OOM re-runs, lost hosts). No handler of its own: when the
+# application has not configured logging, Python's last-resort handler prints WARNING and above
+# to stderr, so they are visible by default; a configured root logger receives them instead.
+_logger = logging.getLogger("waterwave_hpo")
+
+ObjectiveFunc = Callable[[optuna.trial.Trial], Any]
+Callback = Callable[[optuna.Study, FrozenTrial], None]
+
+_POLL_S = 0.05
+_SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class _RetryRequest:
+    params: dict[str, Any]
+    retry_of: int
+    attempt: int
+    max_running: int | None
+    """Run only on a host with at most this many trials running (fewer neighbours than at OOM);
+    ``None``: on any host (a re-run after its host was lost)."""
+    enqueued: bool = False
+    """Whether its parameters are in the study's queue (``study.enqueue_trial``) already."""
+
+
+class OptimizeRun:
+    """The state of one ``optimize`` call; lives in the calling thread."""
+
+    def __init__(
+        self,
+        executor: WaterwaveExecutor,
+        settings: RunSettings,
+        n_trials: int | None,
+        timeout_s: float | None,
+        callbacks: list[Callback],
+        show_progress_bar: bool,
+    ) -> None:
+        self.settings = settings
+        self.study = settings.study
+        self.n_trials = n_trials
+        self.timeout_s = timeout_s
+        self.callbacks = callbacks
+        self.hosts = executor._make_hosts(settings)
+        self.n_started = 0  # new trials started (not counting OOM re-runs)
+        self.retries: deque[_RetryRequest] = deque()
+        self.error: BaseException | None = None  # first fatal error, re-raised at the end
+        self.stopping = False
+        self.progress = _optuna_compat.progress_bar(show_progress_bar, n_trials, timeout_s)
+        self.time_start = 0.0
+        self.asked: optuna.trial.Trial | None = None  # asked, not yet handed to a slot
+        # One heartbeat per running trial, wherever it runs (a local slot or a Ray host): this
+        # process records them while it holds the trial; if it dies they stop, and another
+        # process's fail_stale_trials fails the trial (RDBStorage(heartbeat_interval=...)).
+        self.heartbeats: dict[int, _optuna_compat.Heartbeat] = {}
+        self.aborted: list[optuna.trial.Trial] = []  # running when optimize was interrupted
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def execute(self) -> None:
+        study = self.study
+        _optuna_compat.reset_stop(study)
+        _optuna_compat.set_in_optimize_loop(study, True)
+        self.time_start = time.monotonic()
+        try:
+            self._loop()
+        except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
+            self._abort(interrupt)
+            raise
+        finally:
+            self.progress.close()
+            for host in self.hosts:
+                host.shutdown(timeout_s=_SHUTDOWN_GRACE_S)
+            for number in list(self.heartbeats):
+                self._stop_heartbeat(number)
+            # Once the slots have stopped (and released their storage sessions), tell FAIL
+            # again whatever the abort could not (a storage locked by an interrupted thread).
+            for trial in self.aborted:
+                _fail_quietly(self.settings, trial, "optimize() was interrupted")
+            _optuna_compat.set_in_optimize_loop(study, False)
+        if self.error is not None:
+            raise self.error
+
+    def _loop(self) -> None:
+        # In a function of its own: CPython 3.11 can raise a pending KeyboardInterrupt on a loop's
+        # backward jump outside the enclosing try block of the same frame, escaping the handler.
+        while True:
+            self._dispatch()
+            if not self._running() and not self._may_start():
+                return
+            try:
+                outcome = self.settings.outcomes.get(timeout=_POLL_S)
+            except queue.Empty:
+                outcome = None
+            if outcome is not None:
+                self._handle(outcome)
+
+    def _running(self) -> int:
+        return sum(host.n_running for host in self.hosts)
+
+    def _may_start(self) -> bool:
+        if self.stopping or self.error is not None:
+            return False
+        if _optuna_compat.stop_requested(self.study):
+            return False
+        if self.timeout_s is not None and time.monotonic() - self.time_start >= self.timeout_s:
+            return False
+        if self.retries:
+            return True
+        return self.n_trials is None or self.n_started < self.n_trials
+
+    def _dispatch(self) -> None:
+        while self._may_start():
+            if self.retries:
+                # A pending re-run goes first, on a host with few enough trials running; fresh
+                # trials wait behind it so it cannot starve.
+                request = self.retries[0]
+                host = self._host_for(max_running=request.max_running)
+                if host is None:
+                    return
+                if not self._enqueue(request):
+                    continue
+            else:
+                host = self._host_for(max_running=None)
+                if host is None:
+                    return
+            _optuna_compat.fail_stale_trials(self.study)  # as Study.optimize, before ask()
+            with _ctrl_c_deferred():
+                self._ask_and_submit(host)
+
+    def _ask_and_submit(self, host: Host[Any]) -> None:
+        self.asked = trial = self.study.ask()
+        beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
+        beat.start()
+        self.heartbeats[trial.number] = beat
+        attrs = _optuna_compat.system_attrs(self.study, _optuna_compat.trial_id(trial))
+        attempt = int(attrs.get(ATTR_ATTEMPT, 0))  # type: ignore[call-overload]
+        retry_of = attrs.get(ATTR_RETRY_OF)
+        if attempt == 0:
+            # A new trial, sampled or enqueued by the user (ask() pops the oldest WAITING
+            # trial, which may be older than a re-run we enqueued; that one comes next).
+            self.n_started += 1
+        else:
+            for request in list(self.retries):
+                if (request.retry_of, request.attempt) == (retry_of, attempt):
+                    self.retries.remove(request)
+        slot = host.idle_slot()
+        assert slot is not None
+        retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
+        host.submit(slot, TrialJob(trial, attempt, retry_number))
+        self.asked = None
+
+    def _enqueue(self, request: _RetryRequest) -> bool:
+        """Put ``request``'s parameters in the study's queue, once.
+
+        Returns ``False`` (and forgets the request) when it was enqueued before and is no longer
+        waiting: another process sharing the study took it and runs it.
+        """
+        if not request.enqueued:
+            _optuna_compat.enqueue_with_system_attrs(
+                self.study,
+                request.params,
+                {ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
+            )
+            request.enqueued = True
+            return True
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if any(
+            (trial_attr(t, ATTR_RETRY_OF), trial_attr(t, ATTR_ATTEMPT))
+            == (request.retry_of, request.attempt)
+            for t in waiting
+        ):
+            return True
+        self.retries.remove(request)
+        return False
+
+    def _host_for(self, max_running: int | None) -> Host[Any] | None:
+        # The host with the most room: fewest running trials among those with an idle slot.
+        candidates = [
+            host
+            for host in self.hosts
+            if host.idle_slot() is not None
+            and (max_running is None or host.n_running <= max_running)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda host: host.n_running)
+
+    def _handle(self, outcome: TrialOutcome) -> None:
+        for host in self.hosts:
+            for slot in host.slots:
+                if slot.job is outcome.job:
+                    slot.job = None
+                    host.memory.trial_ended(outcome.job.trial.number)
+        frozen = outcome.frozen_trial
+        kind = outcome.kind
+        number = outcome.job.trial.number
+        self._stop_heartbeat(number)
+        if kind is OutcomeKind.INTERRUPTED:
+            return
+        if kind in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
+            # A remote host's trial object never saw its suggestions; the told trial has them.
+            params = frozen.params if frozen is not None else outcome.job.trial.params
+            request = _RetryRequest(
+                params=dict(params),
+                retry_of=number if outcome.job.retry_of is None else int(outcome.job.retry_of),
+                attempt=outcome.job.attempt + 1,
+                max_running=(
+                    max(0, outcome.neighbours - 1) if kind is OutcomeKind.OOM_RETRY else None
+                ),
+            )
+            self.retries.append(request)
+            if kind is OutcomeKind.HOST_LOST:
+                _logger.warning(
+                    "Trial %d was running on a device host that was lost; its parameters are "
+                    "re-queued (attempt %d) on the remaining hosts.",
+                    number,
+                    request.attempt,
+                )
+            else:
+                _logger.warning(
+                    "Trial %d ran out of device memory beside %d other trial(s); its "
+                    "parameters are re-queued (attempt %d of %d) to run with at most %d "
+                    "neighbour(s).",
+                    number,
+                    outcome.neighbours,
+                    request.attempt,
+                    self.settings.max_oom_retries,
+                    request.max_running,
+                )
+        else:
+            self._log(outcome)
+        if kind is OutcomeKind.FATAL and self.error is None:
+            self.error = outcome.error
+        if frozen is not None and kind is not OutcomeKind.FATAL:
+            # Optuna's rule: no callback for a trial whose exception propagates.
+            for callback in self.callbacks:
+                try:
+                    callback(self.study, frozen)
+                except BaseException as error:
+                    if self.error is None:
+                        self.error = error
+                    self.stopping = True
+                    break
+        if kind not in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
+            self.progress.update(time.monotonic() - self.time_start, self.study)
+
+    def _stop_heartbeat(self, number: int) -> None:
+        beat = self.heartbeats.pop(number, None)
+        if beat is not None:
+            beat.join()
+
+    def _abort(self, interrupt: BaseException) -> None:
+        # Tell every running trial FAIL first (nothing may be left RUNNING), then stop threads.
+        self.stopping = True
+        reason = f"optimize() was interrupted: {type(interrupt).__name__}"
+        if self.asked is not None:
+            self.aborted.append(self.asked)
+            _fail_quietly(self.settings, self.asked, reason)
+        for host in self.hosts:
+            for slot, job in host.running_jobs():
+                self.aborted.append(job.trial)
+                _fail_quietly(self.settings, job.trial, reason)
+                slot.interrupt()
+        # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
+        # drain what has already been reported, without waiting for the rest.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.settings.outcomes.get_nowait()
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def _log(self, outcome: TrialOutcome) -> None:
+        # Optuna's lines on Optuna's loggers, as Study.optimize logs them.
+        if outcome.frozen_trial is None:
+            return
+        error = outcome.error
+        _optuna_compat.log_finished_trial(
+            self.study, outcome.frozen_trial, error, outcome.fail_message, outcome.value
+        )
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl+C while a trial is asked for and handed to a slot, then raise it.
+
+    A ``KeyboardInterrupt`` inside ``study.ask()`` (a slow storage: SQLite, a journal file)
+    would leave the trial it just created RUNNING, known to no one. Only in the main thread,
+    and only while Python's own SIGINT handler is installed (a user's handler is left alone).
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
+    study = settings.study
+    if settings.record_trial_attrs:
+        with contextlib.suppress(Exception):
+            _optuna_compat.set_system_attr(
+                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+            )
+    with contextlib.suppress(Exception):
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
