@@ -4,6 +4,7 @@ Trials are co-hosted in one process, each on its own CUDA stream (Waterwave, IEE
 Computers 72(10), 2023). This module only re-exports the public API.
 """
 
+from waterwave_hpo._experimental import ExperimentalWarning
 from waterwave_hpo._version import __version__
 from waterwave_hpo.cluster import AllHostsLostError
 from waterwave_hpo.cluster import RayExecutor
@@ -43,6 +44,7 @@ from waterwave_hpo.scheduler import PipelineScheduler
 
 __all__ = [
     "AllHostsLostError",
+    "ExperimentalWarning",
     "MemoryPoolMode",
     "NodeGroup",
     "NotInTrialError",

@@ -169,6 +169,9 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
     with the simulator, and write ``results.csv``, ``results.json``, ``README.md`` and the
     plots.
 
+    Experimental on CUDA: the methods have never run on a GPU; the first CUDA run in a process
+    emits :class:`waterwave_hpo.ExperimentalWarning`.
+
     Args:
         config: The settings.
         log: Called with each progress line (``print`` by default).

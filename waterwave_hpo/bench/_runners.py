@@ -15,6 +15,7 @@ from typing import Any
 import optuna
 import torch
 
+from waterwave_hpo import _experimental
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import mps_running
 from waterwave_hpo.bench._methods import unavailable_reason
@@ -158,6 +159,8 @@ def run_method(
     reason = unavailable_reason(method, device)
     if reason is not None:
         return MethodRun(method, spec, k, str(device), available=False, note=reason)
+    if device.type == "cuda":
+        _experimental.warn_experimental(_experimental.ExperimentalPath.BENCH_CUDA)
     if isolate is None:
         isolate = device.type == "cuda"
     if isolate:

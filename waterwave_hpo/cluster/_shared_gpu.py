@@ -36,6 +36,10 @@ def shared_gpu(
         resources = ww.shared_gpu(trials_per_gpu=4)
         tune.run(resources.wrap(train_fn), resources_per_trial=resources, num_samples=64)
 
+    Experimental on CUDA: the leases' cap on a CUDA device (``set_per_process_memory_fraction``)
+    has never run on a GPU; its first use in a process emits
+    :class:`waterwave_hpo.ExperimentalWarning`.
+
     Ray's fractional GPUs alone are book-keeping (its docs leave memory to the user). Trials
     that hold :meth:`SharedGPU.lease` (``resources.wrap(train_fn)`` does it for them, or use
     :func:`with_shared_gpu`) ask the GPU's broker (a Ray named actor per GPU) for a lease of

@@ -16,6 +16,7 @@ import uuid
 
 from ray.tune import PlacementGroupFactory
 
+from waterwave_hpo import _experimental
 from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
 from waterwave_hpo.cluster._imports import import_ray
@@ -243,6 +244,7 @@ def _cap_cuda(device: Any, granted: MemoryLease) -> None:
 
     if granted.nbytes is None:
         return
+    _experimental.warn_experimental(_experimental.ExperimentalPath.LEASES_CUDA)
     total = int(torch.cuda.get_device_properties(device).total_memory)
     torch.cuda.set_per_process_memory_fraction(min(1.0, granted.nbytes / total), device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -44,6 +44,10 @@ class WaterwaveExecutor:
     CPU. Trials are driven with ``study.ask()``/``study.tell()``, so any ``optuna.Study`` works:
     its sampler, pruner and storage are used as they are.
 
+    Experimental on CUDA: the CUDA path (a stream per trial, the pool as PyTorch's allocator)
+    has never run on a GPU (it is tested against fakes on the CPU); the first CUDA device in a
+    process emits :class:`waterwave_hpo.ExperimentalWarning`.
+
     Every trial it asks for ends in the study as COMPLETE, PRUNED or FAIL, whatever happens to
     its neighbours: ``optuna.TrialPruned`` prunes it; an exception listed in ``catch`` fails it
     alone; any other exception fails it, lets the running trials finish and be told, then

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from waterwave_hpo import _experimental
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -248,6 +249,8 @@ def make_device_memory(
         RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
             already allocated on CUDA, or the pool library cannot reach the driver).
     """
+    if device.type == "cuda":
+        _experimental.warn_experimental(_experimental.ExperimentalPath.EXECUTOR_CUDA)
     pool = _device_pool(device, pool_mode) if device.type == "cuda" else None
     budget = budget_bytes
     if budget is None and device.type == "cuda":

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from waterwave_hpo import _checks
+from waterwave_hpo import _experimental
 from waterwave_hpo.memory._errors import OOMReason
 from waterwave_hpo.memory._errors import PoolBackendError
 from waterwave_hpo.memory._errors import PoolOutOfMemoryError
@@ -197,6 +198,10 @@ class StreamAwarePool:
 
     Every method is thread-safe and releases the GIL while in C++.
 
+    Experimental: the ``cuda`` and ``cupy`` backends have never run on a GPU (they are tested
+    against fakes on the CPU); the first use of each in a process emits
+    :class:`waterwave_hpo.ExperimentalWarning`.
+
     Args:
         capacity_bytes: Most bytes of segments the pool may hold. None: no limit beyond the
             device's for ``cuda``/``cupy``; a simulated 1 GiB device for ``sim``.
@@ -240,6 +245,10 @@ class StreamAwarePool:
                 "device", device, "must be < 64", "pass a CUDA device ordinal in [0, 64)"
             )
         self._device = device
+        if self._backend is Backend.CUDA:
+            _experimental.warn_experimental(_experimental.ExperimentalPath.POOL_CUDA)
+        elif self._backend is Backend.CUPY:
+            _experimental.warn_experimental(_experimental.ExperimentalPath.POOL_CUPY)
         self._lib = load_library()
         self._lock = threading.Lock()
         self._cupy_upstream: Any = None
