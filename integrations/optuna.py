@@ -42,8 +42,14 @@ class Study(optuna.Study):
         """Optimize an objective, as ``optuna.Study.optimize``, optionally with an executor.
 
         Args:
-            func, n_trials, timeout, n_jobs, catch, callbacks, gc_after_trial,
-                show_progress_bar: As for ``optuna.Study.optimize``.
+            func: The objective, as for ``optuna.Study.optimize``.
+            n_trials: As for ``optuna.Study.optimize``.
+            timeout: As for ``optuna.Study.optimize`` (seconds).
+            n_jobs: As for ``optuna.Study.optimize``; must be 1 with an executor.
+            catch: As for ``optuna.Study.optimize``.
+            callbacks: As for ``optuna.Study.optimize``.
+            gc_after_trial: As for ``optuna.Study.optimize``.
+            show_progress_bar: As for ``optuna.Study.optimize``.
             executor: A :class:`~waterwave_hpo.WaterwaveExecutor` that runs the trials
                 concurrently on its devices, or ``None`` for Optuna's own loop.
 

@@ -195,7 +195,8 @@ def heartbeat(study: optuna.Study, trial_id: int) -> Heartbeat:
 
 def fail_stale_trials(study: optuna.Study) -> None:
     """Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
-    before each ``ask()``, and run the storage's ``failed_trial_callback`` for each."""
+    before each ``ask()``, and run the storage's ``failed_trial_callback`` for each.
+    """
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
     if not is_heartbeat_enabled(study._storage):
@@ -238,7 +239,8 @@ class ProgressBar(Protocol):
 def progress_bar(show: bool, n_trials: int | None, timeout_s: float | None) -> ProgressBar:
     """The progress bar ``Study.optimize`` shows (``optuna/progress_bar.py``): finished trials of
     ``n_trials``; with only a timeout, elapsed of ``timeout_s`` seconds; with neither, Optuna's
-    warning and no bar. It also routes Optuna's log lines through tqdm while it shows."""
+    warning and no bar. It also routes Optuna's log lines through tqdm while it shows.
+    """
     from optuna.progress_bar import _ProgressBar
 
     return _ProgressBar(show, n_trials, timeout_s)

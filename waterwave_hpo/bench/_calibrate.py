@@ -30,7 +30,8 @@ MAX_BATCH = 65536
 def profile_trial(spec: WorkloadSpec, params: dict[str, Any], seed: int = 0) -> TrialProfile:
     """The trial's NodeGroup profile (bytes) at ``spec.batch_size``, measured on the CPU with
     :func:`waterwave_hpo.pipeline` on one example batch (saved-tensor sizes do not depend on
-    the device for these models)."""
+    the device for these models).
+    """
     from waterwave_hpo.nodegroup import pipeline
     from waterwave_hpo.nodegroup import trial_profile
 
@@ -116,7 +117,8 @@ def step_seconds(spec: WorkloadSpec, params: dict[str, Any], device: torch.devic
     """Seconds of one solo training step of ``params`` on ``device``, for fitting the steps to
     ``--budget-s``: the median step of a 7-step trial after a 2-step warm-up trial (the larger
     of its host and device medians, so CUDA's asynchronous launches are not mistaken for the
-    step)."""
+    step).
+    """
     train(replace(spec, steps=2), params, TrialRecord(index=0), device, seed=0)
     record = TrialRecord(index=0)
     train(replace(spec, steps=7), params, record, device, seed=0)
@@ -126,5 +128,6 @@ def step_seconds(spec: WorkloadSpec, params: dict[str, Any], device: torch.devic
 def warm_up(spec: WorkloadSpec, params: dict[str, Any], device: torch.device) -> None:
     """One training step of ``params`` at ``spec``'s batch, so the first measured method does
     not pay for lazy initialization (kernel selection for the shape, thread pools, first
-    allocations)."""
+    allocations).
+    """
     train(replace(spec, steps=1), params, TrialRecord(index=0), device, seed=0)

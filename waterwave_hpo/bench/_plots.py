@@ -32,7 +32,8 @@ def _figure(width: float, height: float):  # type: ignore[no-untyped-def]
 
 def plot_throughput(results: list[MethodResult], path: Path, title: str) -> Path:
     """Bars of samples/s per method, one panel per workload and setting; a method that is not
-    available on the device is marked "n/a"; labels give the ratio to temporal sharing."""
+    available on the device is marked "n/a"; labels give the ratio to temporal sharing.
+    """
     keys = sorted({(r.workload, r.setting) for r in results}, key=lambda k: (k[0], k[1] != "light"))
     cols = min(2, len(keys)) or 1
     rows = (len(keys) + cols - 1) // cols
@@ -64,7 +65,8 @@ def plot_throughput(results: list[MethodResult], path: Path, title: str) -> Path
 def plot_memory(runs: list[MethodRun], path: Path, title: str) -> Path:
     """Per-trial memory over time (bytes), one panel per run: the pool's per-stream bytes on
     CUDA or the scheduler's ledger on the CPU for waterwave; a run with nothing measurable
-    per trial (the stock allocator shares one cache among threads) says so in its panel."""
+    per trial (the stock allocator shares one cache among threads) says so in its panel.
+    """
     figure = _figure(11, 2.6 * max(1, len(runs)))
     for i, run in enumerate(runs):
         axes = figure.add_subplot(len(runs), 1, i + 1)
@@ -101,7 +103,8 @@ def plot_memory(runs: list[MethodRun], path: Path, title: str) -> Path:
 
 def plot_gantt(runs: list[MethodRun], path: Path, title: str) -> Path:
     """Each attempt as a bar on its worker's row, one panel per method (green complete, red
-    failed); the x axis is seconds since that method started."""
+    failed); the x axis is seconds since that method started.
+    """
     shown = [r for r in runs if r.available]
     figure = _figure(11, 1.0 + 1.1 * sum(max(1, r.k) for r in shown) / 2 + 0.6 * len(shown))
     for i, run in enumerate(shown):

@@ -94,7 +94,8 @@ class MethodRun:
 
 class _DevicePeak:
     """Samples the device's used bytes (cudaMemGetInfo) every 5 ms in a thread; keeps the peak
-    above the baseline at start. Counts every process on the device (spatial's included)."""
+    above the baseline at start. Counts every process on the device (spatial's included).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -369,7 +370,8 @@ def _run_optuna(
     capacity_bytes: int,
 ) -> str:
     """Temporal (n_jobs=1), Optuna threads (n_jobs=K), cudaMallocAsync (K threads, a stream
-    each): ``study.optimize`` on the stock or the async allocator."""
+    each): ``study.optimize`` on the stock or the async allocator.
+    """
     lock = threading.Lock()
     local = threading.local()
     slots: dict[int, int] = {}
@@ -403,7 +405,8 @@ def _run_spatial(
 ) -> str:
     """K spawned processes pull trial indices from one queue (what K Optuna worker processes
     on one storage do); their start-up (importing torch, a CUDA context each) is part of the
-    makespan, as it is for users."""
+    makespan, as it is for users.
+    """
     ctx = multiprocessing.get_context("spawn")
     tasks: Any = ctx.Queue()
     results: Any = ctx.Queue()
@@ -471,7 +474,8 @@ def _run_waterwave(
     capacity_bytes: int,
 ) -> str:
     """The executor: K slots, NodeGroup gates, the scheduler's budget ``capacity_bytes``; on
-    CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot."""
+    CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot.
+    """
     from waterwave_hpo.executor import WaterwaveExecutor
     from waterwave_hpo.executor import current
 

@@ -23,7 +23,8 @@ _UNLIMITED = 1 << 62
 def sim_trials(temporal: MethodRun, profiles: list[TrialProfile]) -> list[SimTrial] | None:
     """The trials as the simulator sees them: each trial's profile (bytes) and its solo step
     time, from the temporal run (its whole duration / steps: set-up included); ``None`` when
-    the temporal run did not complete every trial."""
+    the temporal run did not complete every trial.
+    """
     solo: dict[int, float] = {}
     for r in temporal.records:
         if r.complete:
@@ -50,7 +51,8 @@ def _started(device: str, results: Any) -> None:
 def measure_process_start_s(device: str) -> float:
     """Seconds from starting a spawned process until it has imported torch and the bench (and,
     on CUDA, created its context): what each of spatial sharing's processes pays first.
-    Measured apart from the spatial run, so the simulator predicts that run, not fits it."""
+    Measured apart from the spatial run, so the simulator predicts that run, not fits it.
+    """
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
     t0 = time.time()
@@ -77,7 +79,8 @@ def sharing_of(method: Method, k: int, process_start_s: float = 0.0) -> Sharing:
 
 def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: float) -> SimDevice:
     """The simulated device: on the CPU only the waterwave scheduler enforces the capacity
-    (the stock methods' memory is not bounded there); on CUDA every method meets it."""
+    (the stock methods' memory is not bounded there); on CUDA every method meets it.
+    """
     enforced = cuda or method.gated
     return SimDevice(
         capacity_bytes if enforced else _UNLIMITED,
@@ -89,9 +92,12 @@ def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: flo
 def fit_parallelism(
     threads: MethodRun, trials: list[SimTrial], capacity_bytes: int, cuda: bool
 ) -> float:
-    """The device's compute parallelism (0.25 .. k; below 1 when co-running trials interfere,
-    as threads oversubscribing CPU cores do) that best reproduces the measured Optuna-threads
-    makespan; the other methods are then predicted with it (not fitted to them)."""
+    """The device's compute parallelism (0.25 ..
+
+    k; below 1 when co-running trials interfere, as threads oversubscribing CPU cores do) that best
+    reproduces the measured Optuna-threads makespan; the other methods are then predicted with it
+    (not fitted to them).
+    """
     best, best_err = 1.0, float("inf")
     top = float(max(threads.k, 1))
     grid = [0.25 + 0.05 * i for i in range(16)] + [1.0 + (top - 1.0) * i / 24 for i in range(25)]

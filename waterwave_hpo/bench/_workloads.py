@@ -77,7 +77,8 @@ class _ResBlock(nn.Module):
 
 def build_resnet(trial: optuna.trial.BaseTrial) -> nn.Module:
     """``[B, 3, 32, 32] -> [B, 10]``: stem, ``blocks`` residual blocks per stage at widths
-    ``width``, ``2 width`` (stride-2 downsampling between), global pooling, linear head."""
+    ``width``, ``2 width`` (stride-2 downsampling between), global pooling, linear head.
+    """
     width = trial.suggest_categorical("width", [16, 32, 48])
     blocks = trial.suggest_int("blocks", 1, 3)
     layers: list[nn.Module] = [
@@ -132,7 +133,8 @@ GPT_VOCAB = 256
 
 def build_gpt(trial: optuna.trial.BaseTrial, max_len: int = 1024) -> nn.Module:
     """``[B, T] int64 tokens -> [B, T, 256]`` logits: embedding, ``layers`` pre-norm decoder
-    blocks of width ``d_model`` (4 heads), final norm and head."""
+    blocks of width ``d_model`` (4 heads), final norm and head.
+    """
     d = trial.suggest_categorical("d_model", [64, 128])
     n_layers = trial.suggest_int("layers", 2, 4)
     return nn.Sequential(

@@ -197,7 +197,8 @@ class RayExecutor(WaterwaveExecutor):
     @property
     def cluster_stats(self) -> ClusterStats | None:
         """What happened to the hosts in the most recent :meth:`optimize` call (``None``
-        before the first); see :class:`ClusterStats`."""
+        before the first); see :class:`ClusterStats`.
+        """
         return self._cluster_stats
 
     def optimize(

@@ -181,7 +181,8 @@ class HostFleet:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop watching, withdraw the autoscaler request, kill hosts still starting and shut
-        down every host (idempotent)."""
+        down every host (idempotent).
+        """
         self._stop.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=timeout_s)
@@ -199,7 +200,8 @@ class HostFleet:
 
     def host_lost(self, host: RemoteHost, error: BaseException) -> None:
         """Count ``host`` lost; replace it on a GPU never used yet if there is one; stop the
-        study when no host is left and none is starting."""
+        study when no host is left and none is starting.
+        """
         with self._lock:
             self.n_lost += 1
             self.last_error = error
@@ -281,7 +283,8 @@ class HostFleet:
 
     def _ask_autoscaler(self) -> None:
         """With ``max_devices``: while every alive host is full and fewer than ``max_devices``
-        are alive or starting, ask Ray's autoscaler to make room for ``max_devices`` hosts."""
+        are alive or starting, ask Ray's autoscaler to make room for ``max_devices`` hosts.
+        """
         if self._max_devices is None or self._requested:
             return
         if self.n_alive + len(self._pending) >= self._max_devices:

@@ -222,7 +222,8 @@ class TrialHost:
     def stop(self, key: str) -> None:
         """Stop trial ``key``: a waiting trial never starts; a running one gets
         :class:`HostedTrialStopped` at its next ``tune.report`` (or at once, in Python code).
-        Unknown keys are ignored."""
+        Unknown keys are ignored.
+        """
         with self._cond:
             hosted = self._trials.pop(key, None)
             if hosted is None:
@@ -410,7 +411,8 @@ def pack_directory(path: str | Path) -> bytes:
 
 def unpack_directory(data: bytes) -> str:
     """Unpack :func:`pack_directory`'s bytes into a new temporary directory; returns its path
-    (the caller removes it)."""
+    (the caller removes it).
+    """
     directory = tempfile.mkdtemp(prefix="waterwave-checkpoint-")
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4

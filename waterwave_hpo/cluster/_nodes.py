@@ -1,5 +1,6 @@
 """The alive nodes of a Ray cluster, as the elastic hosts (RayExecutor's and ``tune_hosts()``'s)
-see them, and how messages name nodes and Ray's errors."""
+see them, and how messages name nodes and Ray's errors.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def interleave(groups: list[list[NodeView]]) -> list[NodeView]:
 
 def describe_error(error: BaseException) -> str:
     """The exception's type, first line and Ray's "because ..." line (e.g. "The actor died
-    because its node has died. Node Id: ...")."""
+    because its node has died. Node Id: ...").
+    """
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     kept = lines[:1] + [line for line in lines[1:] if "because" in line][:1]
     return f"{type(error).__name__}: {' '.join(kept)}"

@@ -7,7 +7,8 @@ thread per host collects how each attempt ended, tells the study in the driver's
 user's sampler, pruner state and callbacks see it), and puts the outcome on the executor's queue.
 When the actor dies (killed, out of host memory, its node lost) the poller tells each of its
 running trials FAIL and reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its
-parameters on the remaining hosts: nothing is lost and nothing stays RUNNING."""
+parameters on the remaining hosts: nothing is lost and nothing stays RUNNING.
+"""
 
 from __future__ import annotations
 
@@ -147,7 +148,9 @@ class RemoteHost:
 
     def shutdown(self, timeout_s: float) -> None:
         """Stop the poller and the actor; kill the actor (its GPU goes back to Ray).
-        Idempotent."""
+
+        Idempotent.
+        """
         import ray
 
         with self._lock:

@@ -106,9 +106,10 @@ def shared_gpu(
 
 
 def with_shared_gpu(trainable: Callable[[dict[str, Any]], Any], **shared_gpu_kwargs: Any) -> Any:
-    """``tune.with_resources(resources.wrap(trainable), resources)`` with
-    ``resources = shared_gpu(**shared_gpu_kwargs)``: one call for a trainable whose trials share
-    GPUs and hold memory leases::
+    """A trainable whose trials share GPUs and hold memory leases, in one call.
+
+    It is ``tune.with_resources(resources.wrap(trainable), resources)`` with
+    ``resources = shared_gpu(**shared_gpu_kwargs)``::
 
         tune.Tuner(ww.integrations.ray_tune.with_shared_gpu(train_fn, trials_per_gpu=4), ...)
 

@@ -537,7 +537,8 @@ class RayStorageClient(BaseStorage):
 class RayHeartbeatStorageClient(RayStorageClient, BaseHeartbeat):
     """:class:`RayStorageClient` for a driver storage with Optuna's heartbeat (an RDB with
     ``heartbeat_interval``): the hosts' trials record heartbeats, and stale trials fail, as
-    with the storage itself."""
+    with the storage itself.
+    """
 
     def record_heartbeat(self, trial_id: int) -> None:
         self._call("record_heartbeat", trial_id)

@@ -1,5 +1,6 @@
 """``SharedGPU``: a Ray Tune resource request that packs several trials on each GPU, with
-memory leases so that their peaks do not collide. Imports Ray Tune; see :func:`shared_gpu`."""
+memory leases so that their peaks do not collide. Imports Ray Tune; see :func:`shared_gpu`.
+"""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ _logger = logging.getLogger("waterwave_hpo")
 class HostedTrialError(RuntimeError):
     """Raised in a Tune trial whose function failed inside its trial host; the message carries
     the function's own traceback. ``out_of_memory`` says whether the device ran out of memory
-    (set ``tune.FailureConfig(max_failures=...)`` to run such a trial again)."""
+    (set ``tune.FailureConfig(max_failures=...)`` to run such a trial again).
+    """
 
     def __init__(self, message: str, out_of_memory: bool = False) -> None:
         super().__init__(message)
@@ -153,7 +154,8 @@ class TuneHosts:
     @property
     def resources(self) -> PlacementGroupFactory:
         """``tune.PlacementGroupFactory([{"CPU": cpus_per_trial}])``: a Tune trial reserves
-        CPUs only; its GPU work happens in a host."""
+        CPUs only; its GPU work happens in a host.
+        """
         return PlacementGroupFactory([{"CPU": self.cpus_per_trial}])
 
     @property
@@ -263,7 +265,8 @@ class TuneHosts:
 
     def _watch_loop(self) -> None:
         """Forget hosts whose node left; start hosts on GPU nodes that joined (all their GPUs
-        with ``n_hosts=None``, else while fewer than ``n_hosts`` hosts are alive)."""
+        with ``n_hosts=None``, else while fewer than ``n_hosts`` hosts are alive).
+        """
         while not self._stop.wait(_WATCH_S):
             with contextlib.suppress(Exception):  # a GCS hiccup: try again on the next turn
                 self._watch_once()

@@ -27,14 +27,15 @@ _STALE_STAGING_S = 60.0
 
 class JournalDamagedError(ValueError):
     """The journal has a line that is not one of Optuna's journal records, other than a cut last
-    line (which is repaired). Nothing was appended to it."""
+    line (which is repaired). Nothing was appended to it.
+    """
 
 
 def check_journal(path: Path) -> str | None:
-    """Check every line of an Optuna journal file and repair a cut last line.
+    r"""Check every line of an Optuna journal file and repair a cut last line.
 
     A hard kill (``kill -9``, power loss) can cut only the last write, which Optuna does as one
-    ``write`` of whole lines under the lock: the file then ends in a line without its ``\\n``.
+    ``write`` of whole lines under the lock: the file then ends in a line without its ``\n``.
     Optuna's reader skips that line, but the next append would glue a record onto it and make the
     journal unreadable. Such a last line is cut off (the whole file is first copied to
     ``<path>.damaged-<time>``). Call this while holding the journal's lock: a neighbour's append

@@ -137,7 +137,8 @@ def _median_us(fn: Callable[[], None], repeats: int) -> float:
 
 def torch_alloc_free_us(device: str, size_bytes: int, repeats: int) -> float:
     """Median microseconds of ``torch.empty`` + free on ``device`` with this process's allocator
-    (run in a fresh process for PyTorch's own caching allocator)."""
+    (run in a fresh process for PyTorch's own caching allocator).
+    """
     dev = torch.device(device)
 
     def once() -> None:
@@ -277,7 +278,8 @@ def _free(pool: Any, ptr: int, stream: int) -> int:
 def check_canary_cuda(device: torch.device, streams: int = 4, rounds: int = 40) -> CheckResult:
     """Streams fill tensors with known values while busy work keeps them in flight; one tensor
     in four is read on another stream (``record_stream``) and freed on its own before that read
-    finished; all values are verified after every stream is synchronized."""
+    finished; all values are verified after every stream is synchronized.
+    """
     side = [torch.cuda.Stream(device) for _ in range(streams)]  # type: ignore[no-untyped-call]
     n = 256 * 1024
     weights = torch.randn(512, 512, device=device)
@@ -353,7 +355,8 @@ def check_oom_sim() -> CheckResult:
 
 def check_oom_cuda(device: torch.device) -> CheckResult:
     """An allocation larger than the device raises ``torch.OutOfMemoryError`` through the pool
-    (PyTorch's own type, so its internal fallbacks run), and the next allocation succeeds."""
+    (PyTorch's own type, so its internal fallbacks run), and the next allocation succeeds.
+    """
     total = int(torch.cuda.get_device_properties(device).total_memory)
     raised: BaseException | None = None
     try:
@@ -401,7 +404,8 @@ def check_cudnn(device: torch.device) -> CheckResult:
 
 def check_cudnn_sim() -> CheckResult:
     """Without a GPU: the guard that keeps cuDNN's benchmark mode off under the pool, around a
-    simulated pool, then convolutions on the CPU both ways."""
+    simulated pool, then convolutions on the CPU both ways.
+    """
     import warnings
 
     from waterwave_hpo.memory import StreamAwarePool
@@ -471,7 +475,8 @@ def _study_makespan_s(device: str, k: int, trials: int, steps: int) -> tuple[flo
 
 def check_cohosted(device: torch.device, trials: int = 4, steps: int = 20) -> CheckResult:
     """The same trials with NodeGroup gates, two at a time vs one at a time (after a one-trial
-    warm-up, so neither pays first use)."""
+    warm-up, so neither pays first use).
+    """
     _study_makespan_s(str(device), 1, 1, 2)
     one_s, one_done = _study_makespan_s(str(device), 1, trials, steps)
     two_s, two_done = _study_makespan_s(str(device), 2, trials, steps)

@@ -197,7 +197,8 @@ class WaterwaveExecutor:
         """The device hosts of one ``optimize`` call (a subclass may return other
         :class:`Host` implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote
         hosts). The loop reads the returned list on every turn, so a subclass may append hosts
-        to it later from another thread (a host that joins mid-study)."""
+        to it later from another thread (a host that joins mid-study).
+        """
         return [
             DeviceHost(
                 device,
@@ -218,7 +219,8 @@ class WaterwaveExecutor:
     @property
     def schedulers(self) -> dict[str, PipelineScheduler]:
         """The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
-        recent :meth:`optimize` call, for their ``stats()``; devices without one are left out."""
+        recent :meth:`optimize` call, for their ``stats()``; devices without one are left out.
+        """
         return dict(self._schedulers)
 
     @property
@@ -227,7 +229,8 @@ class WaterwaveExecutor:
         ...) in the most recent :meth:`optimize` call: the simulator's best number of trials at
         once for the largest NodeGroup profile seen there
         (:func:`waterwave_hpo.sim.predict_auto_packing`). Devices with no prediction yet (no
-        gates declared a profile, no scheduler, or a fixed ``trials_per_device``) are left out."""
+        gates declared a profile, no scheduler, or a fixed ``trials_per_device``) are left out.
+        """
         predictions = {name: memory.packing for name, memory in self._memories.items()}
         return {name: p for name, p in predictions.items() if p is not None}
 

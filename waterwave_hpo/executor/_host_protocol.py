@@ -54,7 +54,8 @@ class Host(Protocol[SlotT]):
     @property
     def device(self) -> torch.device | str:
         """The device its trials run on (a label such as ``"10.0.0.2/pid42/cuda:0"`` for a
-        remote host)."""
+        remote host).
+        """
 
     @property
     def scheduler(self) -> PipelineScheduler | None:

@@ -46,7 +46,8 @@ CUDA_RESERVE_FRACTION = 0.05
 def default_budget_bytes(total_bytes: int) -> int:
     """The default memory budget of a CUDA device with ``total_bytes`` (bytes): the total less
     the reserve for what lives outside the pool (:data:`CUDA_RESERVE_MIN_BYTES`,
-    :data:`CUDA_RESERVE_FRACTION`)."""
+    :data:`CUDA_RESERVE_FRACTION`).
+    """
     reserve = max(CUDA_RESERVE_MIN_BYTES, int(total_bytes * CUDA_RESERVE_FRACTION))
     return max(total_bytes - reserve, total_bytes // 2)
 
@@ -166,7 +167,8 @@ class DeviceMemory:
     @property
     def packing(self) -> PackingPrediction | None:
         """The simulator's prediction that admission follows now (``None`` before any NodeGroup
-        profile was declared, without a scheduler, or for a profile that does not fit alone)."""
+        profile was declared, without a scheduler, or for a profile that does not fit alone).
+        """
         packing = self._packing
         return None if packing is None else packing[1]
 

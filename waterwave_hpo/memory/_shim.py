@@ -54,7 +54,8 @@ class TorchShim:
 
 def _source_dir() -> Path:
     """Where the shim source and ``waterwave_pool.h`` are: installed next to the library, or the
-    repository's ``allocator_ext`` (a sanitizer build through ``$WATERWAVE_HPO_POOL_LIBRARY``)."""
+    repository's ``allocator_ext`` (a sanitizer build through ``$WATERWAVE_HPO_POOL_LIBRARY``).
+    """
     installed = Path(__file__).resolve().parent.parent / "_lib"
     if (installed / SHIM_SOURCE_NAME).is_file():
         return installed
@@ -198,7 +199,8 @@ def build_shim(cache_dir: Path | None = None) -> Path:
 
 def record_stream_build_error(shim_path: Path) -> str:
     """Why the shim at ``shim_path`` was built without the record-stream part ("" if it was not
-    attempted or succeeded)."""
+    attempted or succeeded).
+    """
     note = shim_path.parent / "record_stream_build_error.txt"
     return note.read_text() if note.is_file() else ""
 

@@ -90,7 +90,7 @@ class TraceChecker:
         capacity_bytes: The pool's capacity (bytes); None skips the capacity check.
     """
 
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(self, capacity_bytes: int | None) -> None:  # noqa: D107 - Args: above
         self.capacity_bytes = capacity_bytes
         self.records_seen = 0
         self.submitted: dict[int, int] = collections.defaultdict(int)

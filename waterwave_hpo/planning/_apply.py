@@ -215,7 +215,8 @@ def _checkpoint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     arguments' identities: checkpoint saves and restores each tensor argument on its own, so
     ``attn(h, h, h)`` would be recomputed as three distinct tensors, and
     ``nn.MultiheadAttention`` takes another path (separate projections) when ``query is key``
-    no longer holds. Each distinct tensor is passed once and the call rebuilt from them."""
+    no longer holds. Each distinct tensor is passed once and the call rebuilt from them.
+    """
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     unique: list[torch.Tensor] = []
     where: dict[int, int] = {}
@@ -367,7 +368,8 @@ class PlanHooks:
 
     def _run_forward(self, members: list[nn.Module], m: nn.Module, inner: Any) -> Any:
         """The first module of a chained recompute run: runs the whole run in one checkpoint;
-        the ``nn.Sequential`` then calls the others, which pass the run's output through."""
+        the ``nn.Sequential`` then calls the others, which pass the run's output through.
+        """
         local = self._local
         rest = members[1:]
 

@@ -268,7 +268,8 @@ def _sequential_place(
     model: nn.Module, calls: tuple[tuple[str, nn.Module], ...]
 ) -> tuple[str, int, int] | None:
     """``(parent name, first index, last index)`` if ``calls`` are consecutive children of one
-    plain ``nn.Sequential`` (whose forward only feeds each child's output to the next)."""
+    plain ``nn.Sequential`` (whose forward only feeds each child's output to the next).
+    """
     if not calls:
         return None
     parents = {name.rpartition(".")[0] for name, _ in calls}

@@ -112,7 +112,8 @@ class Policy(abc.ABC):
     def priority(self, request: Request) -> tuple[float, ...]:
         """Sort key, smallest first, the scheduler uses among requests that fit when it
         must admit out of the policy's order to resolve a deadlock. Default: promise, then
-        arrival."""
+        arrival.
+        """
         return (-request.promise, request.seq)
 
 
@@ -187,7 +188,8 @@ class WaterwavePolicy(Policy):
 
     def fits(self, profiles: Sequence[TrialProfile], budget_bytes: int) -> bool:
         """All residents, plus the largest forward peak: the pipeline serves one forward
-        peak at a time, ``sum(resident) + max(activation) <= budget_bytes``."""
+        peak at a time, ``sum(resident) + max(activation) <= budget_bytes``.
+        """
         if not profiles:
             return True
         need = sum(p.resident_bytes for p in profiles) + max(p.activation_bytes for p in profiles)

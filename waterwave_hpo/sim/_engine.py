@@ -210,7 +210,8 @@ class _Simulation:
 
     def _auto_cap(self, profiles: list[TrialProfile]) -> int | None:
         """``concurrency="auto"`` with a ledger, as the executor: no more trials at once than
-        :func:`~waterwave_hpo.sim.predict_auto_packing` picks for the largest profile seen."""
+        :func:`~waterwave_hpo.sim.predict_auto_packing` picks for the largest profile seen.
+        """
         if self.policy is None:
             return None
         largest = max(profiles, key=lambda p: p.peak_bytes)
@@ -322,7 +323,8 @@ class _Simulation:
     # ----------------------------------------------------------------- the ledger
     def _dispatch(self) -> bool:
         """Admit waiting requests as the policy (then deadlock resolution) says; True if any
-        run changed."""
+        run changed.
+        """
         if self.policy is None:
             return False
         changed = False
@@ -357,7 +359,8 @@ class _Simulation:
     def _resolve_deadlock(self, waiting: list[Request]) -> Request | object | None:
         """As ``PipelineScheduler``: when every running trial waits, admit a fitting request
         out of order, else evict one trial (the youngest among those that are not the likeliest
-        to finish). Returns a request to grant, ``_EVICTED``, or ``None`` (no deadlock)."""
+        to finish). Returns a request to grant, ``_EVICTED``, or ``None`` (no deadlock).
+        """
         assert self.policy is not None
         runs = list(self.running.values())
         if not runs or any(r.pending is None for r in runs):
