@@ -44,6 +44,15 @@ class WaterwaveExecutor:
     CPU. Trials are driven with ``study.ask()``/``study.tell()``, so any ``optuna.Study`` works:
     its sampler, pruner and storage are used as they are.
 
+    >>> import optuna
+    >>> import waterwave_hpo as ww
+    >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
+    >>> study = optuna.create_study()
+    >>> executor = ww.WaterwaveExecutor("cpu", trials_per_device=2)
+    >>> executor.optimize(study, lambda trial: trial.suggest_float("x", -1, 1) ** 2, n_trials=4)
+    >>> sorted({t.state.name for t in study.trials}), len(study.trials)
+    (['COMPLETE'], 4)
+
     Experimental on CUDA: the CUDA path (a stream per trial, the pool as PyTorch's allocator)
     has never run on a GPU (it is tested against fakes on the CPU); the first CUDA device in a
     process emits :class:`waterwave_hpo.ExperimentalWarning`.

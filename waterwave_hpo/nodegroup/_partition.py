@@ -53,6 +53,9 @@ def partition(sizes: Sequence[int], k: int) -> Partition:
     Returns:
         The :class:`Partition`. Among optimal cuts, parts are filled greedily from the left.
 
+    >>> partition([4, 1, 1, 2, 3, 3], 3)
+    Partition(bounds=(0, 3, 5, 6), sums=(6, 5, 3))
+
     Raises:
         ValueError: If ``sizes`` is empty or holds a negative or non-integer value, or ``k``
             is not an int in ``[1, len(sizes)]``.
