@@ -76,6 +76,22 @@ def test_a_failing_trial_fails_alone(host: TrialHost) -> None:
     assert [e.kind for e in good] == ["result"] * 3 + ["done"]
 
 
+def test_a_hosted_trial_has_a_context_whose_optuna_trial_says_it_is_a_tune_trial(
+    host: TrialHost,
+) -> None:
+    def uses_optuna(config: dict[str, Any]) -> None:
+        context = ww.current()
+        tune.report({"number": context.trial_number, "device": str(context.device)})
+        context.trial.suggest_float("lr", 1e-4, 1e-1)  # not an Optuna trial
+
+    host.start("t", uses_optuna, {})
+    events = _collect(host, "t")
+    assert [e.kind for e in events] == ["result", "error"]
+    assert events[0].metrics is not None and events[0].metrics["device"] == "cpu"
+    error = events[-1].error or ""
+    assert "AttributeError: trial.suggest_float: this trial is run by tune_hosts()" in error
+
+
 def test_stop_ends_a_running_trial_and_a_waiting_one_never_starts(host: TrialHost) -> None:
     started: list[str] = []
 

@@ -38,6 +38,7 @@ from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import is_out_of_memory
 from waterwave_hpo.executor._internal import CURRENT_CONTEXT
+from waterwave_hpo.executor._internal import NoOptunaTrial
 from waterwave_hpo.executor._internal import acquire_stream
 from waterwave_hpo.executor._internal import make_device_memory
 from waterwave_hpo.executor._internal import on_trial_stream
@@ -319,7 +320,7 @@ class TrialHost:
                 hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(checkpoint_dir)
             account = self.memory.open_account(hosted.number, stream)
             context = TrialContext(
-                trial=None,  # type: ignore[arg-type]
+                trial=NoOptunaTrial("tune_hosts()"),
                 trial_number=hosted.number,
                 device=device,
                 stream=stream,

@@ -18,12 +18,42 @@ class NotInTrialError(RuntimeError):
     """Raised by :func:`current` when no trial run by a :class:`WaterwaveExecutor` is running."""
 
 
+class NoOptunaTrial:
+    """The ``trial`` of a context that runs no Optuna trial (a null object, not ``None``).
+
+    A Ray Tune trial co-hosted by :func:`waterwave_hpo.tune_hosts` has a :class:`TrialContext`
+    (device, stream, scheduler) but no Optuna trial: its parameters are Tune's ``config``. Any
+    use of this stand-in raises an :class:`AttributeError` that says so.
+
+    Args:
+        owner: Who runs the trial instead of Optuna, for the message (e.g. ``"tune_hosts()"``).
+    """
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        """Refuse every attribute, naming the trial's owner and where its parameters are.
+
+        Raises:
+            AttributeError: Always.
+        """
+        raise AttributeError(
+            f"trial.{name}: this trial is run by {self._owner}, not by Optuna, so it has no "
+            "Optuna trial; read its parameters from the config its function receives."
+        )
+
+    def __repr__(self) -> str:
+        return f"NoOptunaTrial({self._owner!r})"
+
+
 @dataclass(frozen=True)
 class TrialContext:
     """What a co-hosted trial owns while it runs.
 
     Attributes:
-        trial: The Optuna trial being run.
+        trial: The Optuna trial being run; a :class:`NoOptunaTrial` for a Ray Tune trial
+            co-hosted by ``tune_hosts()``.
         trial_number: ``trial.number``.
         device: The trial's device (``cuda:N`` or ``cpu``). Move the model and data there.
         stream: The trial's own CUDA stream, already current in the trial's thread;
@@ -37,7 +67,7 @@ class TrialContext:
             repeats; ``None`` otherwise.
     """
 
-    trial: optuna.trial.Trial
+    trial: optuna.trial.Trial | NoOptunaTrial
     trial_number: int
     device: torch.device
     stream: torch.cuda.Stream | None

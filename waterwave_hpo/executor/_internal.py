@@ -15,6 +15,7 @@ from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
 from waterwave_hpo.executor._context import _CURRENT as CURRENT_CONTEXT
+from waterwave_hpo.executor._context import NoOptunaTrial
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
@@ -39,6 +40,7 @@ __all__ = [
     "Callback",
     "DeviceHost",
     "Host",
+    "NoOptunaTrial",
     "ObjectiveFunc",
     "OutcomeKind",
     "RunSettings",
