@@ -1,4 +1,6 @@
-"""Ray Tune trials that share GPUs, two ways: ``shared_gpu()`` packs several trial processes on
+"""Ray Tune trials that share GPUs, two ways.
+
+Ray Tune trials that share GPUs, two ways: ``shared_gpu()`` packs several trial processes on
 each GPU and they hold memory leases from a per-GPU broker so their peaks do not collide;
 ``tune_hosts()`` runs the trials' functions co-hosted in one actor per GPU (streams, one pool,
 the pipeline scheduler) and streams their results back to Tune.

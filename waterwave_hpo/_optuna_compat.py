@@ -194,7 +194,9 @@ def heartbeat(study: optuna.Study, trial_id: int) -> Heartbeat:
 
 
 def fail_stale_trials(study: optuna.Study) -> None:
-    """Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
+    """Fail the trials whose heartbeat is stale, as ``optimize`` does before each ``ask()``.
+
+    Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
     before each ``ask()``, and run the storage's ``failed_trial_callback`` for each.
     """
     from optuna.storages._heartbeat import is_heartbeat_enabled
@@ -237,7 +239,9 @@ class ProgressBar(Protocol):
 
 
 def progress_bar(show: bool, n_trials: int | None, timeout_s: float | None) -> ProgressBar:
-    """The progress bar ``Study.optimize`` shows (``optuna/progress_bar.py``): finished trials of
+    """The progress bar ``Study.optimize`` shows.
+
+    The progress bar ``Study.optimize`` shows (``optuna/progress_bar.py``): finished trials of
     ``n_trials``; with only a timeout, elapsed of ``timeout_s`` seconds; with neither, Optuna's
     warning and no bar. It also routes Optuna's log lines through tqdm while it shows.
     """

@@ -28,7 +28,9 @@ MAX_BATCH = 65536
 
 
 def profile_trial(spec: WorkloadSpec, params: dict[str, Any], seed: int = 0) -> TrialProfile:
-    """The trial's NodeGroup profile (bytes) at ``spec.batch_size``, measured on the CPU with
+    """The trial's NodeGroup profile (bytes) at ``spec.batch_size``, measured on the CPU.
+
+    The trial's NodeGroup profile (bytes) at ``spec.batch_size``, measured on the CPU with
     :func:`waterwave_hpo.pipeline` on one example batch (saved-tensor sizes do not depend on
     the device for these models).
     """
@@ -114,7 +116,9 @@ def _scaled(profile: TrialProfile, factor: float) -> TrialProfile:
 
 
 def step_seconds(spec: WorkloadSpec, params: dict[str, Any], device: torch.device) -> float:
-    """Seconds of one solo training step of ``params`` on ``device``, for fitting the steps to
+    """Seconds of one solo training step of ``params`` on ``device``.
+
+    Seconds of one solo training step of ``params`` on ``device``, for fitting the steps to
     ``--budget-s``: the median step of a 7-step trial after a 2-step warm-up trial (the larger
     of its host and device medians, so CUDA's asynchronous launches are not mistaken for the
     step).
@@ -126,7 +130,9 @@ def step_seconds(spec: WorkloadSpec, params: dict[str, Any], device: torch.devic
 
 
 def warm_up(spec: WorkloadSpec, params: dict[str, Any], device: torch.device) -> None:
-    """One training step of ``params`` at ``spec``'s batch, so the first measured method does
+    """One training step of ``params`` at ``spec``'s batch, as a warm-up.
+
+    One training step of ``params`` at ``spec``'s batch, so the first measured method does
     not pay for lazy initialization (kernel selection for the shape, thread pools, first
     allocations).
     """

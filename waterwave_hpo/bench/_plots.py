@@ -31,7 +31,9 @@ def _figure(width: float, height: float):  # type: ignore[no-untyped-def]
 
 
 def plot_throughput(results: list[MethodResult], path: Path, title: str) -> Path:
-    """Bars of samples/s per method, one panel per workload and setting; a method that is not
+    """Bars of samples/s per method, one panel per workload and setting.
+
+    Bars of samples/s per method, one panel per workload and setting; a method that is not
     available on the device is marked "n/a"; labels give the ratio to temporal sharing.
     """
     keys = sorted({(r.workload, r.setting) for r in results}, key=lambda k: (k[0], k[1] != "light"))
@@ -63,7 +65,9 @@ def plot_throughput(results: list[MethodResult], path: Path, title: str) -> Path
 
 
 def plot_memory(runs: list[MethodRun], path: Path, title: str) -> Path:
-    """Per-trial memory over time (bytes), one panel per run: the pool's per-stream bytes on
+    """Per-trial memory over time (bytes), one panel per run.
+
+    Per-trial memory over time (bytes), one panel per run: the pool's per-stream bytes on
     CUDA or the scheduler's ledger on the CPU for waterwave; a run with nothing measurable
     per trial (the stock allocator shares one cache among threads) says so in its panel.
     """
@@ -102,7 +106,9 @@ def plot_memory(runs: list[MethodRun], path: Path, title: str) -> Path:
 
 
 def plot_gantt(runs: list[MethodRun], path: Path, title: str) -> Path:
-    """Each attempt as a bar on its worker's row, one panel per method (green complete, red
+    """Each attempt as a bar on its worker's row, one panel per method.
+
+    Each attempt as a bar on its worker's row, one panel per method (green complete, red
     failed); the x axis is seconds since that method started.
     """
     shown = [r for r in runs if r.available]

@@ -93,7 +93,9 @@ class MethodRun:
 
 
 class _DevicePeak:
-    """Samples the device's used bytes (cudaMemGetInfo) every 5 ms in a thread; keeps the peak
+    """Samples the device's used bytes every 5 ms in a thread.
+
+    Samples the device's used bytes (cudaMemGetInfo) every 5 ms in a thread; keeps the peak
     above the baseline at start. Counts every process on the device (spatial's included).
     """
 
@@ -283,7 +285,9 @@ def _run_here(
 
 
 def _install_pool(device: torch.device) -> str:
-    """Make the stream-aware pool PyTorch's allocator before CUDA is initialised (the executor
+    """Make the stream-aware pool PyTorch's allocator before CUDA is initialised.
+
+    Make the stream-aware pool PyTorch's allocator before CUDA is initialised (the executor
     then finds it installed).
 
     Raises:
@@ -322,7 +326,9 @@ def _allocator_of(method: Method, device: torch.device) -> Allocator:
 
 
 def call_in_child(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a spawned process, its return value sent back (on CUDA, so that the
+    """``fn(*args)`` in a spawned process, its return value sent back.
+
+    ``fn(*args)`` in a spawned process, its return value sent back (on CUDA, so that the
     parent never holds device memory or a context while the methods are measured).
 
     Raises:
@@ -369,7 +375,9 @@ def _run_optuna(
     seed: int,
     capacity_bytes: int,
 ) -> str:
-    """Temporal (n_jobs=1), Optuna threads (n_jobs=K), cudaMallocAsync (K threads, a stream
+    """Temporal, Optuna threads and cudaMallocAsync: ``study.optimize`` on a stock allocator.
+
+    Temporal (n_jobs=1), Optuna threads (n_jobs=K), cudaMallocAsync (K threads, a stream
     each): ``study.optimize`` on the stock or the async allocator.
     """
     lock = threading.Lock()
@@ -403,7 +411,9 @@ def _run_spatial(
     seed: int,
     capacity_bytes: int,
 ) -> str:
-    """K spawned processes pull trial indices from one queue (what K Optuna worker processes
+    """K spawned processes pull trial indices from one queue.
+
+    K spawned processes pull trial indices from one queue (what K Optuna worker processes
     on one storage do); their start-up (importing torch, a CUDA context each) is part of the
     makespan, as it is for users.
     """
@@ -473,7 +483,9 @@ def _run_waterwave(
     seed: int,
     capacity_bytes: int,
 ) -> str:
-    """The executor: K slots, NodeGroup gates, the scheduler's budget ``capacity_bytes``; on
+    """The executor: K slots, NodeGroup gates, the scheduler's budget.
+
+    The executor: K slots, NodeGroup gates, the scheduler's budget ``capacity_bytes``; on
     CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot.
     """
     from waterwave_hpo.executor import WaterwaveExecutor

@@ -61,7 +61,9 @@ class TrialRecord:
 
 
 def _trial_bytes(*, peak: bool = False) -> int | None:
-    """Bytes the running trial holds now (``peak``: the most it has held since it started):
+    """Bytes the running trial holds now.
+
+    Bytes the running trial holds now (``peak``: the most it has held since it started):
     its pool account on CUDA, its ledger holdings on the CPU; ``None`` outside the executor.
 
     The account is the trial's own (opened when it started); a slot's stream is reused by the
@@ -96,7 +98,9 @@ def train(
     gated: bool = False,
     stream: Any = None,
 ) -> float:
-    """Train the trial ``record.index`` with ``params`` for ``spec.steps`` steps; fill
+    """Train one trial and fill its record.
+
+    Train the trial ``record.index`` with ``params`` for ``spec.steps`` steps; fill
     ``record``; return the last loss.
 
     Args:

@@ -21,7 +21,9 @@ _UNLIMITED = 1 << 62
 
 
 def sim_trials(temporal: MethodRun, profiles: list[TrialProfile]) -> list[SimTrial] | None:
-    """The trials as the simulator sees them: each trial's profile (bytes) and its solo step
+    """The trials as the simulator sees them.
+
+    The trials as the simulator sees them: each trial's profile (bytes) and its solo step
     time, from the temporal run (its whole duration / steps: set-up included); ``None`` when
     the temporal run did not complete every trial.
     """
@@ -49,7 +51,9 @@ def _started(device: str, results: Any) -> None:
 
 
 def measure_process_start_s(device: str) -> float:
-    """Seconds from starting a spawned process until it has imported torch and the bench (and,
+    """Seconds from starting a spawned process until it is ready.
+
+    Seconds from starting a spawned process until it has imported torch and the bench (and,
     on CUDA, created its context): what each of spatial sharing's processes pays first.
     Measured apart from the spatial run, so the simulator predicts that run, not fits it.
     """
@@ -78,7 +82,9 @@ def sharing_of(method: Method, k: int, process_start_s: float = 0.0) -> Sharing:
 
 
 def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: float) -> SimDevice:
-    """The simulated device: on the CPU only the waterwave scheduler enforces the capacity
+    """The simulated device.
+
+    The simulated device: on the CPU only the waterwave scheduler enforces the capacity
     (the stock methods' memory is not bounded there); on CUDA every method meets it.
     """
     enforced = cuda or method.gated

@@ -76,7 +76,9 @@ class _ResBlock(nn.Module):
 
 
 def build_resnet(trial: optuna.trial.BaseTrial) -> nn.Module:
-    """``[B, 3, 32, 32] -> [B, 10]``: stem, ``blocks`` residual blocks per stage at widths
+    """A ResNet-style CNN, ``[B, 3, 32, 32] -> [B, 10]``.
+
+    ``[B, 3, 32, 32] -> [B, 10]``: stem, ``blocks`` residual blocks per stage at widths
     ``width``, ``2 width`` (stride-2 downsampling between), global pooling, linear head.
     """
     width = trial.suggest_categorical("width", [16, 32, 48])
@@ -132,7 +134,9 @@ GPT_VOCAB = 256
 
 
 def build_gpt(trial: optuna.trial.BaseTrial, max_len: int = 1024) -> nn.Module:
-    """``[B, T] int64 tokens -> [B, T, 256]`` logits: embedding, ``layers`` pre-norm decoder
+    """A GPT-style decoder, ``[B, T] int64 tokens -> [B, T, 256]`` logits.
+
+    ``[B, T] int64 tokens -> [B, T, 256]`` logits: embedding, ``layers`` pre-norm decoder
     blocks of width ``d_model`` (4 heads), final norm and head.
     """
     d = trial.suggest_categorical("d_model", [64, 128])
@@ -167,7 +171,9 @@ def build(workload: Workload, params: dict[str, Any]) -> nn.Module:
 
 
 def draw_params(workload: Workload, n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` parameter sets from the workload's search space, drawn by a seeded random
+    """``n`` parameter sets from the workload's search space, seeded.
+
+    ``n`` parameter sets from the workload's search space, drawn by a seeded random
     sampler: every method runs exactly these.
 
     Raises:
@@ -201,7 +207,9 @@ def _digits_cpu() -> tuple[torch.Tensor, torch.Tensor]:
 def make_batches(
     spec: WorkloadSpec, device: torch.device, seed: int, n_batches: int = 4
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n_batches`` training batches ``(input, target)`` on ``device``, cycled by the
+    """``n_batches`` training batches ``(input, target)`` on ``device``.
+
+    ``n_batches`` training batches ``(input, target)`` on ``device``, cycled by the
     training loop (made once per trial, so data loading is not what is measured).
 
     Shapes: RESNET ``[B, 3, 32, 32]`` float32 and ``[B]`` int64; GPT ``[B, T]`` and ``[B, T]``

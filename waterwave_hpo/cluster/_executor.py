@@ -43,7 +43,9 @@ class AllHostsLostError(RuntimeError):
 
 
 class RayExecutor(WaterwaveExecutor):
-    """Run an Optuna study's trials on a Ray cluster: one device-host actor per GPU, each
+    """Run an Optuna study's trials on a Ray cluster, one device-host actor per GPU.
+
+    Run an Optuna study's trials on a Ray cluster: one device-host actor per GPU, each
     co-hosting ``trials_per_device`` trials exactly as :class:`WaterwaveExecutor` does on one
     machine (slot threads, one CUDA stream each, the stream-aware pool, the NodeGroup pipeline
     scheduler; Waterwave, IEEE TC 2023).
@@ -196,7 +198,9 @@ class RayExecutor(WaterwaveExecutor):
 
     @property
     def cluster_stats(self) -> ClusterStats | None:
-        """What happened to the hosts in the most recent :meth:`optimize` call (``None``
+        """What happened to the hosts in the most recent optimize call.
+
+        What happened to the hosts in the most recent :meth:`optimize` call (``None``
         before the first); see :class:`ClusterStats`.
         """
         return self._cluster_stats

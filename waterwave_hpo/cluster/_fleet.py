@@ -1,4 +1,6 @@
-"""The host actors of one ``RayExecutor.optimize`` call, elastic: started where the cluster has
+"""The host actors of one ``RayExecutor.optimize`` call, elastic.
+
+The host actors of one ``RayExecutor.optimize`` call, elastic: started where the cluster has
 room, watched, replaced on nodes that join, grown through Ray's autoscaler.
 
 A :class:`HostFleet` places one host actor per GPU (``num_gpus_per_host=1``) on the alive nodes
@@ -125,7 +127,9 @@ class HostFleet:
     # -- start and stop -------------------------------------------------------------------
 
     def start(self) -> list[RemoteHost]:
-        """Start the first hosts; return :attr:`hosts` once every one has come up or failed,
+        """Start the first hosts and return them once they are up.
+
+        Start the first hosts; return :attr:`hosts` once every one has come up or failed,
         or ``startup_timeout_s`` passed with at least one up (the others keep coming up in the
         background and join when ready); then start watching.
 
@@ -180,7 +184,9 @@ class HostFleet:
         return self.hosts
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop watching, withdraw the autoscaler request, kill hosts still starting and shut
+        """Stop watching and shut down every host (idempotent).
+
+        Stop watching, withdraw the autoscaler request, kill hosts still starting and shut
         down every host (idempotent).
         """
         self._stop.set()
@@ -199,7 +205,9 @@ class HostFleet:
     # -- the loss of a host (its poller thread) ---------------------------------------------
 
     def host_lost(self, host: RemoteHost, error: BaseException) -> None:
-        """Count ``host`` lost; replace it on a GPU never used yet if there is one; stop the
+        """Count ``host`` lost, replace it, or stop the study.
+
+        Count ``host`` lost; replace it on a GPU never used yet if there is one; stop the
         study when no host is left and none is starting.
         """
         with self._lock:
@@ -282,7 +290,9 @@ class HostFleet:
                 self._start_actor(node.node_id, node.label)
 
     def _ask_autoscaler(self) -> None:
-        """With ``max_devices``: while every alive host is full and fewer than ``max_devices``
+        """Ask Ray's autoscaler for room while every host is full.
+
+        With ``max_devices``: while every alive host is full and fewer than ``max_devices``
         are alive or starting, ask Ray's autoscaler to make room for ``max_devices`` hosts.
         """
         if self._max_devices is None or self._requested:

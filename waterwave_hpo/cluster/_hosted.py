@@ -49,7 +49,9 @@ _ERROR_MAX_CHARS = 8000
 
 
 class HostedTrialStopped(BaseException):
-    """Raised inside a hosted trial's thread when its Tune trial was stopped (a Tune scheduler
+    """Raised inside a hosted trial's thread when its Tune trial was stopped.
+
+    Raised inside a hosted trial's thread when its Tune trial was stopped (a Tune scheduler
     such as ASHA stopped it, or its Tune process stopped polling for ``heartbeat_ttl_s``).
 
     A ``BaseException``, like ``KeyboardInterrupt``, so that a training loop's ``except
@@ -198,7 +200,9 @@ class TrialHost:
             self._cond.notify_all()
 
     def poll(self, key: str, timeout_s: float = 1.0) -> list[HostedEvent]:
-        """The trial's events since the last poll, waiting up to ``timeout_s`` for one; keeps
+        """The trial's events since the last poll.
+
+        The trial's events since the last poll, waiting up to ``timeout_s`` for one; keeps
         the trial alive (see ``heartbeat_ttl_s``). After a ``"done"`` or ``"error"`` event the
         trial is forgotten.
 
@@ -221,7 +225,9 @@ class TrialHost:
             return events
 
     def stop(self, key: str) -> None:
-        """Stop trial ``key``: a waiting trial never starts; a running one gets
+        """Stop trial ``key``.
+
+        Stop trial ``key``: a waiting trial never starts; a running one gets
         :class:`HostedTrialStopped` at its next ``tune.report`` (or at once, in Python code).
         Unknown keys are ignored.
         """
@@ -411,7 +417,9 @@ def pack_directory(path: str | Path) -> bytes:
 
 
 def unpack_directory(data: bytes) -> str:
-    """Unpack :func:`pack_directory`'s bytes into a new temporary directory; returns its path
+    """Unpack a checkpoint directory into a new temporary directory.
+
+    Unpack :func:`pack_directory`'s bytes into a new temporary directory; returns its path
     (the caller removes it).
     """
     directory = tempfile.mkdtemp(prefix="waterwave-checkpoint-")

@@ -105,7 +105,9 @@ class LeaseBook:
     def configure(
         self, budget_bytes: int | None, trials_per_gpu: int | None, ttl_s: float | None = None
     ) -> None:
-        """Set the budget, the sizing rule and (unless ``None``) the time-to-live; leases
+        """Set the budget, the sizing rule and the time-to-live.
+
+        Set the budget, the sizing rule and (unless ``None``) the time-to-live; leases
         already granted are kept. Holders learn a new time-to-live from :meth:`renew`.
 
         Raises:

@@ -1,4 +1,6 @@
-"""The alive nodes of a Ray cluster, as the elastic hosts (RayExecutor's and ``tune_hosts()``'s)
+"""The alive nodes of a Ray cluster, as the elastic hosts see them.
+
+The alive nodes of a Ray cluster, as the elastic hosts (RayExecutor's and ``tune_hosts()``'s)
 see them, and how messages name nodes and Ray's errors.
 """
 
@@ -46,7 +48,9 @@ def interleave(groups: list[list[NodeView]]) -> list[NodeView]:
 
 
 def describe_error(error: BaseException) -> str:
-    """The exception's type, first line and Ray's "because ..." line (e.g. "The actor died
+    """The exception's type, first line and Ray's "because ..." line.
+
+    The exception's type, first line and Ray's "because ..." line (e.g. "The actor died
     because its node has died. Node Id: ...").
     """
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]

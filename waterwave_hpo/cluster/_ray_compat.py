@@ -58,7 +58,9 @@ def _session_module() -> Any:
 
 
 def install_session(provider: Callable[[], Any]) -> None:
-    """Route ``tune.report``/``tune.get_checkpoint`` in this process through ``provider``
+    """Route ``tune.report``/``tune.get_checkpoint`` in this process through ``provider``.
+
+    Route ``tune.report``/``tune.get_checkpoint`` in this process through ``provider``
     (called in the reporting thread; returns that thread's trial or ``None``).
 
     Raises:

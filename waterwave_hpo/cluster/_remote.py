@@ -1,4 +1,6 @@
-"""The driver's side of a host actor: a :class:`RemoteHost` that the executor drives like a
+"""The driver's side of a host actor.
+
+The driver's side of a host actor: a :class:`RemoteHost` that the executor drives like a
 :class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
 
 The executor's loop (``OptimizeRun`` in ``executor/_optimize.py``) asks trials and hands them to
@@ -58,7 +60,9 @@ class RemoteSlot:
 
 
 class RemoteHost:
-    """A host actor, driven by the executor's thread through the
+    """A host actor, driven by the executor's thread like a ``DeviceHost``.
+
+    A host actor, driven by the executor's thread through the
     :class:`~waterwave_hpo.executor._host_protocol.Host` interface (as a ``DeviceHost`` is).
 
     Args:

@@ -225,7 +225,9 @@ class StorageRelay:
     async def exchange(
         self, answers: list[tuple[int, bool, Any]], wait_s: float
     ) -> list[tuple[int, str, tuple[Any, ...]]]:
-        """The driver's round trip: deliver ``answers`` (``(call id, ok, result or exception)``)
+        """The driver's round trip: deliver answers and take the waiting calls.
+
+        The driver's round trip: deliver ``answers`` (``(call id, ok, result or exception)``)
         and take the calls waiting now, waiting up to ``wait_s`` seconds for the first.
 
         One actor call carries both ways, so a host's call costs the driver one round trip.
@@ -261,7 +263,9 @@ class StorageRelay:
 
 @dataclass(frozen=True)
 class StorageChannel:
-    """How a host actor reaches the run's study: the relay's handle (pickled into the host's
+    """How a host actor reaches the run's study.
+
+    How a host actor reaches the run's study: the relay's handle (pickled into the host's
     creation arguments, never published under a name).
 
     Attributes:
@@ -535,7 +539,9 @@ class RayStorageClient(BaseStorage):
 
 
 class RayHeartbeatStorageClient(RayStorageClient, BaseHeartbeat):
-    """:class:`RayStorageClient` for a driver storage with Optuna's heartbeat (an RDB with
+    """:class:`RayStorageClient` for a driver storage with Optuna's heartbeat.
+
+    :class:`RayStorageClient` for a driver storage with Optuna's heartbeat (an RDB with
     ``heartbeat_interval``): the hosts' trials record heartbeats, and stale trials fail, as
     with the storage itself.
     """

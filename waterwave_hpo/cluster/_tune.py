@@ -1,4 +1,6 @@
-"""``SharedGPU``: a Ray Tune resource request that packs several trials on each GPU, with
+"""``SharedGPU``: a Ray Tune resource request that packs several trials on each GPU.
+
+``SharedGPU``: a Ray Tune resource request that packs several trials on each GPU, with
 memory leases so that their peaks do not collide. Imports Ray Tune; see :func:`shared_gpu`.
 """
 
@@ -36,7 +38,9 @@ class LeaseTimeoutError(TimeoutError):
 
 
 class SharedGPU(PlacementGroupFactory):
-    """What :func:`waterwave_hpo.shared_gpu` returns: a ``tune.PlacementGroupFactory`` with one
+    """What :func:`waterwave_hpo.shared_gpu` returns.
+
+    What :func:`waterwave_hpo.shared_gpu` returns: a ``tune.PlacementGroupFactory`` with one
     bundle ``{"CPU": cpus_per_trial, "GPU": 1 / trials_per_gpu}``, plus the memory lease that
     trainables take through :meth:`lease` or :meth:`wrap`.
 

@@ -39,7 +39,9 @@ _logger = logging.getLogger("waterwave_hpo")
 
 
 class HostedTrialError(RuntimeError):
-    """Raised in a Tune trial whose function failed inside its trial host; the message carries
+    """Raised in a Tune trial whose function failed inside its trial host.
+
+    Raised in a Tune trial whose function failed inside its trial host; the message carries
     the function's own traceback. ``out_of_memory`` says whether the device ran out of memory
     (set ``tune.FailureConfig(max_failures=...)`` to run such a trial again).
     """
@@ -84,7 +86,9 @@ class _HostActor:
 
 
 class TuneHosts:
-    """What :func:`waterwave_hpo.tune_hosts` returns: one trial-host actor per GPU of the
+    """What :func:`waterwave_hpo.tune_hosts` returns.
+
+    What :func:`waterwave_hpo.tune_hosts` returns: one trial-host actor per GPU of the
     cluster (``num_gpus=1`` each), and what a Tune run needs to use them.
 
     Use it as a context manager around the Tune run: the host actors start on ``__enter__``
@@ -153,14 +157,18 @@ class TuneHosts:
 
     @property
     def resources(self) -> PlacementGroupFactory:
-        """``tune.PlacementGroupFactory([{"CPU": cpus_per_trial}])``: a Tune trial reserves
+        """The resources of one Tune trial: CPUs only.
+
+        ``tune.PlacementGroupFactory([{"CPU": cpus_per_trial}])``: a Tune trial reserves
         CPUs only; its GPU work happens in a host.
         """
         return PlacementGroupFactory([{"CPU": self.cpus_per_trial}])
 
     @property
     def max_concurrent_trials(self) -> int:
-        """``n_hosts * trials_per_gpu``: pass it to ``tune.run``/``TuneConfig`` so that Tune
+        """The most trials Tune should run at once.
+
+        ``n_hosts * trials_per_gpu``: pass it to ``tune.run``/``TuneConfig`` so that Tune
         starts no more trials than the hosts run (more would wait in a host, shown RUNNING).
 
         Raises:
@@ -264,7 +272,9 @@ class TuneHosts:
         return name
 
     def _watch_loop(self) -> None:
-        """Forget hosts whose node left; start hosts on GPU nodes that joined (all their GPUs
+        """Follow the cluster's GPU nodes as they leave and join.
+
+        Forget hosts whose node left; start hosts on GPU nodes that joined (all their GPUs
         with ``n_hosts=None``, else while fewer than ``n_hosts`` hosts are alive).
         """
         while not self._stop.wait(_WATCH_S):

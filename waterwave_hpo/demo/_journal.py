@@ -26,7 +26,9 @@ _STALE_STAGING_S = 60.0
 
 
 class JournalDamagedError(ValueError):
-    """The journal has a line that is not one of Optuna's journal records, other than a cut last
+    """The journal has a line that is not one of Optuna's journal records.
+
+    The journal has a line that is not one of Optuna's journal records, other than a cut last
     line (which is repaired). Nothing was appended to it.
     """
 

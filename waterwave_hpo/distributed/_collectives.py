@@ -39,7 +39,9 @@ def all_gather_then(
     group: dist.ProcessGroup,
     then: Callable[[Any], torch.Tensor],
 ) -> torch.futures.Future[torch.Tensor]:
-    """Gather every rank's ``input`` (``[n]``) into ``output`` (``[world_size * n]``, rank-major),
+    """Gather every rank's ``input`` into ``output``, asynchronously.
+
+    Gather every rank's ``input`` (``[n]``) into ``output`` (``[world_size * n]``, rank-major),
     asynchronously, then run ``then`` on the completed future.
 
     Uses ``dist.all_gather_single`` where it exists (torch >= 2.13), else

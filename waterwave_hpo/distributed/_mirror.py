@@ -1,4 +1,6 @@
-"""The mirror weight update: the optimizer steps on the averaged sparse gradient, while the
+"""The mirror weight update (LaySA).
+
+The mirror weight update: the optimizer steps on the averaged sparse gradient, while the
 gradient bucket keeps the error-feedback residual.
 
 LaySA's conflict (IEEE Access 2021): with error feedback, a layer's gradient memory is needed

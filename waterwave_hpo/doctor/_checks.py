@@ -136,7 +136,9 @@ def _median_us(fn: Callable[[], None], repeats: int) -> float:
 
 
 def torch_alloc_free_us(device: str, size_bytes: int, repeats: int) -> float:
-    """Median microseconds of ``torch.empty`` + free on ``device`` with this process's allocator
+    """Median microseconds of ``torch.empty`` + free on ``device``.
+
+    Median microseconds of ``torch.empty`` + free on ``device`` with this process's allocator
     (run in a fresh process for PyTorch's own caching allocator).
     """
     dev = torch.device(device)
@@ -199,7 +201,9 @@ def check_alloc_latency_sim() -> CheckResult:
 
 
 def check_canary_sim(streams: int = 4, rounds: int = 300, seed: int = 0) -> CheckResult:
-    """Streams write known patterns into blocks the pool recycles across streams (some freed on
+    """The canary: known patterns in blocks the pool recycles across streams.
+
+    Streams write known patterns into blocks the pool recycles across streams (some freed on
     another stream than their own); every pattern is verified before its free, and the pool's
     trace is replayed against the safety rule (:class:`~waterwave_hpo.memory.testing.TraceChecker`).
     """
@@ -276,7 +280,9 @@ def _free(pool: Any, ptr: int, stream: int) -> int:
 
 
 def check_canary_cuda(device: torch.device, streams: int = 4, rounds: int = 40) -> CheckResult:
-    """Streams fill tensors with known values while busy work keeps them in flight; one tensor
+    """Blocks read on another stream are not reused before that read.
+
+    Streams fill tensors with known values while busy work keeps them in flight; one tensor
     in four is read on another stream (``record_stream``) and freed on its own before that read
     finished; all values are verified after every stream is synchronized.
     """
@@ -354,7 +360,9 @@ def check_oom_sim() -> CheckResult:
 
 
 def check_oom_cuda(device: torch.device) -> CheckResult:
-    """An allocation larger than the device raises ``torch.OutOfMemoryError`` through the pool
+    """Out of memory through the pool is ``torch.OutOfMemoryError`` and is recovered.
+
+    An allocation larger than the device raises ``torch.OutOfMemoryError`` through the pool
     (PyTorch's own type, so its internal fallbacks run), and the next allocation succeeds.
     """
     total = int(torch.cuda.get_device_properties(device).total_memory)
@@ -403,7 +411,9 @@ def check_cudnn(device: torch.device) -> CheckResult:
 
 
 def check_cudnn_sim() -> CheckResult:
-    """Without a GPU: the guard that keeps cuDNN's benchmark mode off under the pool, around a
+    """Without a GPU: the cuDNN benchmark guard and CPU convolutions.
+
+    Without a GPU: the guard that keeps cuDNN's benchmark mode off under the pool, around a
     simulated pool, then convolutions on the CPU both ways.
     """
     import warnings
@@ -474,7 +484,9 @@ def _study_makespan_s(device: str, k: int, trials: int, steps: int) -> tuple[flo
 
 
 def check_cohosted(device: torch.device, trials: int = 4, steps: int = 20) -> CheckResult:
-    """The same trials with NodeGroup gates, two at a time vs one at a time (after a one-trial
+    """The same trials with NodeGroup gates, two at a time vs one at a time.
+
+    The same trials with NodeGroup gates, two at a time vs one at a time (after a one-trial
     warm-up, so neither pays first use).
     """
     _study_makespan_s(str(device), 1, 1, 2)

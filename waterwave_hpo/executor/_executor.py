@@ -158,7 +158,9 @@ class WaterwaveExecutor:
         max_trials_per_device: int,
         record_trial_attrs: bool,
     ) -> None:
-        """Check and keep the settings every host applies (all but the devices, which a
+        """Check and keep the settings every host applies.
+
+        Check and keep the settings every host applies (all but the devices, which a
         subclass with remote hosts does not resolve here); the arguments are ``__init__``'s.
 
         Raises:
@@ -203,7 +205,9 @@ class WaterwaveExecutor:
             ) from None
 
     def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
-        """The device hosts of one ``optimize`` call (a subclass may return other
+        """The device hosts of one ``optimize`` call.
+
+        The device hosts of one ``optimize`` call (a subclass may return other
         :class:`Host` implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote
         hosts). The loop reads the returned list on every turn, so a subclass may append hosts
         to it later from another thread (a host that joins mid-study).
@@ -227,14 +231,18 @@ class WaterwaveExecutor:
 
     @property
     def schedulers(self) -> dict[str, PipelineScheduler]:
-        """The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
+        """The pipeline scheduler of each device, for their ``stats()``.
+
+        The pipeline scheduler of each device (``"cpu"``, ``"cuda:0"``, ...) of the most
         recent :meth:`optimize` call, for their ``stats()``; devices without one are left out.
         """
         return dict(self._schedulers)
 
     @property
     def packing_predictions(self) -> dict[str, PackingPrediction]:
-        """What ``trials_per_device="auto"`` follows on each device (``"cpu"``, ``"cuda:0"``,
+        """What ``trials_per_device="auto"`` follows on each device.
+
+        What ``trials_per_device="auto"`` follows on each device (``"cpu"``, ``"cuda:0"``,
         ...) in the most recent :meth:`optimize` call: the simulator's best number of trials at
         once for the largest NodeGroup profile seen there
         (:func:`waterwave_hpo.sim.predict_auto_packing`). Devices with no prediction yet (no

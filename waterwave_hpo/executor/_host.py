@@ -214,7 +214,9 @@ class _Slot:
 def on_trial_stream(
     device: torch.device, stream: torch.cuda.Stream | None, pool: Any
 ) -> Iterator[None]:
-    """Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy (nothing on the
+    """Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy.
+
+    Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy (nothing on the
     CPU); with the pool installed, turn its exhaustion into ``torch.cuda.OutOfMemoryError``.
     """
     if stream is None:

@@ -53,7 +53,9 @@ class Host(Protocol[SlotT]):
 
     @property
     def device(self) -> torch.device | str:
-        """The device its trials run on (a label such as ``"10.0.0.2/pid42/cuda:0"`` for a
+        """The device its trials run on.
+
+        The device its trials run on (a label such as ``"10.0.0.2/pid42/cuda:0"`` for a
         remote host).
         """
 

@@ -44,7 +44,9 @@ CUDA_RESERVE_FRACTION = 0.05
 
 
 def default_budget_bytes(total_bytes: int) -> int:
-    """The default memory budget of a CUDA device with ``total_bytes`` (bytes): the total less
+    """The default memory budget of a CUDA device with ``total_bytes`` (bytes).
+
+    The default memory budget of a CUDA device with ``total_bytes`` (bytes): the total less
     the reserve for what lives outside the pool (:data:`CUDA_RESERVE_MIN_BYTES`,
     :data:`CUDA_RESERVE_FRACTION`).
     """
@@ -166,7 +168,9 @@ class DeviceMemory:
 
     @property
     def packing(self) -> PackingPrediction | None:
-        """The simulator's prediction that admission follows now (``None`` before any NodeGroup
+        """The simulator's prediction that admission follows now.
+
+        The simulator's prediction that admission follows now (``None`` before any NodeGroup
         profile was declared, without a scheduler, or for a profile that does not fit alone).
         """
         packing = self._packing
@@ -244,7 +248,9 @@ def make_device_memory(
     *,
     max_trials: int,
 ) -> DeviceMemory:
-    """Set up one device's pool and scheduler for an ``optimize`` call; ``max_trials`` is the
+    """Set up one device's pool and scheduler for an ``optimize`` call.
+
+    Set up one device's pool and scheduler for an ``optimize`` call; ``max_trials`` is the
     most trials the device may run at once.
 
     Raises:

@@ -1,4 +1,6 @@
-"""CuPy integration: the ``cupy`` segment upstream, ``pool.cupy_allocator()`` and a trial's
+"""CuPy integration: the ``cupy`` upstream, the allocator and the current stream.
+
+CuPy integration: the ``cupy`` segment upstream, ``pool.cupy_allocator()`` and a trial's
 stream as CuPy's current stream (:func:`cupy_on_stream`).
 
 Segments come from CuPy's default memory pool, so a CuPy-backed deployment keeps one accounting
@@ -124,7 +126,9 @@ def make_cupy_allocator(pool: StreamAwarePool) -> Callable[[int], Any]:
 
 @contextlib.contextmanager
 def cupy_on_stream(stream_ptr: int, device: int, pool: StreamAwarePool | None) -> Iterator[None]:
-    """Make ``stream_ptr`` CuPy's current stream in this thread for the block, and, with a pool,
+    """Make ``stream_ptr`` CuPy's current stream in this thread for the block.
+
+    Make ``stream_ptr`` CuPy's current stream in this thread for the block, and, with a pool,
     route CuPy's allocations in this thread to it.
 
     A trial's CuPy arrays then run in its stream's order and are charged to its pool account,

@@ -200,7 +200,9 @@ def load_library() -> ctypes.CDLL:
 
 
 def _check_private(path: Path) -> None:
-    """Refuse a library named by ``$WATERWAVE_HPO_POOL_LIBRARY`` that another user could have
+    """Refuse a pool library that another user could have written.
+
+    Refuse a library named by ``$WATERWAVE_HPO_POOL_LIBRARY`` that another user could have
     written: loading it runs its code in this process.
 
     Raises:

@@ -53,7 +53,9 @@ class TorchShim:
 
 
 def _source_dir() -> Path:
-    """Where the shim source and ``waterwave_pool.h`` are: installed next to the library, or the
+    """Where the shim source and ``waterwave_pool.h`` are.
+
+    Where the shim source and ``waterwave_pool.h`` are: installed next to the library, or the
     repository's ``allocator_ext`` (a sanitizer build through ``$WATERWAVE_HPO_POOL_LIBRARY``).
     """
     installed = Path(__file__).resolve().parent.parent / "_lib"
@@ -198,7 +200,9 @@ def build_shim(cache_dir: Path | None = None) -> Path:
 
 
 def record_stream_build_error(shim_path: Path) -> str:
-    """Why the shim at ``shim_path`` was built without the record-stream part ("" if it was not
+    """Why the shim was built without the record-stream part.
+
+    Why the shim at ``shim_path`` was built without the record-stream part ("" if it was not
     attempted or succeeded).
     """
     note = shim_path.parent / "record_stream_build_error.txt"

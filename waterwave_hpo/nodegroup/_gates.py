@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 
 
 def in_backward() -> bool:
-    """Whether the calling code runs inside an autograd backward pass (a hook, or a forward
+    """Whether the calling code runs inside an autograd backward pass.
+
+    Whether the calling code runs inside an autograd backward pass (a hook, or a forward
     that ``torch.utils.checkpoint`` re-runs during backward); torch's own checkpoint reads the
     same ``torch._C._current_graph_task_id()`` (-1 outside backward).
     """

@@ -246,7 +246,9 @@ def node_groups(model: nn.Module) -> tuple[NodeGroup, ...]:
 
 
 def trial_profile(model: nn.Module) -> TrialProfile:
-    """The model's per-step memory claim (resident bytes, per-group bytes) as the scheduler
+    """The model's per-step memory claim as the scheduler sees it.
+
+    The model's per-step memory claim (resident bytes, per-group bytes) as the scheduler
     sees it; pass it to ``PipelineScheduler.admits``.
 
     Raises:

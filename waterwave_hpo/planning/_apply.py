@@ -211,7 +211,9 @@ def _unpack(obj: Any) -> torch.Tensor:
 
 
 def _checkpoint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``checkpoint(fn, *args, **kwargs)`` (non-reentrant, RNG preserved) that keeps the
+    """``checkpoint(fn, *args, **kwargs)`` that keeps the arguments' identities.
+
+    ``checkpoint(fn, *args, **kwargs)`` (non-reentrant, RNG preserved) that keeps the
     arguments' identities: checkpoint saves and restores each tensor argument on its own, so
     ``attn(h, h, h)`` would be recomputed as three distinct tensors, and
     ``nn.MultiheadAttention`` takes another path (separate projections) when ``query is key``
@@ -367,7 +369,9 @@ class PlanHooks:
         return forward
 
     def _run_forward(self, members: list[nn.Module], m: nn.Module, inner: Any) -> Any:
-        """The first module of a chained recompute run: runs the whole run in one checkpoint;
+        """The first module of a chained recompute run.
+
+        The first module of a chained recompute run: runs the whole run in one checkpoint;
         the ``nn.Sequential`` then calls the others, which pass the run's output through.
         """
         local = self._local

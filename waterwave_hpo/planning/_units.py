@@ -267,7 +267,9 @@ def _follows(before: tuple[str, int, int] | None, after: tuple[str, int, int] | 
 def _sequential_place(
     model: nn.Module, calls: tuple[tuple[str, nn.Module], ...]
 ) -> tuple[str, int, int] | None:
-    """``(parent name, first index, last index)`` if ``calls`` are consecutive children of one
+    """The span of ``calls`` if they are consecutive children of one ``nn.Sequential``.
+
+    ``(parent name, first index, last index)`` if ``calls`` are consecutive children of one
     plain ``nn.Sequential`` (whose forward only feeds each child's output to the next).
     """
     if not calls:

@@ -110,7 +110,9 @@ class Policy(abc.ABC):
         """
 
     def priority(self, request: Request) -> tuple[float, ...]:
-        """Sort key, smallest first, the scheduler uses among requests that fit when it
+        """Sort key for admitting out of the policy's order to resolve a deadlock.
+
+        Sort key, smallest first, the scheduler uses among requests that fit when it
         must admit out of the policy's order to resolve a deadlock. Default: promise, then
         arrival.
         """
@@ -187,7 +189,9 @@ class WaterwavePolicy(Policy):
         return (cls, -request.promise, -depth, request.seq)
 
     def fits(self, profiles: Sequence[TrialProfile], budget_bytes: int) -> bool:
-        """All residents, plus the largest forward peak: the pipeline serves one forward
+        """All residents, plus the largest forward peak.
+
+        All residents, plus the largest forward peak: the pipeline serves one forward
         peak at a time, ``sum(resident) + max(activation) <= budget_bytes``.
         """
         if not profiles:

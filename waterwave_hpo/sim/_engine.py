@@ -209,7 +209,9 @@ class _Simulation:
             self._launch(head)
 
     def _auto_cap(self, profiles: list[TrialProfile]) -> int | None:
-        """``concurrency="auto"`` with a ledger, as the executor: no more trials at once than
+        """``concurrency="auto"`` with a ledger, as the executor.
+
+        ``concurrency="auto"`` with a ledger, as the executor: no more trials at once than
         :func:`~waterwave_hpo.sim.predict_auto_packing` picks for the largest profile seen.
         """
         if self.policy is None:
@@ -322,7 +324,9 @@ class _Simulation:
 
     # ----------------------------------------------------------------- the ledger
     def _dispatch(self) -> bool:
-        """Admit waiting requests as the policy (then deadlock resolution) says; True if any
+        """Admit waiting requests as the policy says.
+
+        Admit waiting requests as the policy (then deadlock resolution) says; True if any
         run changed.
         """
         if self.policy is None:
@@ -357,7 +361,9 @@ class _Simulation:
             changed = True
 
     def _resolve_deadlock(self, waiting: list[Request]) -> Request | object | None:
-        """As ``PipelineScheduler``: when every running trial waits, admit a fitting request
+        """Resolve a deadlock as ``PipelineScheduler`` does.
+
+        As ``PipelineScheduler``: when every running trial waits, admit a fitting request
         out of order, else evict one trial (the youngest among those that are not the likeliest
         to finish). Returns a request to grant, ``_EVICTED``, or ``None`` (no deadlock).
         """

@@ -60,7 +60,9 @@ class SimTrial:
         host_s: float = 0.0,
         name: str = "",
     ) -> SimTrial:
-        """A trial whose solo step takes ``step_s`` seconds, spread over its groups in
+        """A trial whose solo step takes ``step_s`` seconds.
+
+        A trial whose solo step takes ``step_s`` seconds, spread over its groups in
         proportion to their bytes (evenly if all are 0), backward ``backward_ratio`` times as
         long as forward.
 
