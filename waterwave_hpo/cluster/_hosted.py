@@ -186,6 +186,7 @@ class TrialHost:
                 ``None``.
 
         Raises:
+            RuntimeError: If the host is shut down.
             ValueError: If ``key`` is already running or waiting here.
         """
         with self._cond:
