@@ -42,5 +42,5 @@ def test_use_pool_refuses_a_sim_pool() -> None:
 
 
 def test_use_pool_refuses_what_is_not_a_pool() -> None:
-    with pytest.raises(TypeError, match="pool argument is of type 'str'"):
+    with pytest.raises(TypeError, match=r"^pool='cuda': must be a StreamAwarePool, not str"):
         use_pool("cuda")  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from waterwave_hpo import _checks
 from waterwave_hpo.distributed._hook import laysa_hook
 from waterwave_hpo.distributed._mirror import MirrorWeightUpdate
 from waterwave_hpo.distributed._state import LaySAState
@@ -74,15 +75,19 @@ def laysa(
             nccl.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(
-            f"The ddp_model argument is of type {type(ddp_model).__name__!r} but must be a "
-            "torch.nn.parallel.DistributedDataParallel; wrap it: DistributedDataParallel(model)."
+        raise _checks.type_error(
+            "ddp_model",
+            ddp_model,
+            "a torch.nn.parallel.DistributedDataParallel",
+            "wrap the model: DistributedDataParallel(model)",
         )
     check_density(density)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"The optimizer argument is of type {type(optimizer).__name__!r} but must be a "
-            "torch.optim.Optimizer over the model's parameters."
+        raise _checks.type_error(
+            "optimizer",
+            optimizer,
+            "a torch.optim.Optimizer",
+            "pass an optimizer over the model's parameters",
         )
     params = [p for p in ddp_model.module.parameters() if p.requires_grad]
     if not params:

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from waterwave_hpo import _checks
 from waterwave_hpo.distributed._buffers import INDEX_DTYPE
 from waterwave_hpo.distributed._buffers import k_for
 from waterwave_hpo.distributed._collectives import all_gather_then
@@ -189,9 +190,8 @@ def attach_baseline(
         TypeError: If ``baseline`` is not a :class:`Baseline`.
     """
     if not isinstance(baseline, Baseline):
-        raise TypeError(
-            f"The baseline argument is of type {type(baseline).__name__!r} but must be a "
-            f"Baseline, one of {[b.name for b in Baseline]}."
+        raise _checks.type_error(
+            "baseline", baseline, "a Baseline", f"pass one of {[b.name for b in Baseline]}"
         )
     group = process_group if process_group is not None else dist.group.WORLD
     if baseline is Baseline.DENSE:

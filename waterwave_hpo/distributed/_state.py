@@ -10,6 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from waterwave_hpo import _checks
 from waterwave_hpo.distributed._buffers import BucketBuffers
 from waterwave_hpo.distributed._buffers import LayerCentricBuffers
 from waterwave_hpo.distributed._ledger import CommMemoryLedger
@@ -43,14 +44,13 @@ def check_density(density: object) -> float:
         ValueError: If it is outside (0, 1].
     """
     if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(
-            f"The density argument is of type {type(density).__name__!r} but must be a float "
-            "in (0, 1], e.g. density=0.01."
-        )
+        raise _checks.type_error("density", density, "a float in (0, 1]", "pass e.g. density=0.01")
     if not 0.0 < float(density) <= 1.0:
-        raise ValueError(
-            f"The density argument is {density!r} but must be in (0, 1] (the fraction of each "
-            "layer's gradient entries sent per step); use e.g. density=0.01, or 1.0 for dense."
+        raise _checks.value_error(
+            "density",
+            density,
+            "must be in (0, 1] (the fraction of each layer's gradient entries sent per step)",
+            "pass e.g. density=0.01, or 1.0 for dense",
         )
     return float(density)
 
@@ -108,14 +108,16 @@ class LaySAState:
     ) -> None:
         self.density = check_density(density)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
-            raise TypeError(
-                f"The warmup_steps argument is of type {type(warmup_steps).__name__!r} but must "
-                "be an int >= 1."
+            raise _checks.type_error(
+                "warmup_steps", warmup_steps, "an int >= 1", "pass e.g. warmup_steps=1"
             )
         if warmup_steps < 1:
-            raise ValueError(
-                f"The warmup_steps argument is {warmup_steps} but must be >= 1 (DDP rebuilds "
-                "its buckets after the first step, so that step is dense); use warmup_steps=1."
+            raise _checks.value_error(
+                "warmup_steps",
+                warmup_steps,
+                "must be >= 1 (DDP rebuilds its buckets after the first step, so that step is "
+                "dense)",
+                "pass warmup_steps=1",
             )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None, "torch.distributed is not initialized"

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from waterwave_hpo import _checks
 from waterwave_hpo.memory._errors import OOMReason
 from waterwave_hpo.memory._lib import HazardStruct
 from waterwave_hpo.memory._lib import TraceEntryStruct
@@ -209,10 +210,10 @@ class SimDevice:
             stream: The stream whose queued work uses the range.
 
         Raises:
-            ValueError: ``nbytes`` is not a positive int.
+            TypeError: ``nbytes`` is not an int.
+            ValueError: ``nbytes`` is not positive.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"The nbytes argument is {nbytes!r} but must be an int > 0.")
+        _checks.check_int("nbytes", nbytes, minimum=1, fix="pass a size in bytes")
         self._pool._lib.ww_sim_use(self._pool._handle(), ptr, nbytes, stream_handle(stream))
 
     def hazards(self) -> list[StreamHazard]:

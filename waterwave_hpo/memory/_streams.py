@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from waterwave_hpo import _checks
+
 #: What the pool accepts as a stream: None (the default stream), a raw handle (``int``:
 #: ``cudaStream_t``/``CUstream`` as an integer, or any integer for the sim backend), a
 #: ``torch.cuda.Stream`` (``.cuda_stream``) or a ``cupy.cuda.Stream`` (``.ptr``).
@@ -27,7 +29,7 @@ def stream_handle(stream: StreamLike, *, argument: str = "stream") -> int:
     if stream is None:
         return 0
     if isinstance(stream, bool):
-        raise TypeError(f"The {argument} argument is a bool ({stream!r}); pass a stream handle.")
+        raise _checks.type_error(argument, stream, "a stream", "pass a stream handle, not a bool")
     if isinstance(stream, int):
         handle = stream
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
@@ -35,13 +37,14 @@ def stream_handle(stream: StreamLike, *, argument: str = "stream") -> int:
     elif hasattr(stream, "ptr"):  # cupy.cuda.Stream
         handle = int(stream.ptr)
     else:
-        raise TypeError(
-            f"The {argument} argument is of type {type(stream).__name__!r} but must be None, an "
-            "int handle, a torch.cuda.Stream or a cupy.cuda.Stream."
+        raise _checks.type_error(
+            argument,
+            stream,
+            "None, an int handle, a torch.cuda.Stream or a cupy.cuda.Stream",
+            "pass the trial's stream",
         )
     if not 0 <= handle < 2**64:
-        raise ValueError(
-            f"The {argument} argument is {handle}, which is not a valid stream handle "
-            "(0 <= handle < 2**64)."
+        raise _checks.value_error(
+            argument, handle, "is not a valid stream handle", "pass 0 <= handle < 2**64"
         )
     return handle

@@ -31,6 +31,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from waterwave_hpo import _checks
 from waterwave_hpo.memory._lib import library_path
 from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._pool import Backend
@@ -215,12 +216,12 @@ def use_pool(pool: StreamAwarePool) -> None:
     import torch
 
     if not isinstance(pool, StreamAwarePool):
-        raise TypeError(
-            f"The pool argument is of type {type(pool).__name__!r} but must be a StreamAwarePool."
+        raise _checks.type_error(
+            "pool", pool, "a StreamAwarePool", "pass StreamAwarePool(backend='cuda')"
         )
     if pool.backend is Backend.SIM:
-        raise ValueError(
-            "The pool argument is a 'sim' pool; PyTorch needs a 'cuda' or 'cupy' pool."
+        raise _checks.value_error(
+            "pool", pool, "is a 'sim' pool", "PyTorch needs a 'cuda' or 'cupy' pool"
         )
     with _lock:
         current = _installed.get(pool.device)
