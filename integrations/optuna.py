@@ -16,6 +16,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
+from waterwave_hpo import _checks
 from waterwave_hpo.executor import WaterwaveExecutor
 
 
@@ -71,9 +72,11 @@ class Study(optuna.Study):
             )
             return
         if not isinstance(executor, WaterwaveExecutor):
-            raise TypeError(
-                f"executor must be a waterwave_hpo.WaterwaveExecutor, got "
-                f"{type(executor).__name__!r}."
+            raise _checks.type_error(
+                "executor",
+                executor,
+                "a waterwave_hpo.WaterwaveExecutor",
+                "pass e.g. executor=ww.WaterwaveExecutor(trials_per_device=4)",
             )
         if n_jobs != 1:
             raise ValueError(
@@ -100,7 +103,9 @@ def wrap_study(study: optuna.Study) -> Study:
         TypeError: If ``study`` is not an ``optuna.Study``.
     """
     if not isinstance(study, optuna.Study):
-        raise TypeError(f"study must be an optuna.Study, got {type(study).__name__!r}.")
+        raise _checks.type_error(
+            "study", study, "an optuna.Study", "create one with optuna.create_study(...)"
+        )
     if type(study) is optuna.Study:
         # Study adds a method and no state, so the object can take the subclass as it is.
         study.__class__ = Study

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from waterwave_hpo import _checks
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._shared_gpu import _check_int
 from waterwave_hpo.cluster._shared_gpu import _check_number
@@ -64,9 +65,12 @@ def tune_hosts(
     _check_number("cpus_per_trial", cpus_per_trial, allow_zero=True)
     _check_number("heartbeat_ttl_s", heartbeat_ttl_s, allow_zero=False)
     if policy not in {p.value for p in PolicyName}:
-        raise ValueError(f"policy={policy!r} is not one of {sorted(p.value for p in PolicyName)}.")
+        allowed = sorted(p.value for p in PolicyName)
+        raise _checks.value_error("policy", policy, f"is not one of {allowed}", "pass 'waterwave'")
     if memory_pool not in {m.value for m in MemoryPoolMode}:
-        raise ValueError(f"memory_pool={memory_pool!r} is not one of 'auto', 'on', 'off'.")
+        raise _checks.value_error(
+            "memory_pool", memory_pool, "is not one of 'auto', 'on', 'off'", "pass 'auto'"
+        )
     if memory_budget_bytes is not None:
         _check_int("memory_budget_bytes", memory_budget_bytes, 1)
     if n_hosts is not None:

@@ -11,6 +11,7 @@ import weakref
 import torch
 from torch import nn
 
+from waterwave_hpo import _checks
 from waterwave_hpo.nodegroup._gates import GateSet
 from waterwave_hpo.nodegroup._gates import _current_scheduler
 from waterwave_hpo.nodegroup._gates import in_backward
@@ -156,13 +157,10 @@ def pipeline(
             ``example_input`` leads to no output that requires grad.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model is of type {type(model).__name__!r} but must be a torch.nn.Module.")
-    if not (
-        groups == "auto"
-        or (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1)
-    ):
-        raise ValueError(
-            f"groups is {groups!r} but must be 'auto' or an int >= 1 (the number of NodeGroups)."
+        raise _checks.type_error("model", model, "a torch.nn.Module", "pass the trial's model")
+    if groups != "auto":
+        _checks.check_int(
+            "groups", groups, minimum=1, fix="pass groups='auto' or a number of NodeGroups"
         )
     old = _PIPELINES.pop(model, None)
     if old is not None:

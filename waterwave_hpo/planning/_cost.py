@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from waterwave_hpo import _checks
 from waterwave_hpo.planning._plan import Placement
 from waterwave_hpo.planning._plan import Prediction
 from waterwave_hpo.planning._plan import StepProfile
@@ -70,8 +71,11 @@ def predict(
     if len(choices) != n:
         raise ValueError(f"choices has {len(choices)} entries but the profile has {n} units.")
     if not bandwidth_bytes_per_s > 0:
-        raise ValueError(
-            f"bandwidth_bytes_per_s is {bandwidth_bytes_per_s!r} but must be > 0 (bytes/s)."
+        raise _checks.value_error(
+            "bandwidth_bytes_per_s",
+            bandwidth_bytes_per_s,
+            "must be > 0",
+            "pass the copy bandwidth in bytes/s",
         )
     base = profile.static_bytes + profile.other_saved_bytes
     run_start = recompute_runs(profile, choices)

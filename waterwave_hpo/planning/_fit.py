@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import nn
 
+from waterwave_hpo import _checks
 from waterwave_hpo.nodegroup._internal import has_pipeline
 from waterwave_hpo.planning._apply import PlanHooks
 from waterwave_hpo.planning._cost import DEFAULT_BANDWIDTH_BYTES_PER_S
@@ -87,27 +88,21 @@ def fit_memory(
             ``torch.utils.checkpoint``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model is of type {type(model).__name__!r} but must be a torch.nn.Module.")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(
-            f"budget_bytes is of type {type(budget_bytes).__name__!r} but must be an int (bytes)."
-        )
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes is {budget_bytes} but must be > 0 (bytes).")
+        raise _checks.type_error("model", model, "a torch.nn.Module", "pass the model to plan")
+    _checks.check_int("budget_bytes", budget_bytes, minimum=1, fix="pass the budget in bytes")
     if not isinstance(planner, str) or planner not in PLANNERS:
-        raise ValueError(f"planner is {planner!r} but must be one of {sorted(PLANNERS)}.")
+        raise _checks.value_error(
+            "planner", planner, "is not a planner", f"pass one of {sorted(PLANNERS)}"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer is of type {type(optimizer).__name__!r} but must be a "
-            "torch.optim.Optimizer or None."
+        raise _checks.type_error(
+            "optimizer", optimizer, "a torch.optim.Optimizer or None", "pass the trial's optimizer"
         )
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed is of type {type(seed).__name__!r} but must be an int.")
-    if not isinstance(bandwidth_bytes_per_s, (int, float)) or not bandwidth_bytes_per_s > 0:
-        raise ValueError(
-            f"bandwidth_bytes_per_s is {bandwidth_bytes_per_s!r} but must be a number > 0 "
-            "(bytes per second)."
-        )
+        raise _checks.type_error("seed", seed, "an int", "pass e.g. seed=0")
+    _checks.check_number(
+        "bandwidth_bytes_per_s", bandwidth_bytes_per_s, fix="pass the copy bandwidth in bytes/s"
+    )
     if has_pipeline(model):
         raise ValueError(
             "model has ww.pipeline gates; fit_memory does not combine with them yet: the gates "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import enum
 
+from waterwave_hpo import _checks
+
 
 class Phase(enum.Enum):
     """What a reservation is for; the waterwave policy orders requests by it.
@@ -51,11 +53,12 @@ class MemoryLedger:
     """
 
     def __init__(self, budget_bytes: int) -> None:
-        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-            raise ValueError(
-                f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}. Pass the "
-                "device's memory budget, e.g. budget_bytes=8 * 2**30 for 8 GiB."
-            )
+        _checks.check_int(
+            "budget_bytes",
+            budget_bytes,
+            minimum=1,
+            fix="pass the device's memory budget, e.g. budget_bytes=8 * 2**30 for 8 GiB",
+        )
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import enum
 from typing import ClassVar
 
+from waterwave_hpo import _checks
 from waterwave_hpo.scheduler._ledger import Phase
 from waterwave_hpo.scheduler._trial_profile import TrialProfile
 
@@ -248,13 +249,14 @@ def make_policy(policy: str | PolicyName | Policy) -> Policy:
         try:
             policy = PolicyName(policy)
         except ValueError:
-            raise ValueError(
-                f"policy={policy!r} is not a known policy. Use one of "
-                f"{[p.value for p in PolicyName]} or pass a Policy instance."
+            raise _checks.value_error(
+                "policy",
+                policy,
+                "is not a known policy",
+                f"pass one of {[p.value for p in PolicyName]} or a Policy instance",
             ) from None
     if isinstance(policy, PolicyName):
         return FifoPolicy() if policy is PolicyName.FIFO else WaterwavePolicy()
-    raise TypeError(
-        f"policy is of type {type(policy).__name__!r} but must be a str, a PolicyName or a "
-        "Policy instance (e.g. policy='waterwave')."
+    raise _checks.type_error(
+        "policy", policy, "a str, a PolicyName or a Policy", "pass e.g. policy='waterwave'"
     )
