@@ -401,6 +401,12 @@ def test_tune_hosts_a_gpu_node_that_joins_gets_trials(
     def add_node() -> None:
         joined["id"] = nodes.node_id(nodes.add())
         joined["at_s"] = time.time()
+        # Hold Tune's driver loop (this callback runs in it) until the joined node's host
+        # answers, so trials Tune starts next have it to choose; on a loaded machine the host
+        # can take longer to start than the first node's hosts take to finish every trial.
+        deadline = time.monotonic() + 120.0
+        while len(hosts.stats()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.25) as hosts:
         analysis = _run_tune(
