@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from waterwave_hpo import _checks
+
 DeviceSpec = str | int | torch.device
 """One device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int ``N`` (``cuda:N``) or a torch.device."""
 
@@ -35,14 +37,18 @@ def resolve_devices(devices: DeviceSpec | Sequence[DeviceSpec]) -> list[torch.de
     elif isinstance(devices, Sequence):
         specs = devices
         if len(specs) == 0:
-            raise ValueError(
-                "devices=[] names no device. Pass devices='auto', 'cpu', 'cuda', 'cuda:N' "
-                "or a non-empty list of them."
+            raise _checks.value_error(
+                "devices",
+                devices,
+                "names no device",
+                "pass devices='auto', 'cpu', 'cuda', 'cuda:N' or a non-empty list of them",
             )
     else:
-        raise TypeError(
-            f"devices={devices!r} is of type {type(devices).__name__!r}; pass 'auto', 'cpu', "
-            "'cuda', 'cuda:N', an int, a torch.device, or a list of them."
+        raise _checks.type_error(
+            "devices",
+            devices,
+            "a device or a list of devices",
+            "pass 'auto', 'cpu', 'cuda', 'cuda:N', an int, a torch.device, or a list of them",
         )
     resolved: list[torch.device] = []
     for spec in specs:
@@ -54,41 +60,54 @@ def resolve_devices(devices: DeviceSpec | Sequence[DeviceSpec]) -> list[torch.de
 
 def _resolve_one(spec: DeviceSpec) -> list[torch.device]:
     if isinstance(spec, bool) or not isinstance(spec, (str, int, torch.device)):
-        raise TypeError(
-            f"devices entry {spec!r} is of type {type(spec).__name__!r}; each entry must be "
-            "'cpu', 'cuda', 'cuda:N', an int N or a torch.device."
+        raise _checks.type_error(
+            "devices entry",
+            spec,
+            "a device",
+            "pass 'cpu', 'cuda', 'cuda:N', an int N or a torch.device",
         )
     if isinstance(spec, str) and spec == "auto":
-        raise ValueError("devices='auto' cannot be mixed with other devices in a list.")
+        raise _checks.value_error(
+            "devices entry", spec, "cannot be mixed with other devices in a list", "pass it alone"
+        )
     if isinstance(spec, int):
         device = torch.device("cuda", spec)
     else:
         try:
             device = torch.device(spec)
         except (RuntimeError, ValueError) as error:
-            raise ValueError(
-                f"devices entry {spec!r} is not a device: {error}. Pass 'cpu', 'cuda', "
-                "'cuda:N' or an int N."
+            raise _checks.value_error(
+                "devices entry",
+                spec,
+                f"is not a device ({error})",
+                "pass 'cpu', 'cuda', 'cuda:N' or an int N",
             ) from None
     if device.type == "cpu":
         return [torch.device("cpu")]
     if device.type != "cuda":
-        raise ValueError(
-            f"devices entry {spec!r} is a {device.type!r} device; waterwave-hpo runs trials on "
-            "'cpu' and 'cuda' devices only."
+        raise _checks.value_error(
+            "devices entry",
+            spec,
+            f"is a {device.type!r} device",
+            "waterwave-hpo runs trials on 'cpu' and 'cuda' devices only",
         )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise ValueError(
-            f"devices={spec!r} asks for CUDA, but torch.cuda.is_available() is False on this "
-            f"machine (torch {torch.__version__}). Pass devices='cpu' or devices='auto'."
+        raise _checks.value_error(
+            "devices",
+            spec,
+            "asks for CUDA, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__})",
+            "pass devices='cpu' or devices='auto'",
         )
     if device.index is None:
         return [torch.device("cuda", i) for i in range(count)]
     if not 0 <= device.index < count:
-        raise ValueError(
-            f"devices={spec!r} names CUDA device {device.index}, but {count} CUDA device(s) "
-            f"are visible (indices 0..{count - 1}). Pass an index in that range, or check "
-            "CUDA_VISIBLE_DEVICES."
+        raise _checks.value_error(
+            "devices",
+            spec,
+            f"names CUDA device {device.index}, but {count} CUDA device(s) are visible "
+            f"(indices 0..{count - 1})",
+            "pass an index in that range, or check CUDA_VISIBLE_DEVICES",
         )
     return [device]
