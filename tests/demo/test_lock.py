@@ -79,5 +79,5 @@ def test_optunas_dangling_relative_symlink_lock_is_broken_after_the_grace_period
 
 
 def test_grace_period_must_be_positive(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"grace_period_s=0 must be > 0"):
+    with pytest.raises(ValueError, match=r"^grace_period_s=0: must be > 0; pass seconds"):
         HolderNamingJournalFileLock(tmp_path / "study.log", grace_period_s=0)

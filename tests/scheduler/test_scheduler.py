@@ -68,7 +68,7 @@ def test_acquire_needs_a_started_trial_and_valid_bytes() -> None:
     with pytest.raises(ValueError, match=r"Call scheduler.trial_started\(3, trial\)"):
         s.acquire(3, 0, 10)
     s.trial_started(3)
-    with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"^nbytes=-1: must be >= 0"):
         s.acquire(3, 0, -1)
 
 

@@ -18,6 +18,7 @@ import optuna
 import pandas as pd
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo._version import __version__
 from waterwave_hpo.bench._calibrate import BASE_BATCH
 from waterwave_hpo.bench._calibrate import SEQ_LEN
@@ -92,14 +93,17 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name, minimum in (("k", 1), ("trials", 1), ("max_steps", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
+            _checks.check_int(name, value, minimum=minimum)
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
-            raise ValueError(f"steps={self.steps!r} must be an int >= 1, or None to fit budget_s.")
+            raise _checks.value_error(
+                "steps", self.steps, "must be an int >= 1", "pass steps, or None to fit budget_s"
+            )
         if not self.budget_s > 0:
-            raise ValueError(f"budget_s={self.budget_s!r} must be > 0 seconds.")
+            raise _checks.value_error("budget_s", self.budget_s, "must be > 0", "pass seconds")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={self.capacity_bytes!r} must be > 0 bytes.")
+            raise _checks.value_error(
+                "capacity_bytes", self.capacity_bytes, "must be > 0", "pass bytes, or None"
+            )
         if not self.workloads or not self.settings or not self.methods:
             raise ValueError(
                 "workloads, settings and methods must each name at least one; got "

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import math
 import time
 
+from waterwave_hpo import _checks
+
 
 @dataclass(frozen=True)
 class MemoryLease:
@@ -114,11 +116,15 @@ class LeaseBook:
             ValueError: If ``budget_bytes``, ``trials_per_gpu`` or ``ttl_s`` is not > 0.
         """
         if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s} must be > 0 seconds.")
+            raise _checks.value_error("ttl_s", ttl_s, "must be > 0", "pass seconds")
         if budget_bytes is not None and budget_bytes <= 0:
-            raise ValueError(f"budget_bytes={budget_bytes} must be > 0 or None.")
+            raise _checks.value_error(
+                "budget_bytes", budget_bytes, "must be > 0", "pass bytes, or None"
+            )
         if trials_per_gpu is not None and trials_per_gpu <= 0:
-            raise ValueError(f"trials_per_gpu={trials_per_gpu} must be > 0 or None ('auto').")
+            raise _checks.value_error(
+                "trials_per_gpu", trials_per_gpu, "must be > 0", "pass a count, or None ('auto')"
+            )
         self.budget_bytes = budget_bytes
         self.trials_per_gpu = trials_per_gpu
         if ttl_s is not None:
@@ -142,7 +148,9 @@ class LeaseBook:
     def request(self, holder: str, nbytes: int | None) -> None:
         """Queue a request for ``nbytes`` (``None``: sized by the book). Idempotent per holder."""
         if nbytes is not None and nbytes <= 0:
-            raise ValueError(f"nbytes={nbytes} must be > 0 bytes, or None to let it be sized.")
+            raise _checks.value_error(
+                "nbytes", nbytes, "must be > 0", "pass bytes, or None to let it be sized"
+            )
         now = self._clock()
         if holder not in self._held and holder not in self._waiting:
             self._waiting[holder] = _Request(nbytes, now, now)

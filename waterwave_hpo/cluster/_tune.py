@@ -19,6 +19,7 @@ import uuid
 
 from ray.tune import PlacementGroupFactory
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _experimental
 from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
@@ -115,9 +116,11 @@ class SharedGPU(PlacementGroupFactory):
             ValueError: If ``nbytes`` or ``timeout_s`` is not > 0.
         """
         if nbytes is not None and (isinstance(nbytes, bool) or not nbytes > 0):
-            raise ValueError(f"nbytes={nbytes!r} must be > 0 bytes, or None.")
+            raise _checks.value_error("nbytes", nbytes, "must be > 0", "pass bytes, or None")
         if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds, or None.")
+            raise _checks.value_error(
+                "timeout_s", timeout_s, "must be > 0", "pass seconds, or None"
+            )
         ray = import_ray()
         if not ray.is_initialized():
             raise RuntimeError(

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from waterwave_hpo import _checks
+
 
 @dataclass(frozen=True)
 class Digits:
@@ -41,7 +43,9 @@ def load_digits(val_fraction: float = 0.2) -> Digits:
         ValueError: If ``val_fraction`` is not in (0, 1).
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1), e.g. 0.2.")
+        raise _checks.value_error(
+            "val_fraction", val_fraction, "must be in (0, 1)", "pass e.g. 0.2"
+        )
     from sklearn.datasets import load_digits as sklearn_digits
     from sklearn.model_selection import train_test_split
 

@@ -20,6 +20,7 @@ import uuid
 
 from optuna.storages.journal._file import BaseJournalFileLock  # not re-exported by Optuna
 
+from waterwave_hpo import _checks
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.demo._process import this_process
 
@@ -59,7 +60,9 @@ class HolderNamingJournalFileLock(BaseJournalFileLock):
 
     def __init__(self, journal_path: str | os.PathLike[str], grace_period_s: float = 30.0) -> None:
         if not grace_period_s > 0:
-            raise ValueError(f"grace_period_s={grace_period_s!r} must be > 0, e.g. 30.")
+            raise _checks.value_error(
+                "grace_period_s", grace_period_s, "must be > 0", "pass seconds, e.g. 30"
+            )
         self.journal_path = Path(journal_path).absolute()
         self.lock_path = Path(str(self.journal_path) + LOCK_SUFFIX)
         self.grace_period_s = float(grace_period_s)

@@ -8,6 +8,8 @@ import optuna
 import torch
 from torch import nn
 
+from waterwave_hpo import _checks
+
 
 def build_model(trial: optuna.trial.Trial, generator: torch.Generator | None = None) -> nn.Module:
     """Build the CNN the trial's parameters describe.
@@ -75,7 +77,7 @@ class SeededDropout(nn.Module):
     def __init__(self, p: float, generator: torch.Generator) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
-            raise ValueError(f"p={p!r} must be in [0, 1).")
+            raise _checks.value_error("p", p, "must be in [0, 1)", "pass e.g. p=0.1")
         self.p = p
         self.seed = int(torch.randint(2**62, (1,), generator=generator).item())
         self._masks: torch.Generator | None = None

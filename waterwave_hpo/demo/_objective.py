@@ -8,6 +8,7 @@ import optuna
 import torch
 from torch import nn
 
+from waterwave_hpo import _checks
 from waterwave_hpo.demo._data import Digits
 from waterwave_hpo.demo._model import build_model
 from waterwave_hpo.demo._model import build_optimizer
@@ -34,7 +35,7 @@ def make_objective(data: Digits, epochs: int, seed: int) -> Callable[[optuna.tri
         ``objective(trial) -> float``, the last epoch's validation accuracy in [0, 1].
     """
     if epochs < 1:
-        raise ValueError(f"epochs={epochs} must be >= 1.")
+        raise _checks.value_error("epochs", epochs, "must be >= 1", "pass e.g. epochs=10")
 
     def objective(trial: optuna.trial.Trial) -> float:
         context = current_or_none()

@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Any
 
+from waterwave_hpo import _checks
 from waterwave_hpo.scheduler._errors import BudgetExceededError
 from waterwave_hpo.scheduler._ledger import MemoryLedger
 from waterwave_hpo.scheduler._ledger import Phase
@@ -309,8 +310,7 @@ class PipelineScheduler:
             BudgetExceededError: If the trial's holdings plus ``nbytes`` exceed the budget, or
                 the trial is (or gets) evicted to resolve a deadlock.
         """
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0 (bytes), got {nbytes!r}.")
+        _checks.check_int("nbytes", nbytes, minimum=0, fix="pass a size in bytes")
         self._maybe_refresh_promise()
         with self._cond:
             state = self._state_locked(trial_number)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from waterwave_hpo import _checks
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim._engine import simulate
@@ -99,10 +100,9 @@ def predict_packing(
         ValueError: If ``trials`` is empty, ``capacity_bytes`` or ``max_k`` is out of range,
             a policy name is unknown, or a single trial does not fit ``capacity_bytes`` alone.
     """
-    if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
-        raise ValueError(f"max_k={max_k!r} must be an int >= 1 (the most trials at once to try).")
+    _checks.check_int("max_k", max_k, minimum=1, fix="pass the most trials at once to try")
     if not step_s > 0:
-        raise ValueError(f"step_s={step_s!r} must be > 0 seconds.")
+        raise _checks.value_error("step_s", step_s, "must be > 0", "pass seconds")
     sim_trials = [
         t if isinstance(t, SimTrial) else SimTrial.uniform(t, step_s, steps) for t in trials
     ]
