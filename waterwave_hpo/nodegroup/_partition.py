@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import itertools
 import numbers
 
+from waterwave_hpo import _checks
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -57,21 +59,27 @@ def partition(sizes: Sequence[int], k: int) -> Partition:
     Partition(bounds=(0, 3, 5, 6), sums=(6, 5, 3))
 
     Raises:
-        ValueError: If ``sizes`` is empty or holds a negative or non-integer value, or ``k``
-            is not an int in ``[1, len(sizes)]``.
+        TypeError: If ``sizes`` holds a non-integer or ``k`` is not an int.
+        ValueError: If ``sizes`` is empty or holds a negative value, or ``k`` is not in
+            ``[1, len(sizes)]``.
     """
     n = len(sizes)
     if n == 0:
-        raise ValueError("sizes is empty; pass at least one size (bytes) to partition.")
+        raise _checks.value_error(
+            "sizes", sizes, "is empty", "pass at least one size (bytes) to partition"
+        )
     values: list[int] = []
     for i, s in enumerate(sizes):
-        if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"sizes[{i}] is {s!r}; every size must be a non-negative int (bytes).")
+        if not isinstance(s, numbers.Integral) or isinstance(s, bool):
+            raise _checks.type_error(f"sizes[{i}]", s, "an int", "pass sizes in bytes")
+        if s < 0:
+            raise _checks.value_error(f"sizes[{i}]", s, "must be >= 0", "pass sizes in bytes")
         values.append(int(s))
-    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= n:
-        raise ValueError(
-            f"k is {k!r} but must be an int with 1 <= k <= len(sizes) = {n}; "
-            f"ask for between 1 and {n} parts."
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool):
+        raise _checks.type_error("k", k, "an int", f"ask for between 1 and {n} parts")
+    if not 1 <= k <= n:
+        raise _checks.value_error(
+            "k", k, f"must be in [1, len(sizes) = {n}]", f"ask for between 1 and {n} parts"
         )
     k = int(k)
     lo, hi = max(values), sum(values)
