@@ -161,7 +161,7 @@ def test_gates_pass_straight_through_without_a_budget_on_the_cpu() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"memory_budget_bytes": 0}, ValueError, "memory_budget_bytes=0 must be >= 1"),
+        ({"memory_budget_bytes": 0}, ValueError, "memory_budget_bytes=0: must be >= 1"),
         ({"memory_budget_bytes": 1.5e9}, TypeError, "memory_budget_bytes=1500000000.0"),
         ({"policy": "lifo"}, ValueError, "policy='lifo'"),
         ({"memory_pool": "maybe"}, ValueError, "memory_pool='maybe'"),

@@ -259,8 +259,8 @@ def test_wrap_rejects_a_class_trainable() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"trials_per_gpu": 0}, ValueError, "trials_per_gpu=0 must be >= 1"),
-        ({"trials_per_gpu": "many"}, ValueError, "trials_per_gpu='many'"),
+        ({"trials_per_gpu": 0}, ValueError, "trials_per_gpu=0: must be >= 1"),
+        ({"trials_per_gpu": "many"}, TypeError, "trials_per_gpu='many': must be an int"),
         ({"trials_per_gpu": 2.5}, TypeError, "trials_per_gpu=2.5"),
         ({"cpus_per_trial": -1}, ValueError, "cpus_per_trial=-1"),
         ({"memory_budget_bytes": 0}, ValueError, "memory_budget_bytes=0"),
@@ -268,7 +268,7 @@ def test_wrap_rejects_a_class_trainable() -> None:
         (
             {"memory_budget_bytes": 10, "memory_per_trial_bytes": 20},
             ValueError,
-            "memory_per_trial_bytes=20 is more than memory_budget_bytes=10",
+            "memory_per_trial_bytes=20: is more than memory_budget_bytes=10",
         ),
         ({"lease_ttl_s": 0}, ValueError, "lease_ttl_s=0"),
     ],

@@ -159,13 +159,13 @@ def test_wrap_needs_started_hosts_and_a_function() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"trials_per_gpu": 0}, ValueError, "trials_per_gpu=0 must be >= 1"),
-        ({"trials_per_gpu": "many"}, ValueError, "trials_per_gpu='many'"),
+        ({"trials_per_gpu": 0}, ValueError, "trials_per_gpu=0: must be >= 1"),
+        ({"trials_per_gpu": "many"}, TypeError, "trials_per_gpu='many': must be an int"),
         ({"cpus_per_trial": -1}, ValueError, "cpus_per_trial=-1"),
         ({"policy": "lifo"}, ValueError, "policy='lifo'"),
         ({"memory_pool": "maybe"}, ValueError, "memory_pool='maybe'"),
         ({"heartbeat_ttl_s": 0}, ValueError, "heartbeat_ttl_s=0"),
-        ({"n_hosts": 0}, ValueError, "n_hosts=0 must be >= 1"),
+        ({"n_hosts": 0}, ValueError, "n_hosts=0: must be >= 1"),
         ({"memory_budget_bytes": 1.5}, TypeError, "memory_budget_bytes=1.5"),
     ],
 )
