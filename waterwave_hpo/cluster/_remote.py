@@ -100,6 +100,11 @@ class RemoteHost:
         self._shut_down = False
         self._on_lost = on_lost
         self._lock = threading.Lock()
+        self._reported: set[int] = set()
+        """Trial numbers whose outcome is claimed: told from a record, or failed as lost. The
+        poller (records) and the executor's thread (a submit that finds the actor dead) may both
+        reach a job; the first claim reports it, so no trial is told twice or re-run after it
+        finished."""
         self._has_room = True
         self._stop = threading.Event()
         self._poller = threading.Thread(
@@ -205,6 +210,8 @@ class RemoteHost:
                 "Host %s reported trial %d, which it was not running.", self.device, record.number
             )
             return
+        if not self._claim(job):
+            return  # already failed as lost (a submit found the actor dead meanwhile)
         study = self.settings.study
         kind = record.kind
         error = record.error
@@ -234,7 +241,16 @@ class RemoteHost:
             self._report_lost(job, f"its device host {self.device} was lost: {error!r}")
         self._on_lost(self, error)
 
+    def _claim(self, job: TrialJob) -> bool:
+        with self._lock:
+            if job.trial.number in self._reported:
+                return False
+            self._reported.add(job.trial.number)
+            return True
+
     def _report_lost(self, job: TrialJob, reason: str) -> None:
+        if not self._claim(job):
+            return  # its record was told first: it finished, nothing to fail or re-run
         frozen = _fail(self.settings.study, job, reason)
         kind = OutcomeKind.HOST_LOST if job.attempt < self.max_host_retries else OutcomeKind.FAILED
         with self._lock:
