@@ -333,7 +333,7 @@ def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path
 
 def _device_flags(text: str) -> str:
     # The executor's messages name its argument (devices='cuda:9'); the CLI's user typed --device.
-    return re.sub(r"devices(?: entry |=)'([^']*)'", r"--device \1", text)
+    return re.sub(r"devices(?: entry)?='([^']*)'", r"--device \1", text)
 
 
 def _summary(
