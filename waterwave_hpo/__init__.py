@@ -17,6 +17,7 @@ from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import current
 from waterwave_hpo.executor import current_or_none
+from waterwave_hpo.executor import fit_trial_memory
 from waterwave_hpo.executor import trial_memory_stats
 
 try:
@@ -59,6 +60,7 @@ __all__ = [
     "current",
     "current_or_none",
     "fit_memory",
+    "fit_trial_memory",
     "load_study",
     "node_groups",
     "pipeline",

@@ -1,6 +1,7 @@
 """The executor: co-hosted trials, one thread and one CUDA stream each, on every device."""
 
 from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor._attrs import trial_memory_plan
 from waterwave_hpo.executor._context import NotInTrialError
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._context import current
@@ -12,9 +13,14 @@ from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import trial_memory_stats
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import NoPlanFitsError
+from waterwave_hpo.executor._planning import fit_trial_memory
 
 __all__ = [
+    "MemoryPlanMode",
     "MemoryPoolMode",
+    "NoPlanFitsError",
     "NotInTrialError",
     "OnOOM",
     "TrialContext",
@@ -22,8 +28,10 @@ __all__ = [
     "WaterwaveExecutor",
     "current",
     "current_or_none",
+    "fit_trial_memory",
     "is_out_of_memory",
     "trial_attr",
+    "trial_memory_plan",
     "trial_memory_stats",
     "trial_scope",
 ]

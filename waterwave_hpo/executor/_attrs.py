@@ -12,6 +12,8 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from waterwave_hpo.planning import MemoryPlan
+
 ATTR_DEVICE = "waterwave:device"
 """The device the trial ran on, e.g. ``"cuda:0"`` or ``"cpu"``."""
 ATTR_SLOT = "waterwave:slot"
@@ -24,6 +26,29 @@ ATTR_FAIL_REASON = "waterwave:fail_reason"
 """Why a FAIL trial failed: the exception, or out of memory with how many neighbours."""
 ATTR_PEAK_BYTES = "waterwave:peak_bytes"
 """The trial's peak allocated device memory in bytes, measured by its pool account (CUDA)."""
+ATTR_MEMORY_PLAN = "waterwave:memory_plan"
+"""The memory plan the trial's model ran with (``memory_plan="home"``): the fields of a
+:class:`~waterwave_hpo.planning.MemoryPlan`; read it with :func:`trial_memory_plan`. Recorded
+whenever a plan is installed, like the re-run attributes."""
+ATTR_PLAN_CAP = "waterwave:plan_cap_bytes"
+"""On a re-run after an out-of-memory error with ``memory_plan="home"``: the bytes its plan
+may use at most (a fraction of the failed attempt's footprint)."""
+
+
+def trial_memory_plan(trial: FrozenTrial) -> MemoryPlan | None:
+    """The memory plan ``trial``'s model ran with, or ``None`` if it ran without one.
+
+    Read from the system attribute :data:`ATTR_MEMORY_PLAN`, which
+    ``WaterwaveExecutor(memory_plan="home")`` writes when :func:`waterwave_hpo.fit_trial_memory`
+    installs a plan.
+
+    Args:
+        trial: A trial of a study the executor ran (``study.trials[i]``).
+    """
+    fields = trial.system_attrs.get(ATTR_MEMORY_PLAN)
+    if not isinstance(fields, dict):
+        return None
+    return MemoryPlan(**fields)
 
 
 def trial_attr(trial: FrozenTrial, key: str, default: Any = None) -> Any:
@@ -32,7 +57,8 @@ def trial_attr(trial: FrozenTrial, key: str, default: Any = None) -> Any:
     Args:
         trial: A trial of a study the executor ran (``study.trials[i]``).
         key: ``ATTR_DEVICE``, ``ATTR_SLOT``, ``ATTR_ATTEMPT``, ``ATTR_RETRY_OF``,
-            ``ATTR_FAIL_REASON``, ``ATTR_PEAK_BYTES`` or ``waterwave_hpo.cluster.ATTR_HOST``.
+            ``ATTR_FAIL_REASON``, ``ATTR_PEAK_BYTES``, ``ATTR_MEMORY_PLAN``, ``ATTR_PLAN_CAP``
+            or ``waterwave_hpo.cluster.ATTR_HOST``.
         default: Returned when the trial does not have it (not run by the executor, or, for
             ``ATTR_RETRY_OF``, not a re-run).
 

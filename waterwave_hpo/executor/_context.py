@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import optuna
     import torch
 
+    from waterwave_hpo.executor._planning import TrialPlanning
+
 
 class NotInTrialError(RuntimeError):
     """Raised by :func:`current` when no trial run by a :class:`WaterwaveExecutor` is running."""
@@ -65,6 +67,8 @@ class TrialContext:
             or ``None`` when the executor runs without one.
         retry_of: On a re-run (``attempt > 0``), the number of the trial whose parameters it
             repeats; ``None`` otherwise.
+        planning: The attempt's memory planning (``WaterwaveExecutor(memory_plan="home")``),
+            which :func:`waterwave_hpo.fit_trial_memory` reads and fills; ``None`` without.
     """
 
     trial: optuna.trial.Trial | NoOptunaTrial
@@ -75,6 +79,7 @@ class TrialContext:
     attempt: int = 0
     scheduler: Any = None
     retry_of: int | None = None
+    planning: TrialPlanning | None = None
 
 
 _CURRENT: ContextVar[TrialContext | None] = ContextVar("waterwave_hpo_current_trial", default=None)

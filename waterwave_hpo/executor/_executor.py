@@ -28,6 +28,9 @@ from waterwave_hpo.executor._optimize import Callback
 from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._optimize import OptimizeRun
 from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import PlanSettings
+from waterwave_hpo.executor._planning import check_memory_planner
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -107,6 +110,19 @@ class WaterwaveExecutor:
             ``Study.optimize`` leaves them (``trials_dataframe()`` has Optuna's columns). The
             user's ``user_attrs`` are never touched. A re-run after an out-of-memory error
             always records ``waterwave:retry_of`` and ``waterwave:attempt``.
+        memory_plan: ``"off"`` (default) or ``"home"``: a model the objective registers with
+            :func:`waterwave_hpo.fit_trial_memory` runs with a HOME memory plan
+            (keep/swap/recompute per unit, He et al., IEEE TC 2022) for the memory left beside
+            its neighbours when its plain step does not fit there, instead of waiting; an
+            attempt that still runs out of memory (or is evicted) is re-run at once with a plan
+            for at most half its footprint (:data:`waterwave_hpo.sim.PLAN_SHRINK`), even
+            alone, up to ``max_oom_retries`` times; a model whose smallest plan exceeds the
+            budget fails with the floor named. The plan is kept in the trial's system
+            attribute ``waterwave:memory_plan`` (:func:`waterwave_hpo.executor.trial_memory_plan`)
+            and in ``trials.csv``; ``trials_per_device="auto"`` admits a trial at its planned
+            footprint.
+        memory_planner: The planner for ``memory_plan="home"``: ``"pso"`` (HOME, default),
+            ``"capuchin"`` or ``"exhaustive"`` (at most 10 units).
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -133,6 +149,8 @@ class WaterwaveExecutor:
         memory_pool: MemoryPoolMode | str = MemoryPoolMode.AUTO,
         max_trials_per_device: int = 16,
         record_trial_attrs: bool = False,
+        memory_plan: MemoryPlanMode | str = MemoryPlanMode.OFF,
+        memory_planner: str = "pso",
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
         self._init_trial_settings(
@@ -144,6 +162,8 @@ class WaterwaveExecutor:
             memory_pool=memory_pool,
             max_trials_per_device=max_trials_per_device,
             record_trial_attrs=record_trial_attrs,
+            memory_plan=memory_plan,
+            memory_planner=memory_planner,
         )
 
     def _init_trial_settings(
@@ -157,6 +177,8 @@ class WaterwaveExecutor:
         memory_pool: MemoryPoolMode | str,
         max_trials_per_device: int,
         record_trial_attrs: bool,
+        memory_plan: MemoryPlanMode | str = MemoryPlanMode.OFF,
+        memory_planner: str = "pso",
     ) -> None:
         """Check and keep the settings every host applies.
 
@@ -172,6 +194,17 @@ class WaterwaveExecutor:
                 "record_trial_attrs", record_trial_attrs, "a bool", "pass True or False"
             )
         self.record_trial_attrs = record_trial_attrs
+        if not isinstance(memory_plan, str):
+            raise _checks.type_error("memory_plan", memory_plan, "a str", "pass 'home' or 'off'")
+        self.memory_plan = PlanSettings(
+            mode=_checks.check_choice(
+                "memory_plan",
+                memory_plan,
+                MemoryPlanMode,
+                "pass 'home' to plan trials that do not fit, or 'off'",
+            ),
+            planner=check_memory_planner(memory_planner),
+        )
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )
@@ -223,6 +256,7 @@ class WaterwaveExecutor:
                     self.memory_budget_bytes,
                     self.policy,
                     max_trials=self.trials_per_device,
+                    plans=self.memory_plan.mode is not MemoryPlanMode.OFF,
                 ),
                 admit_by_memory=self.auto_trials,
             )
@@ -258,7 +292,8 @@ class WaterwaveExecutor:
             f"{'auto' if self.auto_trials else self.trials_per_device}, "
             f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries}, "
             f"memory_budget_bytes={self.memory_budget_bytes}, "
-            f"memory_pool={self.memory_pool.value!r})"
+            f"memory_pool={self.memory_pool.value!r}, "
+            f"memory_plan={self.memory_plan.mode.value!r})"
         )
 
     def optimize(
@@ -347,6 +382,7 @@ class WaterwaveExecutor:
                 gc_after_trial=bool(gc_after_trial),
                 outcomes=queue.SimpleQueue(),
                 record_trial_attrs=self.record_trial_attrs,
+                memory_plan=self.memory_plan,
             ),
             n_trials=n_trials,
             timeout_s=None if timeout is None else float(timeout),

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import contextlib
 import ctypes
 from dataclasses import dataclass
+from dataclasses import field
 import gc
 import queue
 import threading
@@ -38,6 +39,10 @@ from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import PlanSettings
+from waterwave_hpo.executor._planning import find_no_plan_fits
+from waterwave_hpo.sim import PLAN_SHRINK
 
 _REASON_MAX_CHARS = 500
 
@@ -64,6 +69,8 @@ class RunSettings:
     record_trial_attrs: bool = True
     """Record the trial's device, slot, peak bytes and failure reason as ``waterwave:*``
     system attributes (``WaterwaveExecutor(record_trial_attrs=...)``)."""
+    memory_plan: PlanSettings = field(default_factory=PlanSettings)
+    """Whether and how trials that do not fit get memory plans (``memory_plan=``)."""
 
 
 class DeviceHost:
@@ -255,7 +262,10 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         attempt=job.attempt,
         scheduler=slot.host.scheduler,
         retry_of=None if job.retry_of is None else int(job.retry_of),
+        planning=job.planning,
     )
+    if job.planning is not None:
+        job.planning.device_plans = slot.host.memory.plans
     _optuna_compat.set_in_optimize_loop(study, True)
     token = _CURRENT.set(context)
     memory = slot.host.memory
@@ -279,7 +289,10 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         neighbours = slot.neighbours()
         slot.busy = False
         _CURRENT.reset(token)
-        out_of_memory = isinstance(error, Exception) and is_out_of_memory(error)
+        no_plan_fits = find_no_plan_fits(error)
+        out_of_memory = isinstance(error, Exception) and (
+            no_plan_fits is not None or is_out_of_memory(error)
+        )
         if out_of_memory:
             # Free the failed trial's tensors (held by the traceback's frames) before its
             # scheduler share is released and before anyone retries.
@@ -314,7 +327,9 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         kind = OutcomeKind.COMPLETE
     else:
         kind = _classify(settings, job, error, neighbours, out_of_memory)
-        if out_of_memory:
+        if no_plan_fits is not None:
+            reason = f"out of device memory: {no_plan_fits}"
+        elif out_of_memory:
             reason = f"out of device memory with {neighbours} neighbour(s): {error}"
         else:
             reason = "".join(traceback.format_exception_only(type(error), error)).strip()
@@ -337,16 +352,30 @@ def _classify(
     out_of_memory: bool,
 ) -> OutcomeKind:
     if out_of_memory:
-        if (
-            settings.on_oom is OnOOM.RETRY
-            and job.attempt < settings.max_oom_retries
-            and neighbours > 0
-        ):
+        if find_no_plan_fits(error) is not None:
+            return OutcomeKind.OOM_FAILED  # no neighbour leaving and no smaller plan can help
+        retry = settings.on_oom is OnOOM.RETRY and job.attempt < settings.max_oom_retries
+        if retry and planned_rerun_cap(job) is not None:
+            return OutcomeKind.OOM_RETRY  # re-run with a smaller plan, even alone
+        if retry and neighbours > 0:
             return OutcomeKind.OOM_RETRY
         return OutcomeKind.OOM_FAILED
     if isinstance(error, settings.catch):
         return OutcomeKind.FAILED
     return OutcomeKind.FATAL
+
+
+def planned_rerun_cap(job: TrialJob) -> int | None:
+    """The plan cap of ``job``'s re-run after it ran out of memory, or ``None`` for no plan.
+
+    With ``memory_plan="home"`` and a model registered with ``fit_trial_memory``: a re-run
+    plans for at most ``PLAN_SHRINK`` of the footprint that failed, if the model can be planned
+    that small.
+    """
+    planning = job.planning
+    if planning is None or planning.settings.mode is MemoryPlanMode.OFF:
+        return None
+    return planning.rerun_cap_bytes(PLAN_SHRINK)
 
 
 def _release_interrupted(error: BaseException) -> None:

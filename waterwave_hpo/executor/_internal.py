@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_MEMORY_PLAN
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
@@ -33,6 +34,7 @@ from waterwave_hpo.executor._streams import release_stream
 __all__ = [
     "ATTR_DEVICE",
     "ATTR_FAIL_REASON",
+    "ATTR_MEMORY_PLAN",
     "ATTR_PEAK_BYTES",
     "ATTR_RETRY_OF",
     "ATTR_SLOT",

@@ -26,11 +26,13 @@ from typing import Any
 import torch
 
 from waterwave_hpo import _experimental
+from waterwave_hpo.executor._planning import DevicePlans
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import PackingPrediction
+from waterwave_hpo.sim import SimPlan
 from waterwave_hpo.sim import predict_auto_packing
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -103,6 +105,8 @@ class DeviceMemory:
         budget_bytes: The device's memory budget in bytes, or ``None`` for no budget.
         max_trials: The most trials the device may run at once (``max_trials_per_device``); the
             largest packing :meth:`has_room` simulates.
+        plans: What memory planning has learnt on the device (``memory_plan="home"``), or
+            ``None`` without planning.
     """
 
     def __init__(
@@ -112,8 +116,10 @@ class DeviceMemory:
         scheduler: PipelineScheduler | None = None,
         budget_bytes: int | None = None,
         max_trials: int = 1,
+        plans: DevicePlans | None = None,
     ) -> None:
         self.device = device
+        self.plans = plans
         self.budget_bytes = budget_bytes
         self.max_trials = max_trials
         # (the profile simulated, its prediction); read by other threads, replaced whole.
@@ -183,11 +189,16 @@ class DeviceMemory:
         peak of finished trials for the newcomer; it must fit the budget, and the scheduler
         (when there is one) must admit the largest NodeGroup profile it has seen, with fewer
         trials running than the simulator's best packing for that profile (:attr:`packing`).
+        With memory planning, a newcomer that does not fit plainly is admitted at its planned
+        footprint (the smallest plan of the largest registered model), and the simulator
+        predicts with plans.
         Without a pool and without NodeGroup profiles nothing is measured, and trials run one at
         a time. Call it from one thread (the executor's): it may run the simulator.
         """
         if self.scheduler is not None and not self.scheduler.admits(None):
-            return False
+            planned = self._smallest_planned_profile()
+            if planned is None or not self.scheduler.admits(planned):
+                return False
         best_k = self._predicted_k()
         if best_k is not None:
             with self._lock:
@@ -208,18 +219,33 @@ class DeviceMemory:
         )
         return running + typical <= self.budget_bytes
 
+    def _smallest_planned_profile(self) -> TrialProfile | None:
+        """The planned footprint a newcomer is admitted at, or ``None`` without planning."""
+        largest = None if self.plans is None else self.plans.largest()
+        if largest is None:
+            return None
+        return TrialProfile.of(largest[1].peak_bytes, (0,))
+
     def _predicted_k(self) -> int | None:
         """The simulator's best trials-at-once for the largest profile seen (cached per profile)."""
         if self.scheduler is None:
             return None
         profile = self.scheduler.largest_profile
+        plan: SimPlan | None = None
+        largest = None if self.plans is None else self.plans.largest()
+        if largest is not None and (profile is None or largest[0].peak_bytes >= profile.peak_bytes):
+            profile, plan = largest
         if profile is None:
             return None
         cached = self._packing
         if cached is None or cached[0] != profile:
             try:
                 prediction: PackingPrediction | None = predict_auto_packing(
-                    profile, self.scheduler.budget_bytes, self.scheduler.policy, self.max_trials
+                    profile,
+                    self.scheduler.budget_bytes,
+                    self.scheduler.policy,
+                    self.max_trials,
+                    plan=plan,
                 )
             except ValueError:  # it does not fit alone: such a trial fails alone, runs alone
                 prediction = None
@@ -247,11 +273,13 @@ def make_device_memory(
     policy: str | PolicyName | Policy,
     *,
     max_trials: int,
+    plans: bool = False,
 ) -> DeviceMemory:
     """Set up one device's pool and scheduler for an ``optimize`` call.
 
     Set up one device's pool and scheduler for an ``optimize`` call; ``max_trials`` is the
-    most trials the device may run at once.
+    most trials the device may run at once; ``plans``: record memory plans for admission
+    (``memory_plan="home"``).
 
     Raises:
         RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
@@ -268,7 +296,9 @@ def make_device_memory(
         if capacity is not None and capacity < budget:
             budget = int(capacity)
     scheduler = None if budget is None else PipelineScheduler(budget, policy)
-    return DeviceMemory(device, pool, scheduler, budget, max_trials)
+    return DeviceMemory(
+        device, pool, scheduler, budget, max_trials, DevicePlans() if plans else None
+    )
 
 
 def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:

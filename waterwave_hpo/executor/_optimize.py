@@ -28,13 +28,17 @@ from optuna.trial import TrialState
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._attrs import ATTR_PLAN_CAP
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._host import planned_rerun_cap
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import TrialPlanning
 
 if TYPE_CHECKING:
     from waterwave_hpo.executor._executor import WaterwaveExecutor
@@ -61,6 +65,9 @@ class _RetryRequest:
     ``None``: on any host (a re-run after its host was lost)."""
     enqueued: bool = False
     """Whether its parameters are in the study's queue (``study.enqueue_trial``) already."""
+    plan_cap_bytes: int | None = None
+    """With ``memory_plan="home"``: the re-run's memory plan may use at most this many bytes
+    (it then runs beside any number of neighbours)."""
 
 
 class OptimizeRun:
@@ -175,6 +182,15 @@ class OptimizeRun:
         attrs = _optuna_compat.system_attrs(self.study, _optuna_compat.trial_id(trial))
         attempt = int(attrs.get(ATTR_ATTEMPT, 0))  # type: ignore[call-overload]
         retry_of = attrs.get(ATTR_RETRY_OF)
+        cap = attrs.get(ATTR_PLAN_CAP)
+        planning = (
+            None
+            if self.settings.memory_plan.mode is MemoryPlanMode.OFF
+            else TrialPlanning(
+                self.settings.memory_plan,
+                cap_bytes=None if cap is None else int(cap),  # type: ignore[call-overload]
+            )
+        )
         if attempt == 0:
             # A new trial, sampled or enqueued by the user (ask() pops the oldest WAITING
             # trial, which may be older than a re-run we enqueued; that one comes next).
@@ -186,7 +202,7 @@ class OptimizeRun:
         slot = host.idle_slot()
         assert slot is not None
         retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
-        host.submit(slot, TrialJob(trial, attempt, retry_number))
+        host.submit(slot, TrialJob(trial, attempt, retry_number, planning))
         self.asked = None
 
     def _enqueue(self, request: _RetryRequest) -> bool:
@@ -196,11 +212,10 @@ class OptimizeRun:
         waiting: another process sharing the study took it and runs it.
         """
         if not request.enqueued:
-            _optuna_compat.enqueue_with_system_attrs(
-                self.study,
-                request.params,
-                {ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt},
-            )
+            attrs: dict[str, Any] = {ATTR_RETRY_OF: request.retry_of, ATTR_ATTEMPT: request.attempt}
+            if request.plan_cap_bytes is not None:
+                attrs[ATTR_PLAN_CAP] = request.plan_cap_bytes
+            _optuna_compat.enqueue_with_system_attrs(self.study, request.params, attrs)
             request.enqueued = True
             return True
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
@@ -240,13 +255,17 @@ class OptimizeRun:
         if kind in (OutcomeKind.OOM_RETRY, OutcomeKind.HOST_LOST):
             # A remote host's trial object never saw its suggestions; the told trial has them.
             params = frozen.params if frozen is not None else outcome.job.trial.params
+            cap = planned_rerun_cap(outcome.job) if kind is OutcomeKind.OOM_RETRY else None
             request = _RetryRequest(
                 params=dict(params),
                 retry_of=number if outcome.job.retry_of is None else int(outcome.job.retry_of),
                 attempt=outcome.job.attempt + 1,
                 max_running=(
-                    max(0, outcome.neighbours - 1) if kind is OutcomeKind.OOM_RETRY else None
+                    max(0, outcome.neighbours - 1)
+                    if kind is OutcomeKind.OOM_RETRY and cap is None
+                    else None
                 ),
+                plan_cap_bytes=cap,
             )
             self.retries.append(request)
             if kind is OutcomeKind.HOST_LOST:
@@ -255,6 +274,17 @@ class OptimizeRun:
                     "re-queued (attempt %d) on the remaining hosts.",
                     number,
                     request.attempt,
+                )
+            elif cap is not None:
+                _logger.warning(
+                    "Trial %d ran out of device memory beside %d other trial(s); its "
+                    "parameters are re-queued (attempt %d of %d) to run at once with a memory "
+                    "plan for at most %d bytes.",
+                    number,
+                    outcome.neighbours,
+                    request.attempt,
+                    self.settings.max_oom_retries,
+                    cap,
                 )
             else:
                 _logger.warning(

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
+    from waterwave_hpo.executor._planning import TrialPlanning
+
 
 class OnOOM(str, enum.Enum):
     """What the executor does with a trial that runs out of device memory.
@@ -54,6 +56,8 @@ class TrialJob:
     trial: optuna.trial.Trial
     attempt: int = 0
     retry_of: int | None = None
+    planning: TrialPlanning | None = None
+    """Its memory planning (``memory_plan="home"``), filled in by its thread; else ``None``."""
 
 
 @dataclass

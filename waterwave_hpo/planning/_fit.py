@@ -18,6 +18,7 @@ from waterwave_hpo.planning._ledger import StepLedger
 from waterwave_hpo.planning._plan import MemoryPlan
 from waterwave_hpo.planning._plan import StepProfile
 from waterwave_hpo.planning._planners import PLANNERS
+from waterwave_hpo.planning._units import UnitModules
 from waterwave_hpo.planning._units import profile_units
 
 
@@ -113,6 +114,55 @@ def fit_memory(
     if old is not None:
         old.hooks.remove()
     profile, modules = profile_units(model, example_input, optimizer)
+    install_plan(
+        model,
+        profile,
+        modules,
+        budget_bytes,
+        planner=planner,
+        seed=seed,
+        bandwidth_bytes_per_s=float(bandwidth_bytes_per_s),
+    )
+    return model
+
+
+def install_plan(
+    model: nn.Module,
+    profile: StepProfile,
+    modules: UnitModules,
+    budget_bytes: int,
+    *,
+    planner: str,
+    seed: int = 0,
+    bandwidth_bytes_per_s: float = DEFAULT_BANDWIDTH_BYTES_PER_S,
+) -> MemoryPlan:
+    """Plan ``model`` from its profile for ``budget_bytes`` and install the plan.
+
+    The second half of :func:`fit_memory`, for callers that profiled the model already
+    (:func:`~waterwave_hpo.planning._units.profile_units`), such as the executor, which decides
+    from the profile whether a trial needs a plan at all. Replaces a plan installed before.
+
+    Args:
+        model: The model ``profile`` and ``modules`` were measured on.
+        profile: Its step profile.
+        modules: Its units' module calls, from the same profiling.
+        budget_bytes: Device bytes one step may use at its peak (``> 0``).
+        planner: A name in ``PLANNERS``.
+        seed: Seed of the ``"pso"`` planner.
+        bandwidth_bytes_per_s: Host<->device copy rate for the cost model.
+
+    Returns:
+        The installed plan.
+
+    Raises:
+        ValueError: If ``budget_bytes`` is below the floor (parameters + gradients + optimizer
+            state), named in bytes in the message.
+        PlanDoesNotFitError: (a ``ValueError``) If a budget-aware planner finds no plan whose
+            predicted peak is within the budget.
+    """
+    old = _INSTALLED.pop(model, None)
+    if old is not None:
+        old.hooks.remove()
     if profile.static_bytes > budget_bytes:
         raise ValueError(
             f"budget_bytes={budget_bytes} is below the floor no plan can go under: "
@@ -121,7 +171,7 @@ def fit_memory(
         )
     started = time.perf_counter()
     result = PLANNERS[planner](
-        profile, budget_bytes, bandwidth_bytes_per_s=float(bandwidth_bytes_per_s), seed=seed
+        profile, budget_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, seed=seed
     )
     search_s = time.perf_counter() - started
     names = _unique([u.name for u in profile.units])
@@ -137,7 +187,7 @@ def fit_memory(
     hooks = PlanHooks(model, modules, profile, result.choices, ledger)
     hooks.install()
     _INSTALLED[model] = _Installed(plan, profile, hooks, ledger)
-    return model
+    return plan
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import optuna
 import pandas as pd
 
 from waterwave_hpo.executor import trial_attr
+from waterwave_hpo.executor import trial_memory_plan
 from waterwave_hpo.executor._internal import ATTR_DEVICE
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
 from waterwave_hpo.executor._internal import ATTR_PEAK_BYTES
@@ -28,6 +29,11 @@ _COLUMNS = [
     "peak_bytes",
     "retry_of",
     "fail_reason",
+    "plan_planner",
+    "plan_budget_bytes",
+    "plan_peak_bytes",
+    "plan_step_s",
+    "plan_choices",
 ]
 
 
@@ -41,7 +47,11 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     ``peak_bytes`` (its peak allocated device memory, measured by its account in the
     stream-aware pool on CUDA; empty elsewhere);
     ``retry_of`` (the trial whose parameters it re-ran after an out-of-memory error);
-    ``fail_reason``; ``device``, ``slot``, ``peak_bytes`` and ``fail_reason`` are filled for
+    ``fail_reason``; ``plan_planner``, ``plan_budget_bytes``, ``plan_peak_bytes`` (predicted),
+    ``plan_step_s`` (predicted seconds per step) and ``plan_choices`` (a JSON object, unit ->
+    keep/swap/recompute): the memory plan its model ran with under
+    ``WaterwaveExecutor(memory_plan="home")``, empty without one;
+    ``device``, ``slot``, ``peak_bytes`` and ``fail_reason`` are filled for
     studies run with ``WaterwaveExecutor(record_trial_attrs=True)``, empty otherwise; then one
     ``param_<name>`` column per parameter. Multi-objective studies get
     ``value_0``, ``value_1``, ... instead of ``value``.
@@ -68,6 +78,12 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
             "retry_of": trial_attr(trial, ATTR_RETRY_OF),
             "fail_reason": trial_attr(trial, ATTR_FAIL_REASON),
         }
+        plan = trial_memory_plan(trial)
+        row["plan_planner"] = None if plan is None else plan.planner
+        row["plan_budget_bytes"] = None if plan is None else plan.budget_bytes
+        row["plan_peak_bytes"] = None if plan is None else plan.predicted_peak_bytes
+        row["plan_step_s"] = None if plan is None else plan.predicted_step_seconds
+        row["plan_choices"] = None if plan is None else json.dumps(plan.choices)
         if n_objectives == 1:
             row["value"] = trial.value if trial.values is not None else _last_reported(trial)
         else:

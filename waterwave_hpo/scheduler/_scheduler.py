@@ -175,6 +175,22 @@ class PipelineScheduler:
         with self._cond:
             return self._ledger.used_bytes
 
+    def room_bytes(self, trial_number: int) -> int:
+        """Bytes of the budget the other running trials leave to ``trial_number``.
+
+        The budget less, for every other running trial that was not evicted, the larger of
+        its claim (its declared profiles' peak bytes) and what it holds now: what a memory
+        plan for ``trial_number`` may use (``WaterwaveExecutor(memory_plan="home")``). May be
+        negative when the others claim more than the budget.
+        """
+        with self._cond:
+            others = 0
+            for n, t in self._trials.items():
+                if n == trial_number or t.evicted:
+                    continue
+                others += max(t.claim or 0, self._ledger.held_bytes(n))
+            return self._ledger.budget_bytes - others
+
     @property
     def largest_profile(self) -> TrialProfile | None:
         """The largest (by ``peak_bytes``) of the last 64 profiles declared, or ``None``.

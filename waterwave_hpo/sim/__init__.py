@@ -17,17 +17,21 @@ from waterwave_hpo.sim._packing import predict_packing
 from waterwave_hpo.sim._result import AttemptOutcome
 from waterwave_hpo.sim._result import SimAttempt
 from waterwave_hpo.sim._result import SimResult
+from waterwave_hpo.sim._spec import PLAN_SHRINK
 from waterwave_hpo.sim._spec import Sharing
 from waterwave_hpo.sim._spec import SimDevice
+from waterwave_hpo.sim._spec import SimPlan
 from waterwave_hpo.sim._spec import SimTrial
 
 __all__ = [
+    "PLAN_SHRINK",
     "AttemptOutcome",
     "PackingOption",
     "PackingPrediction",
     "Sharing",
     "SimAttempt",
     "SimDevice",
+    "SimPlan",
     "SimResult",
     "SimTrial",
     "predict_auto_packing",

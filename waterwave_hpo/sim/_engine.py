@@ -36,6 +36,7 @@ from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim._result import AttemptOutcome
 from waterwave_hpo.sim._result import SimAttempt
 from waterwave_hpo.sim._result import SimResult
+from waterwave_hpo.sim._spec import PLAN_SHRINK
 from waterwave_hpo.sim._spec import Sharing
 from waterwave_hpo.sim._spec import SimDevice
 from waterwave_hpo.sim._spec import SimTrial
@@ -97,6 +98,7 @@ class _Run:
     claim_bytes: int
     program: Generator[_Op, None, None]
     held: dict[int, int] = field(default_factory=dict)
+    planned: bool = False
     pending: Request | None = None
     host_left: float = 0.0
     device_left: float = 0.0
@@ -113,6 +115,8 @@ class _Queued:
     trial_index: int
     attempt: int
     max_running: int | None
+    cap_bytes: int | None = None
+    """With memory plans: a re-run's plan may use at most this many bytes."""
 
 
 class _Simulation:
@@ -144,6 +148,8 @@ class _Simulation:
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.largest_seen: TrialProfile | None = None
         self.auto_caps: dict[TrialProfile, int | None] = {}
+        self.plans_of = {t.profile: t.plan for t in self.trials if t.plan is not None}
+        self.n_planned = 0
 
     def _max_slots(self) -> int:
         c = self.sharing.concurrency
@@ -201,7 +207,10 @@ class _Simulation:
                     profiles = [_with_context(p, self.context_bytes) for p in profiles]
                     nxt = _with_context(nxt, self.context_bytes)
                 if not self.fits_policy.fits([*profiles, nxt], self.cap):
-                    return
+                    planned = self._planned_profile(head)
+                    if planned is None or not self.fits_policy.fits([*profiles, planned], self.cap):
+                        return
+                    nxt = planned
                 cap = self._auto_cap([*profiles, nxt])
                 if cap is not None and len(self.running) >= cap:
                     return
@@ -222,17 +231,71 @@ class _Simulation:
         if self.largest_seen not in self.auto_caps:
             from waterwave_hpo.sim._packing import predict_auto_packing  # it simulates, too
 
+            plan = self.plans_of.get(self.largest_seen) if self.sharing.memory_plans else None
             try:
                 best_k: int | None = predict_auto_packing(
-                    self.largest_seen, self.cap, self.policy, self.sharing.max_concurrency
+                    self.largest_seen,
+                    self.cap,
+                    self.policy,
+                    self.sharing.max_concurrency,
+                    plan=plan,
                 ).best_k
             except ValueError:  # does not fit alone: it runs (and fails) alone
                 best_k = None
             self.auto_caps[self.largest_seen] = best_k
         return self.auto_caps[self.largest_seen]
 
+    def _room(self) -> int:
+        """The capacity less the running trials' claims (what the executor plans for)."""
+        return self.cap - sum(r.claim_bytes for r in self.running.values())
+
+    def _plan_for(self, queued: _Queued) -> tuple[int, float] | None:
+        """``(planned peak, slowdown)`` for ``queued`` now, or ``None`` to run it plainly.
+
+        As the executor: a trial that fits the room beside its neighbours runs plainly; one
+        that does not runs with a plan for the room; when even the smallest plan does not fit
+        the room, with the smallest plan (it then waits for memory). A re-run after a failure
+        is planned for at most its ``cap_bytes``.
+        """
+        trial = self.trials[queued.trial_index]
+        if not self.sharing.memory_plans or trial.plan is None:
+            return None
+        plain = trial.profile.peak_bytes
+        room = self._room() - self.context_bytes
+        if queued.cap_bytes is None and room >= plain:
+            return None
+        target = room if queued.cap_bytes is None else min(room, queued.cap_bytes)
+        planned = trial.plan.at(plain, max(target, 0))
+        if planned is None and trial.plan.peak_bytes + self.context_bytes <= self.cap:
+            planned = trial.plan.at(plain, trial.plan.peak_bytes)
+        if planned is None or planned[0] >= plain:
+            return None
+        return planned
+
+    def _planned_profile(self, queued: _Queued) -> TrialProfile | None:
+        planned = self._plan_for(queued)
+        if planned is None:
+            return None
+        n = len(self.trials[queued.trial_index].profile.group_bytes)
+        return TrialProfile(planned[0] + self.context_bytes, (0,) * n)
+
     def _launch(self, queued: _Queued) -> None:
         trial = self.trials[queued.trial_index]
+        planned = self._plan_for(queued)
+        if planned is not None:
+            # As the executor: the planned peak is reserved for the trial's whole run, and
+            # its steps take ``slowdown`` times as long.
+            peak, slowdown = planned
+            n = len(trial.profile.group_bytes)
+            trial = SimTrial(
+                TrialProfile(peak, (0,) * n),
+                tuple(f * slowdown for f in trial.forward_s),
+                tuple(b * slowdown for b in trial.backward_s),
+                trial.steps,
+                trial.host_s,
+                trial.name,
+            )
+            self.n_planned += 1
         run_id = self._next_seq()
         slot = self.free_slots.pop(0)
         start_s = 0.0
@@ -247,6 +310,7 @@ class _Simulation:
             slot=slot,
             claim_bytes=trial.profile.peak_bytes + self.context_bytes,
             program=_program(trial, self.context_bytes, start_s),
+            planned=planned is not None,
         )
         self.running[run_id] = run
         self.max_concurrent = max(self.max_concurrent, len(self.running))
@@ -317,6 +381,16 @@ class _Simulation:
         else:
             self.evictions += 1
         neighbours = len(self.running)
+        plans = self.sharing.memory_plans and self.trials[run.trial_index].plan is not None
+        if plans and self.sharing.retry_on_oom and run.attempt < self.sharing.max_retries:
+            # As the executor with memory_plan="home": re-run at once beside any neighbours,
+            # with a plan for at most PLAN_SHRINK of the footprint that failed.
+            cap = int(PLAN_SHRINK * (run.claim_bytes - self.context_bytes))
+            plan = self.trials[run.trial_index].plan
+            assert plan is not None
+            if cap >= plan.peak_bytes:
+                self.retries.append(_Queued(run.trial_index, run.attempt + 1, None, cap))
+                return
         if self.sharing.retry_on_oom and neighbours > 0 and run.attempt < self.sharing.max_retries:
             self.retries.append(_Queued(run.trial_index, run.attempt + 1, neighbours - 1))
         else:
@@ -460,6 +534,7 @@ class _Simulation:
             peak_bytes=self.peak,
             max_concurrent=self.max_concurrent,
             memory_timeline=tuple(self.timeline),
+            n_planned=self.n_planned,
         )
 
 

@@ -12,6 +12,7 @@ from waterwave_hpo.sim._engine import simulate
 from waterwave_hpo.sim._result import SimResult
 from waterwave_hpo.sim._spec import Sharing
 from waterwave_hpo.sim._spec import SimDevice
+from waterwave_hpo.sim._spec import SimPlan
 from waterwave_hpo.sim._spec import SimTrial
 
 
@@ -72,6 +73,7 @@ def predict_packing(
     compute_parallelism: float = 1.0,
     step_s: float = 1.0,
     steps: int = 4,
+    memory_plans: bool = False,
 ) -> PackingPrediction:
     """Predict the best ``trials_per_device`` for these trials on a device, before launching.
 
@@ -92,6 +94,10 @@ def predict_packing(
             see :class:`SimDevice`.
         step_s: Seconds per step for bare profiles (> 0).
         steps: Steps per trial for bare profiles (>= 1).
+        memory_plans: Simulate ``WaterwaveExecutor(memory_plan="home")``: trials with a
+            :class:`SimPlan` that do not fit beside their neighbours run with a plan
+            (``Sharing(memory_plans=True)``). Call once with and once without to compare
+            co-hosting with and without plans.
 
     Returns:
         The prediction; ``best_k`` is 1 if every larger ``k`` fails a trial or is slower.
@@ -109,7 +115,15 @@ def predict_packing(
     if not sim_trials:
         raise ValueError("trials is empty; pass the profiles of the trials to run.")
     device = SimDevice(capacity_bytes, compute_parallelism=compute_parallelism)
-    too_big = [i for i, t in enumerate(sim_trials) if t.profile.peak_bytes > capacity_bytes]
+    too_big = [
+        i
+        for i, t in enumerate(sim_trials)
+        if min(
+            t.profile.peak_bytes,
+            t.plan.peak_bytes if memory_plans and t.plan is not None else t.profile.peak_bytes,
+        )
+        > capacity_bytes
+    ]
     if too_big:
         i = too_big[0]
         raise ValueError(
@@ -122,7 +136,9 @@ def predict_packing(
     options = []
     for k in range(1, min(max_k, len(sim_trials)) + 1):
         result: SimResult = simulate(
-            sim_trials, device, Sharing(concurrency=k, policy=policy, retry_on_oom=True)
+            sim_trials,
+            device,
+            Sharing(concurrency=k, policy=policy, retry_on_oom=True, memory_plans=memory_plans),
         )
         options.append(
             PackingOption(
@@ -152,7 +168,12 @@ AUTO_STEPS = 2
 
 
 def predict_auto_packing(
-    profile: TrialProfile, capacity_bytes: int, policy: object, max_k: int
+    profile: TrialProfile,
+    capacity_bytes: int,
+    policy: object,
+    max_k: int,
+    *,
+    plan: SimPlan | None = None,
 ) -> PackingPrediction:
     """The prediction ``trials_per_device="auto"`` follows, for trials like ``profile``.
 
@@ -175,17 +196,20 @@ def predict_auto_packing(
         capacity_bytes: The device's budget for trials, in bytes (> 0).
         policy: The scheduler's policy (name or :class:`~waterwave_hpo.scheduler.Policy`).
         max_k: The most trials at once to consider (>= 1), ``max_trials_per_device``.
+        plan: What a memory plan can do for such a trial
+            (``WaterwaveExecutor(memory_plan="home")``), or ``None`` for no plans.
 
     Raises:
         ValueError: As :func:`predict_packing`; in particular if ``profile`` alone does not fit
             ``capacity_bytes``.
     """
     n = AUTO_TRIALS_PER_K * max_k
+    trial = SimTrial.uniform(profile, 1.0, AUTO_STEPS, plan=plan)
     return predict_packing(
-        [profile] * n,
+        [trial] * n,
         capacity_bytes,
         policy,
         max_k=max_k,
         compute_parallelism=float(max_k),
-        steps=AUTO_STEPS,
+        memory_plans=plan is not None,
     )

@@ -53,6 +53,7 @@ class SimResult:
         peak_bytes: The most bytes in use on the device at once.
         max_concurrent: The most trials running at once.
         memory_timeline: ``(seconds, bytes in use)`` after every change.
+        n_planned: Attempts that ran with a memory plan (``Sharing(memory_plans=True)``).
     """
 
     makespan_s: float
@@ -64,3 +65,4 @@ class SimResult:
     peak_bytes: int
     max_concurrent: int
     memory_timeline: tuple[tuple[float, int], ...]
+    n_planned: int = 0

@@ -6,6 +6,56 @@ from dataclasses import dataclass
 
 from waterwave_hpo.scheduler import TrialProfile
 
+#: A re-run after an out-of-memory error (or an eviction) with memory plans on is planned for
+#: at most this fraction of the footprint its failed attempt had (the executor's rule, and the
+#: simulator's): the cost model erred, or the neighbours grew, so it must shrink for sure.
+PLAN_SHRINK = 0.5
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    """What a memory plan (HOME) can do for a trial, as the simulator runs it.
+
+    With ``Sharing(memory_plans=True)``, a trial whose plain peak does not fit the room left
+    beside its neighbours (the capacity less their claims) runs with a plan for that room
+    instead of waiting, as ``WaterwaveExecutor(memory_plan="home")`` does: it reserves the
+    planned peak for its whole run (the executor's accounting of a planned model) and its step
+    takes longer. Between the plain peak and ``peak_bytes`` the slowdown is interpolated
+    linearly in the bytes saved (an assumption of ours; the planners' predictions lie on such a
+    curve only roughly, and the extremes are exact).
+
+    Attributes:
+        peak_bytes: The smallest planned peak, in bytes (parameters, gradients, optimizer
+            state and the activations the plan keeps on the device).
+        slowdown: Step seconds with that plan over step seconds without one (>= 1).
+    """
+
+    peak_bytes: int
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int):
+            raise TypeError(f"SimPlan peak_bytes={self.peak_bytes!r} must be an int (bytes).")
+        if self.peak_bytes < 0 or not self.slowdown >= 1.0:
+            raise ValueError(
+                f"SimPlan peak_bytes={self.peak_bytes!r} must be >= 0 and "
+                f"slowdown={self.slowdown!r} >= 1 (a plan never makes a step faster)."
+            )
+
+    def at(self, plain_peak_bytes: int, room_bytes: int) -> tuple[int, float] | None:
+        """The plan for ``room_bytes``: ``(planned peak bytes, slowdown)``, or ``None``.
+
+        ``None`` when even the smallest plan does not fit ``room_bytes``; ``(plain peak, 1.0)``
+        when the plain step fits.
+        """
+        if room_bytes >= plain_peak_bytes:
+            return plain_peak_bytes, 1.0
+        if room_bytes < self.peak_bytes:
+            return None
+        span = plain_peak_bytes - self.peak_bytes
+        saved = (plain_peak_bytes - room_bytes) / span if span > 0 else 1.0
+        return room_bytes, 1.0 + (self.slowdown - 1.0) * saved
+
 
 @dataclass(frozen=True)
 class SimTrial:
@@ -25,6 +75,7 @@ class SimTrial:
             forward and backward each; it overlaps with the device work of the same pass
             (asynchronous launches), and co-hosted trials of one process share one host.
         name: A label for tables and plots.
+        plan: What a memory plan can do for it (``Sharing(memory_plans=True)``), or ``None``.
     """
 
     profile: TrialProfile
@@ -33,6 +84,7 @@ class SimTrial:
     steps: int = 1
     host_s: float = 0.0
     name: str = ""
+    plan: SimPlan | None = None
 
     def __post_init__(self) -> None:
         n = len(self.profile.group_bytes)
@@ -59,6 +111,7 @@ class SimTrial:
         backward_ratio: float = 2.0,
         host_s: float = 0.0,
         name: str = "",
+        plan: SimPlan | None = None,
     ) -> SimTrial:
         """A trial whose solo step takes ``step_s`` seconds.
 
@@ -81,7 +134,7 @@ class SimTrial:
         weights = [b / total for b in profile.group_bytes] if total else [1.0 / n] * n
         fwd = tuple(step_s * w / (1.0 + backward_ratio) for w in weights)
         bwd = tuple(f * backward_ratio for f in fwd)
-        return cls(profile, fwd, bwd, steps, host_s, name)
+        return cls(profile, fwd, bwd, steps, host_s, name, plan)
 
     @property
     def solo_s(self) -> float:
@@ -159,6 +212,11 @@ class Sharing:
         process_start_s: With ``processes``, seconds each process needs before its first trial
             (starting Python, importing torch, creating a CUDA context); the processes start
             together.
+        memory_plans: A trial with a :class:`SimPlan` whose plain peak does not fit the room
+            beside its neighbours runs with a plan for that room (``concurrency="auto"``
+            admits it at its planned footprint), and a re-run after an out-of-memory error or
+            an eviction runs with a plan for at most ``PLAN_SHRINK`` of the footprint it failed
+            with, beside any number of neighbours (``WaterwaveExecutor(memory_plan="home")``).
     """
 
     concurrency: int | str = 1
@@ -168,6 +226,7 @@ class Sharing:
     max_retries: int = 2
     max_concurrency: int = 16
     process_start_s: float = 0.0
+    memory_plans: bool = False
 
     def __post_init__(self) -> None:
         if not self.process_start_s >= 0:

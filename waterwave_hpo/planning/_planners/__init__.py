@@ -7,6 +7,7 @@ from waterwave_hpo.planning._planners._base import Planner
 from waterwave_hpo.planning._planners._base import PlannerResult
 from waterwave_hpo.planning._planners._baselines import plan_checkpoint_sqrt
 from waterwave_hpo.planning._planners._baselines import plan_none
+from waterwave_hpo.planning._planners._baselines import plan_smallest
 from waterwave_hpo.planning._planners._baselines import plan_swap_all
 from waterwave_hpo.planning._planners._capuchin import plan_capuchin
 from waterwave_hpo.planning._planners._exhaustive import MAX_EXHAUSTIVE_UNITS
@@ -36,5 +37,6 @@ __all__ = [
     "plan_exhaustive",
     "plan_none",
     "plan_pso",
+    "plan_smallest",
     "plan_swap_all",
 ]

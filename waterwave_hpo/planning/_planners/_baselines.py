@@ -47,3 +47,20 @@ def plan_checkpoint_sqrt(
         for i in range(n)
     )
     return result_of(profile, choices, bandwidth_bytes_per_s)
+
+
+def plan_smallest(profile: StepProfile, *, bandwidth_bytes_per_s: float) -> PlannerResult:
+    """Of the budget-blind plans, the one with the smallest predicted peak.
+
+    Among ``swap_all``, ``checkpoint_sqrt`` and recompute-everything (ties: the faster).
+    HOME's swarm is seeded with all three (``_pso``), so ``pso`` and ``exhaustive`` find a plan
+    for any budget at or above this peak; the executor uses it as the smallest footprint a
+    trial can be planned down to (ours).
+    """
+    n = len(profile.units)
+    candidates = [
+        plan_swap_all(profile, 0, bandwidth_bytes_per_s=bandwidth_bytes_per_s),
+        plan_checkpoint_sqrt(profile, 0, bandwidth_bytes_per_s=bandwidth_bytes_per_s),
+        result_of(profile, (Placement.RECOMPUTE,) * n, bandwidth_bytes_per_s),
+    ]
+    return min(candidates, key=lambda r: (r.prediction.peak_bytes, r.prediction.step_s))

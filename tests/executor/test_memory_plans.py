@@ -1,0 +1,245 @@
+"""WaterwaveExecutor(memory_plan="home"): trials that do not fit run with a HOME plan (CPU, ledger).
+
+The device here is the pipeline scheduler's ledger (accounted bytes) and, for out-of-memory
+errors, a simulated device of a fixed capacity that the objective checks against the plan's
+measured ledger peak: what the executor does must follow from those bytes alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import optuna
+from optuna.trial import TrialState
+import pytest
+import torch
+from torch import nn
+
+import waterwave_hpo as ww
+from waterwave_hpo.executor import trial_memory_plan
+from waterwave_hpo.planning import PLANNERS
+from waterwave_hpo.planning import memory_ledger
+from waterwave_hpo.planning import remove_memory_plan
+from waterwave_hpo.planning import step_profile_of
+from waterwave_hpo.report import trials_table
+
+BATCH = 512
+WIDTH = 256
+
+
+def _mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
+
+
+def _peaks() -> tuple[int, int]:
+    """(plain peak, smallest planned peak) of one step of the MLP with SGD, in bytes."""
+    model = _mlp()
+    ww.fit_memory(model, 1 << 40, example_input=_batch()[0], planner="none")
+    profile = step_profile_of(model)
+    remove_memory_plan(model)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    plain = PLANNERS["none"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    smallest = min(
+        PLANNERS[name](profile, 0, bandwidth_bytes_per_s=bw, seed=0).prediction.peak_bytes
+        for name in ("swap_all", "checkpoint_sqrt")
+    )
+    return plain.prediction.peak_bytes, smallest
+
+
+PLAIN_BYTES, SMALLEST_BYTES = _peaks()
+
+
+def _train(model: nn.Module, steps: int, pause_s: float = 0.0) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        time.sleep(pause_s)
+    return float(loss.item())
+
+
+def _register(model: nn.Module) -> nn.Module:
+    return ww.fit_trial_memory(model, example_input=_batch()[0])
+
+
+def test_the_model_is_small_against_its_activations() -> None:
+    # The scenarios below need a model whose plans can halve its step's peak.
+    assert 2 * SMALLEST_BYTES < PLAIN_BYTES
+
+
+def test_a_trial_that_does_not_fit_beside_its_neighbour_runs_with_a_plan_for_what_is_left() -> None:
+    budget = PLAIN_BYTES + PLAIN_BYTES // 2
+    registered = threading.Event()
+    both = threading.Barrier(2, timeout=30)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        torch.manual_seed(trial.number)
+        if trial.number == 1:
+            assert registered.wait(timeout=30)
+        model = _register(_mlp())
+        if trial.number == 0:
+            registered.set()
+        both.wait()  # both hold their footprints at once
+        return _train(model, 2)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=2,
+        memory_budget_bytes=budget,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    executor.optimize(study, objective, n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    assert trial_memory_plan(study.trials[0]) is None  # it fitted alone: no plan
+    plan = trial_memory_plan(study.trials[1])
+    assert plan is not None and plan.planner == "pso"
+    assert plan.budget_bytes <= budget - PLAIN_BYTES
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert set(plan.choices.values()) != {"keep"}
+    stats = executor.schedulers["cpu"].stats()
+    assert stats.peak_bytes <= budget and stats.used_bytes == 0
+    assert stats.evictions == 0
+
+
+def test_a_trial_that_runs_out_of_memory_reruns_with_a_plan_and_completes(
+    tmp_path: object,
+) -> None:
+    # A simulated device smaller than the plain step (the budget the executor was told is
+    # larger, as when the cost model errs on a GPU): the objective raises CUDA's OOM when the
+    # step's measured peak (the plan's ledger; the plain peak without a plan) exceeds it.
+    capacity = (PLAIN_BYTES * 6) // 10
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        model = _register(_mlp())
+        loss = _train(model, 2)
+        try:
+            static = step_profile_of(model).static_bytes
+            peak = static + memory_ledger(model).peak_bytes
+        except ValueError:  # no plan installed: the plain step
+            peak = PLAIN_BYTES
+        if peak > capacity:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: {peak} > {capacity} bytes")
+        return loss
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=1,
+        memory_budget_bytes=4 * PLAIN_BYTES,
+        memory_plan="home",
+        memory_planner="capuchin",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    executor.optimize(study, objective, n_trials=1)
+    first, rerun = study.trials
+    assert first.state is TrialState.FAIL and "out of device memory" in str(
+        first.system_attrs["waterwave:fail_reason"]
+    )
+    assert rerun.state is TrialState.COMPLETE
+    assert rerun.params == first.params
+    assert rerun.system_attrs["waterwave:retry_of"] == 0
+    plan = trial_memory_plan(rerun)
+    assert plan is not None
+    assert plan.budget_bytes <= PLAIN_BYTES // 2  # PLAN_SHRINK of the failed footprint
+    table = trials_table(study)
+    assert table["plan_planner"].tolist()[1] in ("capuchin", "pso")
+    assert table["plan_peak_bytes"].tolist()[1] == plan.predicted_peak_bytes
+    assert table["plan_peak_bytes"].isna().tolist()[0]
+    assert '"recompute"' in table["plan_choices"][1] or '"swap"' in table["plan_choices"][1]
+
+
+def test_a_budget_no_plan_reaches_fails_the_trial_with_the_floor_named() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        return _train(_register(_mlp()), 1)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=2,
+        memory_budget_bytes=SMALLEST_BYTES // 2,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    executor.optimize(study, objective, n_trials=2)  # does not raise, does not hang
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2  # never re-run
+    reason = str(study.trials[0].system_attrs["waterwave:fail_reason"])
+    assert "no memory plan fits" in reason and "floor" in reason and "bytes)" in reason
+    assert executor.schedulers["cpu"].stats().used_bytes == 0
+
+
+def test_auto_trials_per_device_admits_a_trial_at_its_planned_footprint() -> None:
+    budget = PLAIN_BYTES + PLAIN_BYTES // 2
+    lock = threading.Lock()
+    running = {"now": 0, "peak": 0}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        model = _register(_mlp())
+        with lock:
+            running["now"] += 1
+            running["peak"] = max(running["peak"], running["now"])
+        try:
+            return _train(model, 6, pause_s=0.02)
+        finally:
+            with lock:
+                running["now"] -= 1
+
+    def run(memory_plan: str) -> tuple[optuna.Study, ww.WaterwaveExecutor]:
+        running["peak"] = 0
+        executor = ww.WaterwaveExecutor(
+            "cpu",
+            trials_per_device="auto",
+            max_trials_per_device=3,
+            memory_budget_bytes=budget,
+            memory_plan=memory_plan,
+            record_trial_attrs=True,
+        )
+        study = optuna.create_study()
+        executor.optimize(study, objective, n_trials=4)
+        return study, executor
+
+    study, executor = run("home")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    assert running["peak"] >= 2
+    assert any(trial_memory_plan(t) is not None for t in study.trials)
+    assert executor.schedulers["cpu"].stats().peak_bytes <= budget
+    assert executor.packing_predictions["cpu"].best_k >= 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"memory_plan": "shrink"}, ValueError, "memory_plan='shrink'"),
+        ({"memory_plan": 1}, TypeError, "memory_plan=1"),
+        ({"memory_planner": "none"}, ValueError, "memory_planner='none'"),
+        ({"memory_planner": 3}, TypeError, "memory_planner=3"),
+    ],
+)
+def test_bad_memory_plan_arguments_name_the_argument(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ww.WaterwaveExecutor("cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def test_outside_a_planning_executor_the_model_is_returned_untouched() -> None:
+    model = _mlp()
+    assert ww.fit_trial_memory(model, example_input=_batch()[0]) is model
+    with pytest.raises(ValueError, match="no memory plan"):
+        ww.plan_of(model)
+    with pytest.raises(TypeError, match="model="):
+        ww.fit_trial_memory("model", example_input=_batch()[0])  # type: ignore[arg-type]
