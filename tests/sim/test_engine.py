@@ -9,6 +9,7 @@ from waterwave_hpo.scheduler import make_policy
 from waterwave_hpo.sim import AttemptOutcome
 from waterwave_hpo.sim import Sharing
 from waterwave_hpo.sim import SimDevice
+from waterwave_hpo.sim import SimPlan
 from waterwave_hpo.sim import SimTrial
 from waterwave_hpo.sim import predict_auto_packing
 from waterwave_hpo.sim import simulate
@@ -209,3 +210,48 @@ def test_trial_larger_than_capacity_is_evicted_or_ooms() -> None:
     )
     r = simulate([big], SimDevice(100), Sharing(1, policy=None))
     assert (r.ooms, r.n_failed) == (1, 1)
+
+
+def test_with_memory_plans_a_trial_that_does_not_fit_runs_planned_beside_its_neighbour() -> None:
+    # A holds 60 of 100; B's plain 60 do not fit the 40 left, so B runs with a plan for 40:
+    # 2/3 of the way from its plain peak (60) to its smallest plan (30), so its steps take
+    # 1 + 0.5 * 2/3 = 4/3 as long, beside A (parallelism 2). Without plans B waits for A.
+    trials = [
+        one_group(),
+        SimTrial(TrialProfile.of(0, [60]), (1.0,), (1.0,), plan=SimPlan(30, 1.5)),
+    ]
+    device = SimDevice(100, compute_parallelism=2)
+    plain = simulate(trials, device, Sharing(2))
+    planned = simulate(trials, device, Sharing(2, memory_plans=True))
+    assert plain.makespan_s == pytest.approx(4.0) and plain.n_planned == 0
+    assert planned.makespan_s == pytest.approx(8 / 3) and planned.n_planned == 1
+    assert [(a.trial_index, a.peak_held_bytes) for a in planned.attempts] == [(0, 60), (1, 40)]
+    assert planned.peak_bytes <= 100
+
+
+def test_with_memory_plans_an_oom_reruns_at_once_with_a_plan_for_half_its_footprint() -> None:
+    # No ledger: B (two groups of 30) meets A's 60 at t=1 and runs out of memory. Without
+    # plans it re-runs once alone (t=2); with plans at once, planned for PLAN_SHRINK * 60 = 30
+    # bytes: 3/4 of the way to its smallest plan (20), so its 4 s take 1 + 1.0 * 3/4 as long.
+    b = SimTrial(TrialProfile.of(0, [30, 30]), (1.0, 1.0), (1.0, 1.0), plan=SimPlan(20, 2.0))
+    device = SimDevice(100, compute_parallelism=2)
+    plain = simulate([b, one_group()], device, Sharing(2, policy=None))
+    planned = simulate([b, one_group()], device, Sharing(2, policy=None, memory_plans=True))
+    assert (plain.ooms, planned.ooms) == (1, 1)
+    assert [(a.trial_index, a.attempt, a.start_s) for a in plain.attempts][-1] == (0, 1, 2.0)
+    rerun = planned.attempts[-1]
+    assert (rerun.trial_index, rerun.attempt, rerun.start_s) == (0, 1, 1.0)
+    assert rerun.peak_held_bytes == 30 and rerun.end_s == pytest.approx(1.0 + 4 * 1.75)
+    assert planned.n_planned == 1 and planned.n_failed == 0
+
+
+def test_sim_plan_interpolates_between_the_plain_step_and_the_smallest_plan() -> None:
+    plan = SimPlan(30, 1.5)
+    assert plan.at(60, 100) == (60, 1.0)
+    assert plan.at(60, 45) == (45, pytest.approx(1.25))
+    assert plan.at(60, 30) == (30, pytest.approx(1.5))
+    assert plan.at(60, 29) is None
+    with pytest.raises(ValueError, match=r"slowdown=0\.5"):
+        SimPlan(30, 0.5)
+    with pytest.raises(TypeError, match=r"peak_bytes=1\.5"):
+        SimPlan(1.5)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import pytest
 
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.scheduler import make_policy
+from waterwave_hpo.sim import SimPlan
 from waterwave_hpo.sim import SimTrial
 from waterwave_hpo.sim import predict_auto_packing
 from waterwave_hpo.sim import predict_packing
@@ -65,3 +66,32 @@ def test_bad_arguments() -> None:
         predict_packing([], 10)
     with pytest.raises(KeyError, match="k=9"):
         predict_packing([TrialProfile.of(0, [1])], 10).option(9)
+
+
+def test_predict_packing_with_memory_plans_packs_more_trials_than_without() -> None:
+    # Activation-heavy trials (peak 300 of a 400-byte device): without plans only one runs at
+    # a time's worth of memory; with plans (smallest 170 bytes, 1.3x slower) a second runs
+    # planned beside the first, and on a device that overlaps 4 trials that is faster.
+    trial = SimTrial.uniform(TrialProfile.of(100, [50, 50, 50, 50]), 1.0, 4, plan=SimPlan(170, 1.3))
+    without = predict_packing([trial] * 8, 400, "waterwave", max_k=4, compute_parallelism=4.0)
+    with_plans = predict_packing(
+        [trial] * 8, 400, "waterwave", max_k=4, compute_parallelism=4.0, memory_plans=True
+    )
+    assert without.best_k == 1
+    assert with_plans.best_k >= 2
+    best = with_plans.option(with_plans.best_k)
+    assert best.makespan_s < without.option(without.best_k).makespan_s
+    assert best.n_failed == 0
+    auto = predict_auto_packing(TrialProfile.of(100, [50, 50, 50, 50]), 400, "waterwave", 4)
+    auto_plans = predict_auto_packing(
+        TrialProfile.of(100, [50, 50, 50, 50]), 400, "waterwave", 4, plan=SimPlan(170, 1.3)
+    )
+    assert auto_plans.best_k > auto.best_k
+
+
+def test_a_trial_too_big_alone_fits_with_memory_plans_when_its_plan_does() -> None:
+    trial = SimTrial.uniform(TrialProfile.of(100, [300]), 1.0, 2, plan=SimPlan(150, 1.5))
+    with pytest.raises(ValueError, match="needs 400 bytes alone"):
+        predict_packing([trial] * 2, 200, "waterwave")
+    pred = predict_packing([trial] * 2, 200, "waterwave", memory_plans=True)
+    assert all(o.n_failed == 0 for o in pred.options)
