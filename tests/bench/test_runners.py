@@ -36,7 +36,7 @@ def test_method_runs_every_trial(method: Method) -> None:
     assert {r.slot for r in run.records} <= set(range(run.k))
     if method is Method.SPATIAL:
         assert "K processes share the cores" in run.note
-    if method.gated:  # the ledger measured each trial's bytes and the run's peak
+    if method.budgeted:  # the ledger measured each trial's bytes and the run's peak
         assert run.peak_memory_bytes is not None and run.peak_memory_bytes > 0
         assert all(r.peak_bytes and r.memory for r in run.records)
         assert "ledger" in run.peak_memory_source
@@ -92,6 +92,24 @@ def test_waterwave_reruns_an_evicted_trial_with_the_same_parameters() -> None:
     assert retried, run.note  # the budget forces at least one eviction
     for r in retried:
         assert any(o.index == r.index and o.oom for o in run.records if o.attempt == 0)
+
+
+def test_waterwave_plans_fit_the_trials_that_do_not_fit_instead_of_evicting_them() -> None:
+    # The same high-demand setting as above: with memory plans no trial is evicted or re-run;
+    # the ones that do not fit beside their neighbours run planned, and every one completes.
+    from waterwave_hpo.bench import profile_trial
+
+    spec = WorkloadSpec(Workload.GPT, Setting.HIGH, batch_size=8, steps=6, seq_len=16)
+    params = [draw_params(Workload.GPT, 1, seed=0)[0]] * 4
+    peak = profile_trial(spec, params[0]).peak_bytes
+    run = run_method(
+        Method.WATERWAVE_PLANS, spec, params, CPU, k=4, seed=0, capacity_bytes=int(2.2 * peak)
+    )
+    assert run.completed == {0, 1, 2, 3}
+    assert not any(r.oom for r in run.records) and all(r.attempt == 0 for r in run.records)
+    assert any(r.planned for r in run.records), run.note
+    assert "attempts ran with a memory plan" in run.note
+    assert run.peak_memory_bytes is not None and run.peak_memory_bytes <= int(2.2 * peak)
 
 
 def test_a_pool_method_installs_the_pool_before_cuda_initialises(

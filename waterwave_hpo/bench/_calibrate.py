@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from waterwave_hpo.bench._workloads import WorkloadSpec
 from waterwave_hpo.bench._workloads import build
 from waterwave_hpo.bench._workloads import make_batches
 from waterwave_hpo.scheduler import TrialProfile
+from waterwave_hpo.sim import SimPlan
 
 #: Batch sizes of the light setting before fitting them to the device (samples per step).
 BASE_BATCH = {
@@ -42,6 +44,66 @@ def profile_trial(spec: WorkloadSpec, params: dict[str, Any], seed: int = 0) -> 
     x, _ = make_batches(spec, torch.device("cpu"), seed, n_batches=1)[0]
     pipeline(model, example_input=x)
     return trial_profile(model)
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    """A trial's step as the executor's memory planning sees it (bytes, a ratio).
+
+    Measured with the planning package's profiler and cost model, without optimizer state
+    (the bytes the NodeGroup gates' ledger counts, so the methods compare).
+
+    Attributes:
+        static_bytes: Parameters + gradients.
+        plain_activation_bytes: The plain step's predicted peak less ``static_bytes``.
+        smallest_activation_bytes: The smallest plan's predicted peak less ``static_bytes``.
+        slowdown: The smallest plan's predicted step seconds over the plain step's.
+    """
+
+    static_bytes: int
+    plain_activation_bytes: int
+    smallest_activation_bytes: int
+    slowdown: float
+
+    @property
+    def plain_peak_bytes(self) -> int:
+        """The plain step's peak, bytes."""
+        return self.static_bytes + self.plain_activation_bytes
+
+    def scaled(self, factor: float) -> PlanProfile:
+        """The same trial at ``factor`` times the batch (activations are linear in it)."""
+        return PlanProfile(
+            self.static_bytes,
+            int(self.plain_activation_bytes * factor),
+            int(self.smallest_activation_bytes * factor),
+            self.slowdown,
+        )
+
+    def sim_plan(self) -> SimPlan:
+        """What a plan can do for the trial, for the simulator."""
+        return SimPlan(self.static_bytes + self.smallest_activation_bytes, self.slowdown)
+
+
+def plan_profile(spec: WorkloadSpec, params: dict[str, Any], seed: int = 0) -> PlanProfile:
+    """The trial's :class:`PlanProfile` at ``spec.batch_size``, measured on the CPU."""
+    from waterwave_hpo.planning import DEFAULT_BANDWIDTH_BYTES_PER_S
+    from waterwave_hpo.planning._internal import plan_none
+    from waterwave_hpo.planning._internal import plan_smallest
+    from waterwave_hpo.planning._internal import profile_units
+
+    torch.manual_seed(seed)
+    model = build(spec.workload, params)
+    x, _ = make_batches(spec, torch.device("cpu"), seed, n_batches=1)[0]
+    profile, _ = profile_units(model, x)
+    bw = DEFAULT_BANDWIDTH_BYTES_PER_S
+    plain = plan_none(profile, 0, bandwidth_bytes_per_s=bw).prediction
+    smallest = plan_smallest(profile, bandwidth_bytes_per_s=bw).prediction
+    return PlanProfile(
+        profile.static_bytes,
+        plain.peak_bytes - profile.static_bytes,
+        smallest.peak_bytes - profile.static_bytes,
+        max(1.0, smallest.step_s / max(plain.step_s, 1e-12)),
+    )
 
 
 def fit_batches(

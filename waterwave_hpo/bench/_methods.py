@@ -16,7 +16,11 @@ class Method(enum.Enum):
     ``CUDA_MALLOC_ASYNC``: K threads, one CUDA stream each, PyTorch's
     ``backend:cudaMallocAsync`` (the driver's stream-ordered pool). ``WATERWAVE_FIFO`` and
     ``WATERWAVE``: :class:`~waterwave_hpo.WaterwaveExecutor` with the stream-aware pool (CUDA)
-    and NodeGroup gates, under the ``fifo`` or ``waterwave`` policy.
+    and NodeGroup gates, under the ``fifo`` or ``waterwave`` policy. ``WATERWAVE_PLANS``: the
+    executor with ``memory_plan="home"``: each trial's model registered with
+    :func:`waterwave_hpo.fit_trial_memory` instead of gates, so a trial that does not fit
+    beside its neighbours runs with a HOME keep/swap/recompute plan (issue 11 part 6: the
+    co-hosting at high memory demand with plans, beside the two without).
     """
 
     TEMPORAL = "temporal"
@@ -25,6 +29,7 @@ class Method(enum.Enum):
     CUDA_MALLOC_ASYNC = "cuda-malloc-async"
     WATERWAVE_FIFO = "waterwave-fifo"
     WATERWAVE = "waterwave"
+    WATERWAVE_PLANS = "waterwave-plans"
 
     @property
     def label(self) -> str:
@@ -36,12 +41,18 @@ class Method(enum.Enum):
             Method.CUDA_MALLOC_ASYNC: "cudaMallocAsync, K streams",
             Method.WATERWAVE_FIFO: "waterwave, fifo",
             Method.WATERWAVE: "waterwave",
+            Method.WATERWAVE_PLANS: "waterwave + HOME plans",
         }[self]
 
     @property
     def gated(self) -> bool:
         """Whether its trials run with NodeGroup gates (the executor's pipeline scheduler)."""
         return self in (Method.WATERWAVE_FIFO, Method.WATERWAVE)
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether it runs on the executor, whose scheduler's ledger enforces the capacity."""
+        return self.gated or self is Method.WATERWAVE_PLANS
 
 
 def unavailable_reason(method: Method, device: torch.device) -> str | None:

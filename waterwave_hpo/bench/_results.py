@@ -36,6 +36,9 @@ class MethodResult:
         peak_memory_bytes: Peak device memory; empty where not measurable.
         peak_memory_source: How it was measured.
         ooms: Attempts that ran out of memory (or were evicted by the scheduler).
+        reruns: Attempts that re-ran a trial's parameters after an out-of-memory error or an
+            eviction (the executor's ``on_oom="retry"``).
+        planned_attempts: Attempts whose model ran with a memory plan (``waterwave-plans``).
         failed_trials: Trials that never completed.
         completed_trials: Trials that completed.
         host_s_per_step: Median over trials of the median host (dispatch) seconds per step.
@@ -65,6 +68,8 @@ class MethodResult:
     peak_memory_bytes: int | None
     peak_memory_source: str
     ooms: int | None
+    reruns: int | None
+    planned_attempts: int | None
     failed_trials: int | None
     completed_trials: int | None
     host_s_per_step: float | None
@@ -90,6 +95,8 @@ UNITS = {
     "k": "trials at once",
     "n_trials": "trials",
     "ooms": "attempts",
+    "reruns": "attempts",
+    "planned_attempts": "attempts",
     "failed_trials": "trials",
     "completed_trials": "trials",
 }
@@ -132,6 +139,8 @@ def result_of(
             ratio_to_temporal=None,
             peak_memory_bytes=None,
             ooms=None,
+            reruns=None,
+            planned_attempts=None,
             failed_trials=None,
             completed_trials=None,
             host_s_per_step=None,
@@ -146,6 +155,8 @@ def result_of(
         ratio_to_temporal=rate / temporal_samples_per_s if temporal_samples_per_s else None,
         peak_memory_bytes=run.peak_memory_bytes,
         ooms=sum(r.oom for r in run.records),
+        reruns=sum(r.attempt > 0 for r in run.records),
+        planned_attempts=sum(r.planned for r in run.records),
         failed_trials=n_trials - len(run.completed),
         completed_trials=len(run.completed),
         host_s_per_step=_median([r.host_s_per_step for r in completed if r.host_s_per_step]),

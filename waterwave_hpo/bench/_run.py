@@ -306,7 +306,8 @@ def _line(r: MethodResult) -> str:
     peak = "" if r.peak_memory_bytes is None else f"  peak {r.peak_memory_bytes / 2**20:.1f} MiB"
     return (
         f"   {r.method:<18} {r.makespan_s:7.2f} s  {r.samples_per_s:9.1f} samples/s  "
-        f"{r.ratio_to_temporal or 0:.2f}x temporal  {r.failed_trials} failed, {r.ooms} OOM"
+        f"{r.ratio_to_temporal or 0:.2f}x temporal  {r.failed_trials} failed, {r.ooms} OOM, "
+        f"{r.reruns} re-runs, {r.planned_attempts} planned"
         f"{peak}{sim}  [{r.allocator}]"
     )
 
@@ -390,7 +391,11 @@ def _write(
         group = [r for r in runs if (r.spec.workload, r.spec.setting) == (workload, setting)]
         tag = f"{workload.value}-{setting.value}"
         plot_gantt(group, out / f"gantt-{tag}.png", f"Trials over time: {tag}, {title}")
-        mem = [r for r in group if r.method in (Method.WATERWAVE, Method.OPTUNA_THREADS)]
+        mem = [
+            r
+            for r in group
+            if r.method in (Method.WATERWAVE, Method.WATERWAVE_PLANS, Method.OPTUNA_THREADS)
+        ]
         if mem:
             plot_memory(mem, out / f"memory-{tag}.png", f"Memory per trial: {tag}, {title}")
     (out / "README.md").write_text(_readme(config, device, started, results, table))
@@ -436,13 +441,14 @@ def _readme(
         f"{config.k} largest solo peaks exceeds the capacity (the paper's high memory demand).",
         "",
         "| workload | setting | method | allocator | makespan s | samples/s | x temporal | "
-        "failed | OOM | peak MiB | host ms/step | device ms/step | sim s (err) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "failed | OOM | re-runs | planned | peak MiB | host ms/step | device ms/step | "
+        "sim s (err) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if not r.available:
             lines.append(
-                f"| {r.workload} | {r.setting} | {r.method} | | {r.note} | | | | | | | | |"
+                f"| {r.workload} | {r.setting} | {r.method} | | {r.note} | | | | | | | | | | |"
             )
             continue
         sim = (
@@ -455,7 +461,7 @@ def _readme(
             f"| {r.workload} | {r.setting} | {r.method} | {r.allocator} | "
             f"{_fmt(r.makespan_s, '.2f')} | "
             f"{_fmt(r.samples_per_s, '.1f')} | {_fmt(r.ratio_to_temporal, '.2f')} | "
-            f"{r.failed_trials} | {r.ooms} | {peak} | "
+            f"{r.failed_trials} | {r.ooms} | {r.reruns} | {r.planned_attempts} | {peak} | "
             f"{_fmt(None if r.host_s_per_step is None else r.host_s_per_step * 1e3, '.2f')} | "
             f"{_fmt(None if r.device_s_per_step is None else r.device_s_per_step * 1e3, '.2f')} | "
             f"{sim} |"
@@ -473,6 +479,11 @@ def _readme(
         "(bytes accounted from NodeGroup profiles), elsewhere empty. Under waterwave each "
         "trial's first step profiles its model and runs ungated, so with one step per trial "
         "the ledger sees nothing.",
+        "- *re-runs*: attempts that re-ran a trial after an out-of-memory error or an eviction; "
+        "*planned*: attempts whose model ran with a HOME memory plan (`waterwave-plans`: the "
+        'executor\'s `memory_plan="home"`, models registered with `ww.fit_trial_memory` '
+        "instead of NodeGroup gates; a registered model holds its plain or planned peak in the "
+        "ledger for the whole trial, without optimizer state, as the gates count).",
         "- *host ms/step*: median time Python takes to issue one training step. On CUDA it is "
         "the dispatch time, spent under the GIL by co-hosted trials; when it is not much "
         "smaller than *device ms/step* (CUDA events on the trial's stream) the model is "

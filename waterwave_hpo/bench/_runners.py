@@ -234,7 +234,7 @@ def _run_here(
     if cuda:
         # The pool must be PyTorch's allocator before anything initialises CUDA (the device
         # peak sampler, the warm-up): PyTorch cannot swap an initialised allocator.
-        if method.gated:
+        if method.budgeted:
             try:
                 notes.append(_install_pool(device))
             except PoolNotInstalledError as error:
@@ -262,6 +262,7 @@ def _run_here(
         Method.SPATIAL: _run_spatial,
         Method.WATERWAVE_FIFO: _run_waterwave,
         Method.WATERWAVE: _run_waterwave,
+        Method.WATERWAVE_PLANS: _run_waterwave,
     }[method]
     if method is not Method.SPATIAL:  # spatial's workers are fresh processes: they start cold
         from waterwave_hpo.bench._calibrate import warm_up
@@ -483,11 +484,14 @@ def _run_waterwave(
     seed: int,
     capacity_bytes: int,
 ) -> str:
-    """The executor: K slots, NodeGroup gates, the scheduler's budget.
+    """The executor: K slots, NodeGroup gates or memory plans, the scheduler's budget.
 
-    The executor: K slots, NodeGroup gates, the scheduler's budget ``capacity_bytes``; on
-    CUDA the stream-aware pool (``memory_pool="auto"``), one stream per slot.
+    The executor: K slots, the scheduler's budget ``capacity_bytes``, and NodeGroup gates
+    (``waterwave``, ``waterwave-fifo``) or models registered for HOME memory plans
+    (``waterwave-plans``: ``memory_plan="home"``); on CUDA the stream-aware pool
+    (``memory_pool="auto"``), one stream per slot.
     """
+    planned = run.method is Method.WATERWAVE_PLANS
     from waterwave_hpo.executor import WaterwaveExecutor
     from waterwave_hpo.executor import current
 
@@ -510,7 +514,14 @@ def _run_waterwave(
             run.records.append(record)
         trial.set_user_attr(_INDEX_ATTR, index)
         return train(
-            run.spec, params[index], record, ctx.device, seed=seed, gated=True, stream=ctx.stream
+            run.spec,
+            params[index],
+            record,
+            ctx.device,
+            seed=seed,
+            gated=not planned,
+            planned=planned,
+            stream=ctx.stream,
         )
 
     policy = "fifo" if run.method is Method.WATERWAVE_FIFO else "waterwave"
@@ -523,6 +534,7 @@ def _run_waterwave(
         # a hidden warning.
         memory_pool="on" if device.type == "cuda" else "auto",
         record_trial_attrs=True,
+        memory_plan="home" if planned else "off",
     )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -535,6 +547,8 @@ def _run_waterwave(
             f"scheduler: budget {stats.budget_bytes} B, ledger peak {stats.peak_bytes} B, "
             f"{stats.deadlocks_resolved} deadlocks resolved, {stats.evictions} evictions"
         )
+        if planned:
+            note += f", {sum(r.planned for r in run.records)} attempts ran with a memory plan"
         if device.type != "cuda":
             run.peak_memory_bytes = int(stats.peak_bytes)
             run.peak_memory_source = "scheduler ledger (bytes accounted from profiles; CPU)"

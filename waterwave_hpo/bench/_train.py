@@ -43,6 +43,7 @@ class TrialRecord:
             ``None``.
         memory: ``(wall seconds, bytes)`` after each step, from the same source.
         slot: The worker (thread, process or executor slot) that ran it.
+        planned: Whether it ran with a memory plan (``waterwave-plans``).
     """
 
     index: int
@@ -58,6 +59,7 @@ class TrialRecord:
     peak_bytes: int | None = None
     memory: list[tuple[float, int]] = field(default_factory=list)
     slot: int = 0
+    planned: bool = False
 
 
 def _trial_bytes(*, peak: bool = False) -> int | None:
@@ -96,6 +98,7 @@ def train(
     *,
     seed: int,
     gated: bool = False,
+    planned: bool = False,
     stream: Any = None,
 ) -> float:
     """Train one trial and fill its record.
@@ -111,6 +114,9 @@ def train(
         seed: Base seed; the model and data are seeded from it and ``record.index``.
         gated: Wrap the model with :func:`waterwave_hpo.pipeline` (NodeGroup gates; they pass
             through outside the executor).
+        planned: Register the model with :func:`waterwave_hpo.fit_trial_memory` (a memory
+            plan when it does not fit beside its neighbours; a pass-through outside the
+            executor). Not with ``gated``.
         stream: The CUDA stream to time on (``None``: the current stream).
 
     Raises:
@@ -127,6 +133,15 @@ def train(
             model = pipeline(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=float(params["lr"]))
         batches = make_batches(spec, device, seed * 7919 + record.index)
+        if planned:
+            from waterwave_hpo.executor import current_or_none
+            from waterwave_hpo.executor import fit_trial_memory
+
+            # No optimizer: the plan's budget then counts what the gates' ledger counts
+            # (parameters, gradients, saved activations), so the methods' ledgers compare.
+            model = fit_trial_memory(model, example_input=batches[0][0])
+            ctx = current_or_none()
+            record.planned = bool(ctx and ctx.planning and ctx.planning.plan is not None)
         cuda = device.type == "cuda"
         if cuda:
             stream = stream if stream is not None else torch.cuda.current_stream(device)

@@ -6,6 +6,7 @@ import multiprocessing
 import time
 from typing import Any
 
+from waterwave_hpo.bench._calibrate import PlanProfile
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._runners import MethodRun
 from waterwave_hpo.scheduler import TrialProfile
@@ -37,6 +38,23 @@ def sim_trials(temporal: MethodRun, profiles: list[TrialProfile]) -> list[SimTri
         SimTrial.uniform(p, solo[i], temporal.spec.steps, name=str(i))
         for i, p in enumerate(profiles)
     ]
+
+
+def planned_sim_trials(trials: list[SimTrial], plans: list[PlanProfile]) -> list[SimTrial]:
+    """``trials`` as ``waterwave-plans`` runs them.
+
+    Each registered model holds its plain (or planned) peak for the whole trial, with no
+    NodeGroups, and can be planned down as its :class:`PlanProfile` says; solo timings as in
+    ``trials``.
+    """
+    out = []
+    for trial, plan in zip(trials, plans, strict=True):
+        step_s = sum(trial.forward_s) + sum(trial.backward_s)
+        profile = TrialProfile.of(plan.plain_peak_bytes, (0,))
+        out.append(
+            SimTrial.uniform(profile, step_s, trial.steps, name=trial.name, plan=plan.sim_plan())
+        )
+    return out
 
 
 def _started(device: str, results: Any) -> None:
@@ -78,7 +96,9 @@ def sharing_of(method: Method, k: int, process_start_s: float = 0.0) -> Sharing:
             k, policy=None, processes=True, retry_on_oom=False, process_start_s=process_start_s
         )
     policy = "fifo" if method is Method.WATERWAVE_FIFO else "waterwave"
-    return Sharing(k, policy=policy, retry_on_oom=True)
+    return Sharing(
+        k, policy=policy, retry_on_oom=True, memory_plans=method is Method.WATERWAVE_PLANS
+    )
 
 
 def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: float) -> SimDevice:
@@ -87,7 +107,7 @@ def device_for(method: Method, capacity_bytes: int, cuda: bool, parallelism: flo
     The simulated device: on the CPU only the waterwave scheduler enforces the capacity
     (the stock methods' memory is not bounded there); on CUDA every method meets it.
     """
-    enforced = cuda or method.gated
+    enforced = cuda or method.budgeted
     return SimDevice(
         capacity_bytes if enforced else _UNLIMITED,
         compute_parallelism=parallelism,
