@@ -51,6 +51,17 @@ def test_every_method_has_a_row_per_setting(bench) -> None:
     assert async_rows["note"].str.contains("not available on this device").all()
 
 
+def test_plans_are_compared_on_the_simulated_device(bench) -> None:
+    assert {(c.setting, c.sharing) for c in bench.plan_comparison} == {
+        (setting, sharing)
+        for setting in ("light", "high")
+        for sharing in ("stock", "stock+plans", "ledger", "ledger+plans")
+    }
+    assert all(c.failed_trials >= 0 and c.makespan_s > 0 for c in bench.plan_comparison)
+    assert (bench.out / "plans.csv").exists()
+    assert "## Co-hosting with and without memory plans" in (bench.out / "README.md").read_text()
+
+
 def test_high_setting_is_high_demand(bench) -> None:
     for setting, over in (("light", False), ("high", True)):
         row = bench.table[bench.table["setting"] == setting].iloc[0]

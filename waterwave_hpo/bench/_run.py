@@ -22,10 +22,14 @@ from waterwave_hpo import _checks
 from waterwave_hpo._version import __version__
 from waterwave_hpo.bench._calibrate import BASE_BATCH
 from waterwave_hpo.bench._calibrate import SEQ_LEN
+from waterwave_hpo.bench._calibrate import PlanProfile
 from waterwave_hpo.bench._calibrate import fit_batches
+from waterwave_hpo.bench._calibrate import plan_profile
 from waterwave_hpo.bench._calibrate import step_seconds
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import unavailable_reason
+from waterwave_hpo.bench._plans import PlanComparison
+from waterwave_hpo.bench._plans import compare_plans
 from waterwave_hpo.bench._plots import plot_gantt
 from waterwave_hpo.bench._plots import plot_memory
 from waterwave_hpo.bench._plots import plot_throughput
@@ -38,6 +42,7 @@ from waterwave_hpo.bench._runners import call_in_child
 from waterwave_hpo.bench._runners import run_method
 from waterwave_hpo.bench._validate import fit_parallelism
 from waterwave_hpo.bench._validate import measure_process_start_s
+from waterwave_hpo.bench._validate import planned_sim_trials
 from waterwave_hpo.bench._validate import predict
 from waterwave_hpo.bench._validate import sim_trials
 from waterwave_hpo.bench._workloads import Setting
@@ -122,6 +127,8 @@ class BenchResult:
         results: One row per workload, setting and method.
         runs: The raw runs (every attempt of every trial).
         table: ``results`` as a DataFrame (``results.csv``).
+        plan_comparison: Co-hosting with and without memory plans on the simulated device
+            (``plans.csv``), when ``waterwave-plans`` ran and the simulator is on.
     """
 
     out: Path
@@ -129,6 +136,7 @@ class BenchResult:
     results: list[MethodResult]
     runs: list[MethodRun]
     table: pd.DataFrame
+    plan_comparison: list[PlanComparison] = field(default_factory=list)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -200,6 +208,9 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
     methods = [Method.TEMPORAL] + [m for m in config.methods if m is not Method.TEMPORAL]
     runnable = [m for m in methods if unavailable_reason(m, device) is None]
     plan: list[tuple[WorkloadSpec, list[dict[str, Any]], int, list[Any]]] = []
+    # The memory-planning view of each trial, for the simulator's waterwave-plans prediction.
+    plan_profiles: dict[tuple[Workload, Setting], list[PlanProfile]] = {}
+    want_plans = config.simulate and Method.WATERWAVE_PLANS in runnable
     for workload in config.workloads:
         params = draw_params(workload, config.trials, config.seed)
         base = WorkloadSpec(
@@ -208,9 +219,12 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         light, high, cap, light_profiles, high_profiles = fit_batches(
             base, params, config.k, capacity
         )
+        light_plans = [plan_profile(light, p) for p in params] if want_plans else []
         for spec, profiles in ((light, light_profiles), (high, high_profiles)):
             if spec.setting in config.settings:
                 plan.append((spec, params, cap, profiles))
+                factor = spec.batch_size / light.batch_size
+                plan_profiles[(workload, spec.setting)] = [p.scaled(factor) for p in light_plans]
     # Steps per trial: the temporal run of every spec and method must fit the budget.
     if config.steps is not None:
         plan = [(replace(s, steps=config.steps), p, c, pr) for s, p, c, pr in plan]
@@ -238,6 +252,7 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         log(f"a spawned process needs {start_s:.2f} s to start (fed to the simulator)")
     results: list[MethodResult] = []
     runs: list[MethodRun] = []
+    comparison: list[PlanComparison] = []
     for spec, params, cap, profiles in plan:
         peaks = sorted((p.peak_bytes for p in profiles), reverse=True)
         top_k = int(sum(peaks[: config.k]))
@@ -257,16 +272,40 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         spec_results = [result_of(r, config.trials, cap, top_k, base_rate) for r in spec_runs]
         if config.simulate:
             spec_results = _with_predictions(
-                spec_results, spec_runs, profiles, cap, cuda, start_s, log
+                spec_results,
+                spec_runs,
+                profiles,
+                cap,
+                cuda,
+                start_s,
+                log,
+                plan_profiles.get((spec.workload, spec.setting)),
             )
         for r in spec_results:
             log(_line(r))
+        plan_profs = plan_profiles.get((spec.workload, spec.setting))
+        trials = sim_trials(spec_runs[0], profiles) if plan_profs else None
+        if plan_profs and trials is not None:
+            rows = compare_plans(
+                planned_sim_trials(trials, plan_profs),
+                cap,
+                config.k,
+                workload=spec.workload.value,
+                setting=spec.setting.value,
+            )
+            for row in rows:
+                log(
+                    f"   sim {row.sharing:<14} {row.makespan_s:7.2f} s  {row.ooms} OOM, "
+                    f"{row.evictions} evicted, {row.reruns} re-runs, {row.planned_attempts} "
+                    f"planned, {row.failed_trials} failed"
+                )
+            comparison += rows
         results += spec_results
         runs += spec_runs
     table = results_table(results)
-    _write(out, config, device, started, results, runs, table)
+    _write(out, config, device, started, results, runs, table, comparison)
     log(f"wrote {out}/: README.md results.csv results.json *.png")
-    return BenchResult(out, str(device), results, runs, table)
+    return BenchResult(out, str(device), results, runs, table, comparison)
 
 
 def _with_predictions(
@@ -277,6 +316,7 @@ def _with_predictions(
     cuda: bool,
     process_start_s: float,
     log: Any,
+    plan_profiles: list[PlanProfile] | None = None,
 ) -> list[MethodResult]:
     trials = sim_trials(runs[0], profiles)
     if trials is None:
@@ -289,7 +329,14 @@ def _with_predictions(
         if not run.available or result.makespan_s is None:
             out.append(result)
             continue
-        predicted = predict(run, trials, cap, cuda, parallelism, process_start_s)
+        if run.method is Method.WATERWAVE_PLANS:
+            if not plan_profiles:
+                out.append(result)
+                continue
+            run_trials = planned_sim_trials(trials, plan_profiles)
+        else:
+            run_trials = trials
+        predicted = predict(run, run_trials, cap, cuda, parallelism, process_start_s)
         error = 100.0 * (predicted - result.makespan_s) / result.makespan_s
         out.append(replace(result, sim_makespan_s=predicted, sim_error_pct=error))
     return out
@@ -350,8 +397,11 @@ def _write(
     results: list[MethodResult],
     runs: list[MethodRun],
     table: pd.DataFrame,
+    comparison: list[PlanComparison],
 ) -> None:
     table.to_csv(out / "results.csv", index=False)
+    if comparison:
+        pd.DataFrame([asdict(c) for c in comparison]).to_csv(out / "plans.csv", index=False)
     payload = {
         "cpu_only": device.type != "cuda",
         "notice": CPU_NOTICE if device.type != "cuda" else "",
@@ -366,6 +416,7 @@ def _write(
         "versions": _versions(),
         "units": UNITS,
         "results": [asdict(r) for r in results],
+        "plan_comparison_simulated": [asdict(c) for c in comparison],
         "trials": [
             {
                 "workload": run.spec.workload.value,
@@ -398,7 +449,7 @@ def _write(
         ]
         if mem:
             plot_memory(mem, out / f"memory-{tag}.png", f"Memory per trial: {tag}, {title}")
-    (out / "README.md").write_text(_readme(config, device, started, results, table))
+    (out / "README.md").write_text(_readme(config, device, started, results, table, comparison))
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -411,6 +462,7 @@ def _readme(
     started: datetime.datetime,
     results: list[MethodResult],
     table: pd.DataFrame,
+    comparison: list[PlanComparison],
 ) -> str:
     lines = [f"# waterwave-hpo bench: {device_name(device)}, {started:%Y-%m-%d %H:%M} UTC", ""]
     if device.type != "cuda":
@@ -496,4 +548,28 @@ def _readme(
         "the optuna-threads run only, so the other methods' errors are predictions' errors.",
         "",
     ]
+    if comparison:
+        lines += [
+            "## Co-hosting with and without memory plans, simulated (`plans.csv`)",
+            "",
+            "The same trials on the simulated device with the setting's capacity, K at a time, "
+            "on a device that overlaps K trials' work: *stock* (no ledger: an allocation that "
+            "does not fit is an out-of-memory error, the trial re-runs with fewer neighbours), "
+            "*stock+plans* (models planned when they do not fit, re-runs planned for half their "
+            "footprint), *ledger* (the executor's scheduler, registered models wait until their "
+            'plain peak fits), *ledger+plans* (`memory_plan="home"`). Plans are the planning '
+            "cost model's (smallest plan's peak and slowdown per trial, measured at the light "
+            "batch and scaled).",
+            "",
+            "| workload | setting | sharing | K | makespan s | OOM | evicted | re-runs | planned "
+            "| failed | peak MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c.workload} | {c.setting} | {c.sharing} | {c.k} | {c.makespan_s:.2f} | "
+            f"{c.ooms} | {c.evictions} | {c.reruns} | {c.planned_attempts} | "
+            f"{c.failed_trials} | {c.peak_bytes / 2**20:.1f} |"
+            for c in comparison
+        ]
+        lines.append("")
     return "\n".join(lines)
