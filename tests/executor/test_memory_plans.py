@@ -116,7 +116,7 @@ def test_a_trial_that_does_not_fit_beside_its_neighbour_runs_with_a_plan_for_wha
 
 
 def test_a_trial_that_runs_out_of_memory_reruns_with_a_plan_and_completes(
-    tmp_path: object,
+    storage: optuna.storages.BaseStorage,
 ) -> None:
     # A simulated device smaller than the plain step (the budget the executor was told is
     # larger, as when the cost model errs on a GPU): the objective raises CUDA's OOM when the
@@ -144,7 +144,7 @@ def test_a_trial_that_runs_out_of_memory_reruns_with_a_plan_and_completes(
         memory_planner="capuchin",
         record_trial_attrs=True,
     )
-    study = optuna.create_study()
+    study = optuna.create_study(storage=storage)
     executor.optimize(study, objective, n_trials=1)
     first, rerun = study.trials
     assert first.state is TrialState.FAIL and "out of device memory" in str(
@@ -153,7 +153,8 @@ def test_a_trial_that_runs_out_of_memory_reruns_with_a_plan_and_completes(
     assert rerun.state is TrialState.COMPLETE
     assert rerun.params == first.params
     assert rerun.system_attrs["waterwave:retry_of"] == 0
-    plan = trial_memory_plan(rerun)
+    assert rerun.system_attrs["waterwave:plan_cap_bytes"] == PLAIN_BYTES // 2
+    plan = trial_memory_plan(rerun)  # read back from the storage's system attributes
     assert plan is not None
     assert plan.budget_bytes <= PLAIN_BYTES // 2  # PLAN_SHRINK of the failed footprint
     table = trials_table(study)
@@ -212,6 +213,10 @@ def test_auto_trials_per_device_admits_a_trial_at_its_planned_footprint() -> Non
         executor.optimize(study, objective, n_trials=4)
         return study, executor
 
+    # Without plans a registered model is not even measured: one trial at a time.
+    study, executor = run("off")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    assert running["peak"] == 1 and executor.packing_predictions == {}
     study, executor = run("home")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert running["peak"] >= 2
