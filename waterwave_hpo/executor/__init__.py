@@ -1,6 +1,8 @@
 """The executor: co-hosted trials, one thread and one CUDA stream each, on every device."""
 
 from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor._batch import BatchedObjective
+from waterwave_hpo.executor._batch import batched
 from waterwave_hpo.executor._context import NotInTrialError
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._context import current
@@ -14,12 +16,14 @@ from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
 
 __all__ = [
+    "BatchedObjective",
     "MemoryPoolMode",
     "NotInTrialError",
     "OnOOM",
     "TrialContext",
     "TrialInterrupted",
     "WaterwaveExecutor",
+    "batched",
     "current",
     "current_or_none",
     "is_out_of_memory",
