@@ -30,6 +30,7 @@ from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._outcome import OutcomeKind
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 # to stderr, so they are visible by default; a configured root logger receives them instead.
 _logger = logging.getLogger("waterwave_hpo")
 
-ObjectiveFunc = Callable[[optuna.trial.Trial], Any]
+ObjectiveFunc = Callable[[optuna.trial.Trial], Any] | BatchedObjective[Any]
+"""An objective taking one trial, or a batched one (``fuse=K``) taking a list of trials."""
 Callback = Callable[[optuna.Study, FrozenTrial], None]
 
 _POLL_S = 0.05
