@@ -14,6 +14,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 import contextlib
 import functools
+import gc
 import traceback
 from typing import TYPE_CHECKING
 from typing import Any
@@ -137,6 +138,13 @@ def run_batch(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> l
     exactly one outcome, in order. The trials share the slot's device, stream and pool
     account; :func:`waterwave_hpo.current` gives the first trial's context.
     """
+    outcomes = _run_batch(slot, job, stream)
+    if slot.host.settings.gc_after_trial:
+        gc.collect()
+    return outcomes
+
+
+def _run_batch(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> list[TrialOutcome]:
     # Here, not at the top: _host's slot loop imports this module.
     from waterwave_hpo.executor._host import TrialInterrupted
     from waterwave_hpo.executor._host import _classify
