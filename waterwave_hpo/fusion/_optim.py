@@ -314,6 +314,28 @@ def _stack_hparams(
     return stacked
 
 
+@dataclass
+class _Uses:
+    """Which optional parts of the update any model uses, known on the host.
+
+    Kept here so that a step never reads a device tensor back (a stream sync on CUDA); refreshed
+    only when the hyperparameters change (construction, scheduler, keep_models, load).
+    """
+
+    maximize: bool = False
+    momentum: bool = False
+    amsgrad: bool = False
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> _Uses:
+        """Read the group's (K,) hyperparameters once (a device-to-host copy on CUDA)."""
+        return cls(
+            maximize=any(group["maximize"].tolist()),
+            momentum="momentum" in group and any(v != 0 for v in group["momentum"].tolist()),
+            amsgrad="amsgrad" in group and any(group["amsgrad"].tolist()),
+        )
+
+
 class _Broadcast:
     """A group's hyperparameters cast to one parameter dtype and viewed as ``(K, 1, ..., 1)``."""
 
@@ -364,6 +386,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         group: dict[str, Any] = {"params": [p for _, p in named_params]}
         group.update(_stack_hparams(kind, hparams, device))
         super().__init__([group], defaults={})
+        self._uses = _Uses.of(self.param_groups[0])
 
     @property
     def kind(self) -> OptimizerKind:
@@ -428,6 +451,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
         self.param_groups[0][name] = new.to(target.device)
+        if name == "momentum":  # read from the host copy: no device sync
+            self._uses.momentum = any(v != 0 for v in new.tolist())
 
     def _follow(self, follower: _PerModel) -> None:
         """Register something per model (a scheduler) that :meth:`keep_models` must slice too."""
@@ -461,6 +486,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if value.shape[0] != self._num_models:
                         raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
                     state[key] = value.index_select(0, index.to(value.device))
+        self._uses = _Uses.of(group)
         for follower in list(self._followers):
             follower._keep_models(kept)
         self._num_models = len(kept)
@@ -517,6 +543,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = value.clone()
             if "step" in state:
                 state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
+        self._uses = _Uses.of(group)
         self._num_models = saved_k
 
     @torch.no_grad()
@@ -561,7 +588,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """``p.grad``, negated for the models that maximize."""
         assert p.grad is not None
         grad = p.grad
-        if bool(group["maximize"].any()):
+        if self._uses.maximize:
             grad = torch.where(hp("maximize", p.dim()), -grad, grad)
         return grad
 
@@ -572,7 +599,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         grad = grad + hp("weight_decay", ndim) * p
         momentum: torch.Tensor = group["momentum"]
-        if bool((momentum != 0).any()):
+        if self._uses.momentum:
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = grad.detach().clone()
@@ -596,8 +623,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros_like(group["lr"])
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        amsgrad: torch.Tensor = group["amsgrad"]
-        if bool(amsgrad.any()) and "max_exp_avg_sq" not in state:
+        if self._uses.amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step: torch.Tensor = state["step"]
         step += 1
