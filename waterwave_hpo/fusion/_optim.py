@@ -323,38 +323,55 @@ class _Uses:
     """
 
     maximize: bool = False
+    weight_decay: bool = False
     momentum: bool = False
+    plain_momentum_only: bool = False  # every model has momentum != 0 and no Nesterov
     amsgrad: bool = False
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> _Uses:
         """Read the group's (K,) hyperparameters once (a device-to-host copy on CUDA)."""
-        return cls(
+        uses = cls(
             maximize=any(group["maximize"].tolist()),
-            momentum="momentum" in group and any(v != 0 for v in group["momentum"].tolist()),
+            weight_decay=any(v != 0 for v in group["weight_decay"].tolist()),
             amsgrad="amsgrad" in group and any(group["amsgrad"].tolist()),
         )
+        if "momentum" in group:
+            uses.set_momentum(group["momentum"].tolist(), group["nesterov"].tolist())
+        return uses
+
+    def set_momentum(self, momentum: list[float], nesterov: list[bool]) -> None:
+        """Update from SGD's momentum and nesterov values (host lists)."""
+        self.momentum = any(m != 0 for m in momentum)
+        self.plain_momentum_only = all(m != 0 for m in momentum) and not any(nesterov)
 
 
 class _Broadcast:
-    """A group's hyperparameters cast to one parameter dtype and viewed as ``(K, 1, ..., 1)``."""
+    """A group's hyperparameters for one step, cast to one parameter dtype, viewed ``(K, 1, ...)``.
+
+    Values computed from them (e.g. ``-lr * momentum``) are computed once per step and dtype.
+    """
 
     def __init__(self, group: Mapping[str, Any], dtype: torch.dtype) -> None:
         self._group = group
         self._dtype = dtype
-        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._flat: dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, ndim: int, value: torch.Tensor | None = None) -> torch.Tensor:
-        """``value`` (or the group's ``name``) shaped to broadcast over a ``ndim``-dim parameter."""
-        key = (name, ndim)
-        if value is not None or key not in self._cache:
-            source = self._group[name] if value is None else value
-            cast = source if source.dtype == torch.bool else source.to(self._dtype)
-            view = cast.reshape((cast.shape[0],) + (1,) * (ndim - 1))
-            if value is not None:
-                return view
-            self._cache[key] = view
-        return self._cache[key]
+    def __call__(
+        self, name: str, ndim: int, compute: Callable[[], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """(K,) value ``name`` (the group's, or ``compute()``), viewed for a ``ndim``-dim tensor."""
+        flat = self._flat.get(name)
+        if flat is None:
+            source = self._group[name] if compute is None else compute()
+            flat = source if source.dtype == torch.bool else source.to(self._dtype)
+            self._flat[name] = flat
+        return self.view(flat, ndim)
+
+    def view(self, value: torch.Tensor, ndim: int) -> torch.Tensor:
+        """``value`` of shape (K,) cast and viewed to broadcast over a ``ndim``-dim tensor."""
+        cast = value if value.dtype in (torch.bool, self._dtype) else value.to(self._dtype)
+        return cast.reshape((cast.shape[0],) + (1,) * (ndim - 1))
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -451,8 +468,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
         self.param_groups[0][name] = new.to(target.device)
-        if name == "momentum":  # read from the host copy: no device sync
-            self._uses.momentum = any(v != 0 for v in new.tolist())
+        # read from the host copy: no device sync
+        if name == "momentum":
+            self._uses.set_momentum(new.tolist(), self.param_groups[0]["nesterov"].tolist())
+        if name == "weight_decay":
+            self._uses.weight_decay = any(v != 0 for v in new.tolist())
 
     def _follow(self, follower: _PerModel) -> None:
         """Register something per model (a scheduler) that :meth:`keep_models` must slice too."""
@@ -593,24 +613,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         return grad
 
     def _sgd(self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast) -> None:
-        """``torch.optim.SGD``'s update (``_single_tensor_sgd``), per model."""
+        """``torch.optim.SGD``'s update (``_single_tensor_sgd``), per model.
+
+        With momentum, the update ``p -= lr * g`` uses ``g = a * grad + c * buf`` with per-model
+        coefficients: no momentum (a=1, c=0), Nesterov (a=1, c=momentum), plain momentum (a=0,
+        c=1); so models of every kind share the same few full-size passes.
+        """
         ndim = p.dim()
         grad = self._grad(p, group, hp)
         state = self.state[p]
-        grad = grad + hp("weight_decay", ndim) * p
-        momentum: torch.Tensor = group["momentum"]
-        if self._uses.momentum:
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = grad.detach().clone()
-                state["momentum_buffer"] = buf
-            else:
-                buf.mul_(hp("momentum", ndim)).add_(grad * (1 - hp("dampening", ndim)))
-            stepped = torch.where(
-                hp("nesterov", ndim), grad + hp("momentum", ndim) * buf, buf
-            )  # fmt: skip
-            grad = torch.where(hp("has_momentum", ndim, momentum != 0), stepped, grad)
-        p.addcmul_(grad, hp("lr", ndim), value=-1)
+        if self._uses.weight_decay:
+            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
+        if not self._uses.momentum:
+            p.addcmul_(grad, hp("lr", ndim), value=-1)
+            return
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = grad.detach().clone()
+            state["momentum_buffer"] = buf
+        else:
+            buf.mul_(hp("momentum", ndim)).addcmul_(
+                grad, hp("one_minus_dampening", ndim, lambda: 1 - group["dampening"])
+            )
+        if not self._uses.plain_momentum_only:
+            p.addcmul_(grad, hp("neg_lr_a", ndim, lambda: _sgd_coefficients(group)[0]))
+        p.addcmul_(buf, hp("neg_lr_c", ndim, lambda: _sgd_coefficients(group)[1]))
 
     def _adam(
         self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast, *, decoupled: bool
@@ -628,29 +655,37 @@ class FusedOptimizer(torch.optim.Optimizer):
         step: torch.Tensor = state["step"]
         step += 1
         lr: torch.Tensor = group["lr"]
-        weight_decay: torch.Tensor = group["weight_decay"]
-        if decoupled:
-            p.mul_(hp("decay", ndim, 1 - lr * weight_decay))
-        else:
-            grad = grad + hp("weight_decay", ndim) * p
-        beta1, beta2 = group["betas"][:, 0], group["betas"][:, 1]
+        betas: torch.Tensor = group["betas"]
+        if self._uses.weight_decay and decoupled:
+            p.mul_(hp("decay", ndim, lambda: 1 - lr * group["weight_decay"]))
+        elif self._uses.weight_decay:
+            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
         exp_avg: torch.Tensor = state["exp_avg"]
         exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
-        exp_avg.lerp_(grad, hp("one_minus_beta1", ndim, 1 - beta1))
-        exp_avg_sq.mul_(hp("beta2", ndim, beta2)).addcmul_(
-            grad * hp("one_minus_beta2", ndim, 1 - beta2), grad
+        exp_avg.lerp_(grad, hp("one_minus_beta1", ndim, lambda: 1 - betas[:, 0]))
+        exp_avg_sq.mul_(hp("beta2", ndim, lambda: betas[:, 1])).addcmul_(
+            grad.square(), hp("one_minus_beta2", ndim, lambda: 1 - betas[:, 1])
         )
-        # In float64 over (K,), as the stock code does in Python floats.
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        step_size = lr / bias_correction1
+        # Per parameter (its step count), in float64 over (K,), as the stock code does in Python
+        # floats.
+        bias_correction2_sqrt = (1 - betas[:, 1] ** step) ** 0.5
+        neg_step_size = -lr / (1 - betas[:, 0] ** step)
         second = exp_avg_sq
         if "max_exp_avg_sq" in state:
             max_exp_avg_sq: torch.Tensor = state["max_exp_avg_sq"]
             torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
             second = torch.where(hp("amsgrad", ndim), max_exp_avg_sq, exp_avg_sq)
-        denom = (second.sqrt() / hp("bc2_sqrt", ndim, bias_correction2_sqrt)).add_(hp("eps", ndim))
-        p.addcmul_(exp_avg / denom, hp("step_size", ndim, step_size), value=-1)
+        denom = second.sqrt().div_(hp.view(bias_correction2_sqrt, ndim)).add_(hp("eps", ndim))
+        p.addcmul_(exp_avg.div(denom), hp.view(neg_step_size, ndim))
+
+
+def _sgd_coefficients(group: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGD's per-model ``(-lr * a, -lr * c)`` of ``p -= lr * (a * grad + c * buf)``, each (K,)."""
+    lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+    no_momentum = momentum == 0
+    a = (no_momentum | nesterov).to(lr.dtype)
+    c = torch.where(no_momentum, 0.0, torch.where(nesterov, momentum, 1.0))
+    return -lr * a, -lr * c
 
 
 def check_indices(indices: object, num_models: int) -> list[int]:
