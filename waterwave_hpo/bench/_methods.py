@@ -16,7 +16,10 @@ class Method(enum.Enum):
     ``CUDA_MALLOC_ASYNC``: K threads, one CUDA stream each, PyTorch's
     ``backend:cudaMallocAsync`` (the driver's stream-ordered pool). ``WATERWAVE_FIFO`` and
     ``WATERWAVE``: :class:`~waterwave_hpo.WaterwaveExecutor` with the stream-aware pool (CUDA)
-    and NodeGroup gates, under the ``fifo`` or ``waterwave`` policy.
+    and NodeGroup gates, under the ``fifo`` or ``waterwave`` policy. ``FUSED``: the executor
+    with ``fuse=K`` on one slot: each batch of up to K trials is grouped by model structure and
+    each group trained as one horizontally fused model (HFTA, arXiv:2102.02344); trials of a
+    structure no other trial of their batch shares train alone.
     """
 
     TEMPORAL = "temporal"
@@ -25,6 +28,7 @@ class Method(enum.Enum):
     CUDA_MALLOC_ASYNC = "cuda-malloc-async"
     WATERWAVE_FIFO = "waterwave-fifo"
     WATERWAVE = "waterwave"
+    FUSED = "fused"
 
     @property
     def label(self) -> str:
@@ -36,6 +40,7 @@ class Method(enum.Enum):
             Method.CUDA_MALLOC_ASYNC: "cudaMallocAsync, K streams",
             Method.WATERWAVE_FIFO: "waterwave, fifo",
             Method.WATERWAVE: "waterwave",
+            Method.FUSED: "fused, K per model",
         }[self]
 
     @property

@@ -18,6 +18,7 @@ _COLOURS = {
     Method.CUDA_MALLOC_ASYNC: "#f4511e",
     Method.WATERWAVE_FIFO: "#7cb342",
     Method.WATERWAVE: "#2e7d32",
+    Method.FUSED: "#fdd835",
 }
 
 
