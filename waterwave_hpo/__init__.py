@@ -15,6 +15,7 @@ from waterwave_hpo.executor import NotInTrialError
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import WaterwaveExecutor
+from waterwave_hpo.executor import batched
 from waterwave_hpo.executor import current
 from waterwave_hpo.executor import current_or_none
 from waterwave_hpo.executor import fit_trial_memory
@@ -56,6 +57,7 @@ __all__ = [
     "TrialContext",
     "WaterwaveExecutor",
     "__version__",
+    "batched",
     "create_study",
     "current",
     "current_or_none",

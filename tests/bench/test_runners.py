@@ -192,3 +192,12 @@ def test_results_say_which_allocator_each_method_ran_on() -> None:
 class _NoStream:
     def synchronize(self) -> None:
         pass
+
+
+def test_fused_method_trains_trials_of_one_structure_as_one_model() -> None:
+    same_structure = [dict(PARAMS[0], lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
+    run = run_method(Method.FUSED, SPEC, same_structure, CPU, k=3, seed=0, capacity_bytes=1)
+    assert run.completed == {0, 1, 2}
+    assert "fused groups of sizes [3]" in run.note
+    # One array: the three trials share start, end and step time.
+    assert len({(r.start_s, r.end_s, r.host_s_per_step) for r in run.records}) == 1

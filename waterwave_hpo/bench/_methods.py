@@ -20,7 +20,10 @@ class Method(enum.Enum):
     executor with ``memory_plan="home"``: each trial's model registered with
     :func:`waterwave_hpo.fit_trial_memory` instead of gates, so a trial that does not fit
     beside its neighbours runs with a HOME keep/swap/recompute plan (issue 11 part 6: the
-    co-hosting at high memory demand with plans, beside the two without).
+    co-hosting at high memory demand with plans, beside the two without). ``FUSED``: the
+    executor with ``fuse=K`` on one slot: each batch of up to K trials is grouped by model
+    structure and each group trained as one horizontally fused model (HFTA, arXiv:2102.02344);
+    trials of a structure no other trial of their batch shares train alone.
     """
 
     TEMPORAL = "temporal"
@@ -30,6 +33,7 @@ class Method(enum.Enum):
     WATERWAVE_FIFO = "waterwave-fifo"
     WATERWAVE = "waterwave"
     WATERWAVE_PLANS = "waterwave-plans"
+    FUSED = "fused"
 
     @property
     def label(self) -> str:
@@ -42,6 +46,7 @@ class Method(enum.Enum):
             Method.WATERWAVE_FIFO: "waterwave, fifo",
             Method.WATERWAVE: "waterwave",
             Method.WATERWAVE_PLANS: "waterwave + HOME plans",
+            Method.FUSED: "fused, K per model",
         }[self]
 
     @property

@@ -19,6 +19,7 @@ _COLOURS = {
     Method.WATERWAVE_FIFO: "#7cb342",
     Method.WATERWAVE: "#2e7d32",
     Method.WATERWAVE_PLANS: "#00897b",
+    Method.FUSED: "#fdd835",
 }
 
 

@@ -21,6 +21,7 @@ from waterwave_hpo.bench._methods import mps_running
 from waterwave_hpo.bench._methods import unavailable_reason
 from waterwave_hpo.bench._train import TrialRecord
 from waterwave_hpo.bench._train import train
+from waterwave_hpo.bench._train import train_fused
 from waterwave_hpo.bench._workloads import WorkloadSpec
 
 _INDEX_ATTR = "bench:index"
@@ -263,6 +264,7 @@ def _run_here(
         Method.WATERWAVE_FIFO: _run_waterwave,
         Method.WATERWAVE: _run_waterwave,
         Method.WATERWAVE_PLANS: _run_waterwave,
+        Method.FUSED: _run_fused,
     }[method]
     if method is not Method.SPATIAL:  # spatial's workers are fresh processes: they start cold
         from waterwave_hpo.bench._calibrate import warm_up
@@ -553,3 +555,73 @@ def _run_waterwave(
             run.peak_memory_bytes = int(stats.peak_bytes)
             run.peak_memory_source = "scheduler ledger (bytes accounted from profiles; CPU)"
     return note
+
+
+def _run_fused(
+    run: MethodRun,
+    params: list[dict[str, Any]],
+    device: torch.device,
+    seed: int,
+    capacity_bytes: int,
+) -> str:
+    """The executor with ``fuse=K``: batches of up to K trials, each structure group fused.
+
+    The trials are taken in an order that puts equal structures
+    (:func:`waterwave_hpo.fusion.structure_key`) next to each other, so a batch holds as many
+    of one structure as there are (what a user of fusion does: one structure per search).
+    A group of one trains alone with :func:`train`, exactly as the temporal method does.
+    """
+    from waterwave_hpo import fusion
+    from waterwave_hpo.bench._workloads import build
+    from waterwave_hpo.executor import WaterwaveExecutor
+    from waterwave_hpo.executor import batched
+    from waterwave_hpo.executor import current
+
+    keys = [str(fusion.structure_key(build(run.spec.workload, p))) for p in params]
+    order = iter(sorted(range(len(params)), key=lambda i: (keys[i], i)))
+    groups: list[int] = []
+
+    def objective(trials: list[optuna.trial.Trial]) -> list[object]:
+        ctx = current()
+        indices = [next(order) for _ in trials]
+        records = [TrialRecord(index=i, slot=ctx.slot) for i in indices]
+        run.records.extend(records)
+        entries: list[object] = [None] * len(trials)
+        by_key: dict[str, list[int]] = {}
+        for position, index in enumerate(indices):
+            trials[position].set_user_attr(_INDEX_ATTR, index)
+            by_key.setdefault(keys[index], []).append(position)
+        for positions in by_key.values():
+            groups.append(len(positions))
+            try:
+                if len(positions) == 1:
+                    (position,) = positions
+                    values = [
+                        train(
+                            run.spec,
+                            params[indices[position]],
+                            records[position],
+                            device,
+                            seed=seed,
+                        )
+                    ]
+                else:
+                    values = train_fused(
+                        run.spec,
+                        [params[indices[p]] for p in positions],
+                        [records[p] for p in positions],
+                        device,
+                        seed=seed,
+                    )
+                for position, value in zip(positions, values, strict=True):
+                    entries[position] = value
+            except Exception as error:  # this group's trials fail; the batch's others go on
+                for position in positions:
+                    entries[position] = error
+        return entries
+
+    executor = WaterwaveExecutor(devices=str(device), trials_per_device=1, fuse=run.k)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    executor.optimize(study, batched(objective), n_trials=len(params))
+    return f"fused groups of sizes {sorted(groups, reverse=True)} (K={run.k})"

@@ -190,3 +190,90 @@ def train(
         raise
     finally:
         record.end_s = time.time()
+
+
+def train_fused(
+    spec: WorkloadSpec,
+    params: list[dict[str, Any]],
+    records: list[TrialRecord],
+    device: torch.device,
+    *,
+    seed: int,
+) -> list[float]:
+    """Train trials of one structure as one fused model; fill each trial's record.
+
+    Horizontal fusion (HFTA, arXiv:2102.02344; :func:`waterwave_hpo.fusion.fuse`): the K
+    models are built and seeded exactly as :func:`train` builds each one, stacked into one
+    module, and trained by a fused AdamW with each model's own learning rate; model ``k`` trains
+    on its own batches (``[K, B, ...]``, from the same per-trial seed as :func:`train`). The
+    records share the fused steps' times: start, end and host seconds per step are the array's.
+
+    Args:
+        spec: Workload, batch size, steps.
+        params: The K trials' parameters; their models must have one structure
+            (:func:`waterwave_hpo.fusion.structure_key`).
+        records: One per trial, in the order of ``params``; filled in place.
+        device: Where to train.
+        seed: Base seed, as for :func:`train`.
+
+    Returns:
+        Each model's last loss.
+
+    Raises:
+        Exception: Whatever fusing or training raises, after every record has its end time and
+            error.
+    """
+    from waterwave_hpo import fusion
+
+    start_s = time.time()
+    for record in records:
+        record.start_s = start_s
+    try:
+        models = []
+        for record, p in zip(records, params, strict=True):
+            torch.manual_seed(seed * 1_000_003 + record.index)
+            models.append(build(spec.workload, p))
+        fused = fusion.fuse(models).to(device)
+        optimizer = fusion.optimizer(
+            torch.optim.AdamW, fused, [{"lr": float(p["lr"])} for p in params]
+        )
+        per_trial = [make_batches(spec, device, seed * 7919 + r.index) for r in records]
+        stacked = [
+            (
+                torch.stack([batches[i][0] for batches in per_trial]),
+                torch.stack([batches[i][1] for batches in per_trial]),
+            )
+            for i in range(len(per_trial[0]))
+        ]
+        host: list[float] = []
+        losses = torch.zeros(len(records))
+        for step in range(spec.steps):
+            xs, ys = stacked[step % len(stacked)]
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            losses = fusion.per_model_loss(
+                lambda out, y: loss_of(spec, out, y),
+                fused(xs, stacked=True),
+                ys,
+                target_stacked=True,
+            )
+            losses.sum().backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            host.append(time.perf_counter() - t0)
+        values = [float(v) for v in losses.detach().tolist()]
+        for record in records:
+            record.host_s_per_step = statistics.median(host) if host else None
+            record.samples = spec.steps * spec.batch_size
+            record.complete = True
+        return values
+    except BaseException as error:
+        from waterwave_hpo.executor import is_out_of_memory
+
+        for record in records:
+            record.oom = isinstance(error, Exception) and is_out_of_memory(error)
+            record.error = f"{type(error).__name__}: {error}"[:300]
+        raise
+    finally:
+        end_s = time.time()
+        for record in records:
+            record.end_s = end_s

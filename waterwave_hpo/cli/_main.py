@@ -72,6 +72,15 @@ def _parser() -> argparse.ArgumentParser:
         "same --epochs and --seed), also after a kill, and may be shared by several demo "
         "processes at once",
     )
+    demo.add_argument(
+        "--fuse",
+        type=int,
+        default=None,
+        metavar="K",
+        help="fused search: one MLP structure, numbers only (learning rate, weight decay, "
+        "momentum, dropout); each slot trains up to K trials as one fused model (HFTA), each "
+        "trial still reported, pruned and ended on its own (default: off, the NAS search)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     _add_bench(commands)
@@ -224,6 +233,9 @@ def _demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.fuse is not None and args.fuse < 1:
+        print(f"waterwave-hpo demo: error: --fuse {args.fuse} must be >= 1", file=sys.stderr)
+        return 2
     config = DemoConfig(
         trials=args.trials,
         concurrency=args.concurrency,
@@ -232,6 +244,7 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out,
         show_progress_bar=not args.no_progress,
+        fuse=args.fuse,
     )
     try:
         result = run_demo(config)
@@ -263,7 +276,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"Interrupted: {s['n_trials']} of {args.trials} trials done; the trials that were "
             "running do not count and run again with their parameters on resume. Resume with:\n"
             f"  waterwave-hpo demo --trials {args.trials} --epochs {args.epochs} "
-            f"--seed {args.seed} --out {shlex.quote(str(result.out))}",
+            f"--seed {args.seed} --out {shlex.quote(str(result.out))}"
+            + ("" if args.fuse is None else f" --fuse {args.fuse}"),
             file=sys.stderr,
         )
         return 130

@@ -21,6 +21,7 @@ from waterwave_hpo.cluster._fleet import HostFleet
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
+from waterwave_hpo.executor import BatchedObjective
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
@@ -229,10 +230,19 @@ class RayExecutor(WaterwaveExecutor):
                 cannot start.
             AllHostsLostError: If every host actor died and none could replace them; their
                 trials were told FAIL.
+            NotImplementedError: If ``func`` is a batched objective (``fuse`` is not supported
+                on Ray hosts yet).
             TypeError, ValueError, Exception, KeyboardInterrupt: As
                 :meth:`WaterwaveExecutor.optimize`.
         """
         ray = import_ray()
+        if isinstance(func, BatchedObjective):
+            raise NotImplementedError(
+                f"func={func!r} is a batched objective (waterwave_hpo.batched): RayExecutor "
+                "does not run fused batches yet. Run it with "
+                "WaterwaveExecutor(devices=..., fuse=K) on one machine, or pass an objective "
+                "taking one trial."
+            )
         if not isinstance(study, optuna.Study):
             raise _checks.type_error(
                 "study",

@@ -5,6 +5,11 @@
 
 from waterwave_hpo.demo._data import Digits
 from waterwave_hpo.demo._data import load_digits
+from waterwave_hpo.demo._fused import FixedModel
+from waterwave_hpo.demo._fused import build_fixed_model
+from waterwave_hpo.demo._fused import make_fused_objective
+from waterwave_hpo.demo._fused import make_unfused_objective
+from waterwave_hpo.demo._fused import suggest_numbers
 from waterwave_hpo.demo._journal import JournalDamagedError
 from waterwave_hpo.demo._journal import check_journal
 from waterwave_hpo.demo._journal import open_journal
@@ -23,14 +28,19 @@ __all__ = [
     "DemoResult",
     "DemoSettingError",
     "Digits",
+    "FixedModel",
     "HolderNamingJournalFileLock",
     "JournalDamagedError",
     "LivenessRule",
     "SeededDropout",
+    "build_fixed_model",
     "build_model",
     "check_journal",
     "load_digits",
+    "make_fused_objective",
     "make_objective",
+    "make_unfused_objective",
     "open_journal",
     "run_demo",
+    "suggest_numbers",
 ]

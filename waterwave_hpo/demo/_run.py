@@ -27,6 +27,7 @@ import torch
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo._version import __version__
 from waterwave_hpo.demo._data import load_digits
+from waterwave_hpo.demo._fused import make_fused_objective
 from waterwave_hpo.demo._journal import open_journal
 from waterwave_hpo.demo._liveness import Heartbeat
 from waterwave_hpo.demo._liveness import LivenessRule
@@ -41,6 +42,7 @@ from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.demo._process import this_process
 from waterwave_hpo.executor import WaterwaveExecutor
+from waterwave_hpo.executor import batched
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.report import max_concurrent_trials
@@ -50,7 +52,7 @@ from waterwave_hpo.report import trials_table
 STUDY_NAME = "waterwave-demo"
 ATTR_SETTINGS = "waterwave:demo_settings"
 """Study system attribute: the settings that change the objective, checked on resume."""
-_OBJECTIVE_SETTINGS = ("epochs", "seed")
+_OBJECTIVE_SETTINGS = ("epochs", "seed", "fuse")
 
 _logger = logging.getLogger("waterwave_hpo.demo")
 
@@ -71,6 +73,10 @@ class DemoConfig:
             parameters, at any concurrency).
         out: The run directory.
         show_progress_bar: Show a progress bar on stderr.
+        fuse: ``None``: the NAS + HPO search, one model per trial. ``K``: a numbers-only
+            search (learning rate, weight decay, momentum, dropout) of one MLP structure,
+            each slot training up to K trials as one fused model
+            (:func:`waterwave_hpo.demo.make_fused_objective`, ``WaterwaveExecutor(fuse=K)``).
     """
 
     trials: int = 16
@@ -80,6 +86,7 @@ class DemoConfig:
     seed: int = 0
     out: Path = field(default_factory=lambda: Path("waterwave-demo"))
     show_progress_bar: bool = True
+    fuse: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,11 +153,18 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         minimum = 0 if name == "trials" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise DemoSettingError(name, value, f"must be an int >= {minimum}.")
+    if config.fuse is not None and (
+        isinstance(config.fuse, bool) or not isinstance(config.fuse, int) or config.fuse < 1
+    ):
+        raise DemoSettingError(
+            "fuse", config.fuse, "must be an int >= 1 (trials per fused model), or None."
+        )
     try:
         executor = WaterwaveExecutor(
             devices=config.device,
             trials_per_device=config.concurrency,
             record_trial_attrs=True,
+            fuse=config.fuse,
         )
     except (TypeError, ValueError) as error:
         raise DemoSettingError(
@@ -176,6 +190,12 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
     objective = _OwnedObjective(
         make_objective(load_digits(), epochs=config.epochs, seed=config.seed), me
     )
+    func: Callable[[Any], Any] = objective
+    if config.fuse is not None:
+        objective = _OwnedObjective(
+            make_fused_objective(load_digits(), epochs=config.epochs, seed=config.seed), me
+        )
+        func = batched(objective.run_batch)
     interrupted = False
     with Heartbeat(study, me, rule):
         for trial, why in stale_trials(study, me, rule):
@@ -190,7 +210,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         started = time.perf_counter()
         try:
             study.optimize(
-                objective,
+                func,
                 n_trials=to_run,
                 executor=executor,
                 # A neighbour process that wrongly failed one of our running trials makes its
@@ -215,6 +235,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         title=(
             f"waterwave-hpo demo: {len(this_run or trials)} trials, "
             f"{config.concurrency} per device on {', '.join(map(str, executor.devices))}"
+            + ("" if config.fuse is None else f", fused {config.fuse} per model")
         ),
     )
     summary = _summary(study, config, executor, wall_time_s, this_run, to_run)
@@ -227,9 +248,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
 class _OwnedObjective:
     """The demo's objective, recording its owner first and why a trial failed by itself."""
 
-    def __init__(
-        self, objective: Callable[[optuna.trial.Trial], float], me: ProcessIdentity
-    ) -> None:
+    def __init__(self, objective: Callable[[Any], Any], me: ProcessIdentity) -> None:
         self._objective = objective
         self._me = me
         self._lock = threading.Lock()
@@ -239,7 +258,7 @@ class _OwnedObjective:
     def __call__(self, trial: optuna.trial.Trial) -> float:
         record_owner(trial, self._me)
         try:
-            value = self._objective(trial)
+            value: float = self._objective(trial)
         except (optuna.TrialPruned, UpdateFinishedTrialError):
             # Pruned; or finished by someone else (the executor on Ctrl+C, before it stops this
             # thread; a neighbour process): not a failure of the trial's own.
@@ -257,6 +276,34 @@ class _OwnedObjective:
                 trial.study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
             )
         return value
+
+    def run_batch(self, trials: list[optuna.trial.Trial]) -> list[object]:
+        """The fused demo's batch: record the owner of each trial, run, note own failures."""
+        for trial in trials:
+            record_owner(trial, self._me)
+        try:
+            entries: list[object] = list(self._objective(trials))
+        except (optuna.TrialPruned, UpdateFinishedTrialError):
+            raise
+        except Exception:
+            with self._lock:
+                self.failed_by_itself.update(t.number for t in trials)
+            raise
+        for trial, entry in zip(trials, entries, strict=False):
+            if isinstance(entry, optuna.TrialPruned):
+                continue
+            reason = (
+                f"{type(entry).__name__}: {entry}"
+                if isinstance(entry, BaseException)
+                else _invalid_value_reason(entry)
+            )
+            if reason is not None:
+                with self._lock:
+                    self.failed_by_itself.add(trial.number)
+                _optuna_compat.set_system_attr(
+                    trial.study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+                )
+        return entries
 
 
 def _invalid_value_reason(value: object) -> str | None:
@@ -370,6 +417,7 @@ def _summary(
         "device": [str(device) for device in executor.devices],
         "device_name": _device_names(executor),
         "trials_per_device": executor.trials_per_device,
+        "fuse": config.fuse,
         "settings": settings,
         "versions": {
             "waterwave_hpo": __version__,

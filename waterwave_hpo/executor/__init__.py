@@ -2,6 +2,8 @@
 
 from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._attrs import trial_memory_plan
+from waterwave_hpo.executor._batch import BatchedObjective
+from waterwave_hpo.executor._batch import batched
 from waterwave_hpo.executor._context import NotInTrialError
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._context import current
@@ -18,6 +20,7 @@ from waterwave_hpo.executor._planning import NoPlanFitsError
 from waterwave_hpo.executor._planning import fit_trial_memory
 
 __all__ = [
+    "BatchedObjective",
     "MemoryPlanMode",
     "MemoryPoolMode",
     "NoPlanFitsError",
@@ -26,6 +29,7 @@ __all__ = [
     "TrialContext",
     "TrialInterrupted",
     "WaterwaveExecutor",
+    "batched",
     "current",
     "current_or_none",
     "fit_trial_memory",

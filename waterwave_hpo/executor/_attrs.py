@@ -25,7 +25,10 @@ ATTR_RETRY_OF = "waterwave:retry_of"
 ATTR_FAIL_REASON = "waterwave:fail_reason"
 """Why a FAIL trial failed: the exception, or out of memory with how many neighbours."""
 ATTR_PEAK_BYTES = "waterwave:peak_bytes"
-"""The trial's peak allocated device memory in bytes, measured by its pool account (CUDA)."""
+"""The trial's peak allocated device memory in bytes, measured by its pool account (CUDA); for
+a trial of a fused batch, the batch's peak divided by the number of its trials."""
+ATTR_BATCH = "waterwave:batch"
+"""The numbers of the trials run together in one call of a batched objective (``fuse=K``)."""
 ATTR_MEMORY_PLAN = "waterwave:memory_plan"
 """The memory plan the trial's model ran with (``memory_plan="home"``): the fields of a
 :class:`~waterwave_hpo.planning.MemoryPlan`; read it with :func:`trial_memory_plan`. Recorded
@@ -57,8 +60,8 @@ def trial_attr(trial: FrozenTrial, key: str, default: Any = None) -> Any:
     Args:
         trial: A trial of a study the executor ran (``study.trials[i]``).
         key: ``ATTR_DEVICE``, ``ATTR_SLOT``, ``ATTR_ATTEMPT``, ``ATTR_RETRY_OF``,
-            ``ATTR_FAIL_REASON``, ``ATTR_PEAK_BYTES``, ``ATTR_MEMORY_PLAN``, ``ATTR_PLAN_CAP``
-            or ``waterwave_hpo.cluster.ATTR_HOST``.
+            ``ATTR_FAIL_REASON``, ``ATTR_PEAK_BYTES``, ``ATTR_BATCH``, ``ATTR_MEMORY_PLAN``,
+            ``ATTR_PLAN_CAP`` or ``waterwave_hpo.cluster.ATTR_HOST``.
         default: Returned when the trial does not have it (not run by the executor, or, for
             ``ATTR_RETRY_OF``, not a re-run).
 

@@ -16,6 +16,7 @@ import torch
 
 from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._batch import is_batched
 from waterwave_hpo.executor._devices import DeviceSpec
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
@@ -109,7 +110,8 @@ class WaterwaveExecutor:
             table and timeline show. Off by default, so a study's trials look as
             ``Study.optimize`` leaves them (``trials_dataframe()`` has Optuna's columns). The
             user's ``user_attrs`` are never touched. A re-run after an out-of-memory error
-            always records ``waterwave:retry_of`` and ``waterwave:attempt``.
+            always records ``waterwave:retry_of`` and ``waterwave:attempt``. A trial of a
+            fused batch also records ``waterwave:batch`` (the numbers of its batch's trials).
         memory_plan: ``"off"`` (default) or ``"home"``: a model the objective registers with
             :func:`waterwave_hpo.fit_trial_memory` runs with a HOME memory plan
             (keep/swap/recompute per unit, He et al., IEEE TC 2022) for the memory left beside
@@ -123,6 +125,17 @@ class WaterwaveExecutor:
             footprint.
         memory_planner: The planner for ``memory_plan="home"``: ``"pso"`` (HOME, default),
             ``"capuchin"`` or ``"exhaustive"`` (at most 10 units).
+        fuse: ``None`` (default): each slot runs one trial at a time. ``K >= 1``: the objective
+            is batched (:func:`waterwave_hpo.batched`) and each slot asks the study for up to K
+            trials at once and runs them in one call, e.g. as one fused model (horizontal
+            fusion, HFTA, arXiv:2102.02344); each trial still ends on its own (value, PRUNED
+            or FAIL, callbacks, logs). ``n_trials``, ``timeout`` and ``study.stop()`` are
+            checked before each trial is asked, so a batch may hold fewer than K trials. With
+            ``trials_per_device=N``, up to N batches run side by side on each device. A fused
+            batch that runs out of device memory fails its trials and, with
+            ``on_oom="retry"``, re-queues each one's parameters to run alone (a batch of one).
+            Not supported yet by :class:`waterwave_hpo.RayExecutor`, nor together with
+            ``memory_plan="home"``.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -151,6 +164,7 @@ class WaterwaveExecutor:
         record_trial_attrs: bool = False,
         memory_plan: MemoryPlanMode | str = MemoryPlanMode.OFF,
         memory_planner: str = "pso",
+        fuse: int | None = None,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
         self._init_trial_settings(
@@ -164,6 +178,7 @@ class WaterwaveExecutor:
             record_trial_attrs=record_trial_attrs,
             memory_plan=memory_plan,
             memory_planner=memory_planner,
+            fuse=fuse,
         )
 
     def _init_trial_settings(
@@ -179,6 +194,7 @@ class WaterwaveExecutor:
         record_trial_attrs: bool,
         memory_plan: MemoryPlanMode | str = MemoryPlanMode.OFF,
         memory_planner: str = "pso",
+        fuse: int | None = None,
     ) -> None:
         """Check and keep the settings every host applies.
 
@@ -205,6 +221,20 @@ class WaterwaveExecutor:
             ),
             planner=check_memory_planner(memory_planner),
         )
+        self.fuse = _checks.check_optional_int(
+            "fuse",
+            fuse,
+            minimum=1,
+            fix="pass the number of trials a batched objective runs at once, e.g. fuse=8, "
+            "or None to run one trial per call",
+        )
+        if self.fuse is not None and self.memory_plan.mode is not MemoryPlanMode.OFF:
+            raise _checks.value_error(
+                "memory_plan",
+                memory_plan,
+                "does not combine with fuse (a fused batch's model is planned as one)",
+                "pass memory_plan='off' with fuse, or fuse=None with memory_plan='home'",
+            )
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )
@@ -293,7 +323,7 @@ class WaterwaveExecutor:
             f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries}, "
             f"memory_budget_bytes={self.memory_budget_bytes}, "
             f"memory_pool={self.memory_pool.value!r}, "
-            f"memory_plan={self.memory_plan.mode.value!r})"
+            f"memory_plan={self.memory_plan.mode.value!r}, fuse={self.fuse})"
         )
 
     def optimize(
@@ -315,7 +345,9 @@ class WaterwaveExecutor:
             study: Any ``optuna.Study``.
             func: The objective: takes an ``optuna.trial.Trial``, returns a float (or a sequence
                 of floats for a multi-objective study). Inside it, :func:`waterwave_hpo.current`
-                gives the trial's device and stream.
+                gives the trial's device and stream. With ``fuse=K``, a batched objective
+                (:func:`waterwave_hpo.batched`) taking a list of up to K trials and returning
+                one entry per trial.
             n_trials: How many new trials to run (>= 0); ``None`` for no limit. Re-runs of
                 parameters after an out-of-memory error do not count.
             timeout: Stop starting trials after this many seconds (> 0); running trials finish.
@@ -333,9 +365,11 @@ class WaterwaveExecutor:
                 with only a ``timeout`` the elapsed time; with neither, Optuna's warning.
 
         Raises:
-            TypeError: If ``study``, ``func``, ``catch`` or ``callbacks`` has the wrong type.
-            ValueError: If ``n_trials`` or ``timeout`` is out of range, or the study's storage
-                is an in-memory SQLite database (``sqlite:///:memory:``).
+            TypeError: If ``study``, ``func``, ``catch`` or ``callbacks`` has the wrong type
+                (``func`` not batched while ``fuse`` is set).
+            ValueError: If ``n_trials`` or ``timeout`` is out of range, the study's storage
+                is an in-memory SQLite database (``sqlite:///:memory:``), or ``func`` is
+                batched and ``fuse`` is not set.
             RuntimeError: If called inside another ``optimize`` of the same study.
             Exception: The first exception an objective raised that is not in ``catch``, after
                 the other running trials have finished and been told.
@@ -352,6 +386,7 @@ class WaterwaveExecutor:
             raise _checks.type_error(
                 "func", func, "callable", "pass the objective, a function taking a trial"
             )
+        _check_fuse_matches(func, self.fuse)
         if n_trials is not None:
             n_trials = _check_positive_int("n_trials", n_trials, 0)
         if timeout is not None:
@@ -403,6 +438,25 @@ class WaterwaveExecutor:
 
 def _check_positive_int(name: str, value: object, minimum: int) -> int:
     return _checks.check_int(name, value, minimum=minimum)
+
+
+def _check_fuse_matches(func: object, fuse: int | None) -> None:
+    if is_batched(func) and fuse is None:
+        raise _checks.value_error(
+            "fuse",
+            fuse,
+            f"must be set, since func {func!r} is a batched objective (it takes a list of trials)",
+            "pass WaterwaveExecutor(fuse=K) to run up to K trials per call, or drop "
+            "waterwave_hpo.batched to run one trial per call",
+        )
+    if fuse is not None and not is_batched(func):
+        raise _checks.type_error(
+            "func",
+            func,
+            f"a batched objective, since fuse={fuse} runs up to {fuse} trials per call",
+            "mark a function taking a list of trials with waterwave_hpo.batched(objective), "
+            "or pass fuse=None for an objective taking one trial",
+        )
 
 
 def _check_on_oom(value: object) -> OnOOM:

@@ -31,6 +31,7 @@ from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._batch import run_batch
 from waterwave_hpo.executor._context import _CURRENT
 from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._memory import DeviceMemory
@@ -60,7 +61,8 @@ class RunSettings:
     """What every slot of one ``optimize`` call needs to run and tell trials."""
 
     study: optuna.Study
-    func: Callable[[optuna.trial.Trial], Any]
+    func: Callable[[Any], Any]
+    """The objective: it takes a trial, or a list of trials when batched (``fuse=K``)."""
     catch: tuple[type[BaseException], ...]
     on_oom: OnOOM
     max_oom_retries: int
@@ -126,7 +128,8 @@ class DeviceHost:
     def submit(self, slot: _Slot, job: TrialJob) -> None:
         """Hand ``job`` to the idle ``slot``; starts the slot's thread on first use."""
         assert slot.job is None, "submit() to a busy slot"
-        self.memory.trial_admitted(job.trial)
+        for member in job.members():
+            self.memory.trial_admitted(member.trial)
         slot.job = job
         slot.start()
         slot.inbox.put(job)
@@ -196,19 +199,33 @@ class _Slot:
                 job = self.inbox.get()
                 if job is None:
                     return
+                settings = self.host.settings
                 if setup_error is not None:
-                    outcome = _fail_without_running(self.host.settings, job, setup_error)
+                    outcomes = [
+                        _fail_without_running(settings, member, setup_error)
+                        for member in job.members()
+                    ]
                 else:
                     try:
-                        outcome = _run_trial(self, job, stream)
+                        if job.batch:
+                            outcomes = run_batch(self, job, stream)
+                        else:
+                            outcomes = [_run_trial(self, job, stream)]
                     except TrialInterrupted as interrupted:  # inside the executor's own calls
                         _release_interrupted(interrupted)
                         with contextlib.suppress(Exception):
-                            _optuna_compat.release_thread_session(self.host.settings.study)
-                        outcome = TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
+                            _optuna_compat.release_thread_session(settings.study)
+                        outcomes = [
+                            TrialOutcome(member, OutcomeKind.INTERRUPTED, None)
+                            for member in job.members()
+                        ]
                     except BaseException as error:  # the study's storage failed, not the trial
-                        outcome = _fail_without_running(self.host.settings, job, error)
-                self.host.settings.outcomes.put(outcome)
+                        outcomes = [
+                            _fail_without_running(settings, member, error)
+                            for member in job.members()
+                        ]
+                for outcome in outcomes:
+                    settings.outcomes.put(outcome)
                 if setup_error is not None:
                     return
         finally:

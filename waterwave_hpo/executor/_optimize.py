@@ -31,6 +31,7 @@ from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PLAN_CAP
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import trial_attr
+from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host import planned_rerun_cap
 from waterwave_hpo.executor._host_protocol import Host
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 # to stderr, so they are visible by default; a configured root logger receives them instead.
 _logger = logging.getLogger("waterwave_hpo")
 
-ObjectiveFunc = Callable[[optuna.trial.Trial], Any]
+ObjectiveFunc = Callable[[optuna.trial.Trial], Any] | BatchedObjective[Any]
+"""An objective taking one trial, or a batched one (``fuse=K``) taking a list of trials."""
 Callback = Callable[[optuna.Study, FrozenTrial], None]
 
 _POLL_S = 0.05
@@ -94,12 +96,16 @@ class OptimizeRun:
         self.stopping = False
         self.progress = _optuna_compat.progress_bar(show_progress_bar, n_trials, timeout_s)
         self.time_start = 0.0
-        self.asked: optuna.trial.Trial | None = None  # asked, not yet handed to a slot
+        self.asked: list[optuna.trial.Trial] = []  # asked, not yet handed to a slot
         # One heartbeat per running trial, wherever it runs (a local slot or a Ray host): this
         # process records them while it holds the trial; if it dies they stop, and another
         # process's fail_stale_trials fails the trial (RDBStorage(heartbeat_interval=...)).
         self.heartbeats: dict[int, _optuna_compat.Heartbeat] = {}
         self.aborted: list[optuna.trial.Trial] = []  # running when optimize was interrupted
+        self.fuse = executor.fuse  # None: one trial per slot; K: batches of up to K trials
+        # A fused batch's slot is free once every member's outcome is handled: id(batch job)
+        # -> the numbers of its trials whose outcome has not been handled yet.
+        self.batch_pending: dict[int, set[int]] = {}
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -175,7 +181,33 @@ class OptimizeRun:
                 self._ask_and_submit(host)
 
     def _ask_and_submit(self, host: Host[Any]) -> None:
-        self.asked = trial = self.study.ask()
+        slot = host.idle_slot()
+        assert slot is not None
+        jobs = [self._ask_job()]
+        if self.fuse is None:
+            job = jobs[0]
+        else:
+            # Up to `fuse` trials, each asked as Study.optimize would (n_trials, timeout,
+            # study.stop()); a re-run after a fused batch ran out of memory runs alone.
+            while (
+                len(jobs) < self.fuse
+                and jobs[0].attempt == 0
+                and not self.retries
+                and self._may_start()
+            ):
+                jobs.append(self._ask_job())
+            job = TrialJob(jobs[0].trial, jobs[0].attempt, jobs[0].retry_of, batch=tuple(jobs))
+            self.batch_pending[id(job)] = {member.trial.number for member in jobs}
+        host.submit(slot, job)
+        self.asked.clear()
+
+    def _ask_job(self) -> TrialJob:
+        """Ask the study for one trial, start its heartbeat and count it.
+
+        The trial stays in ``self.asked`` until the caller hands it to a slot.
+        """
+        trial = self.study.ask()
+        self.asked.append(trial)
         beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
         beat.start()
         self.heartbeats[trial.number] = beat
@@ -199,11 +231,8 @@ class OptimizeRun:
             for request in list(self.retries):
                 if (request.retry_of, request.attempt) == (retry_of, attempt):
                     self.retries.remove(request)
-        slot = host.idle_slot()
-        assert slot is not None
         retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
-        host.submit(slot, TrialJob(trial, attempt, retry_number, planning))
-        self.asked = None
+        return TrialJob(trial, attempt, retry_number, planning)
 
     def _enqueue(self, request: _RetryRequest) -> bool:
         """Put ``request``'s parameters in the study's queue, once.
@@ -246,6 +275,13 @@ class OptimizeRun:
                 if slot.job is outcome.job:
                     slot.job = None
                     host.memory.trial_ended(outcome.job.trial.number)
+                elif slot.job is not None and any(m is outcome.job for m in slot.job.batch):
+                    host.memory.trial_ended(outcome.job.trial.number)
+                    pending = self.batch_pending[id(slot.job)]
+                    pending.discard(outcome.job.trial.number)
+                    if not pending:  # every trial of the fused batch handled: the slot is free
+                        del self.batch_pending[id(slot.job)]
+                        slot.job = None
         frozen = outcome.frozen_trial
         kind = outcome.kind
         number = outcome.job.trial.number
@@ -323,13 +359,14 @@ class OptimizeRun:
         # Tell every running trial FAIL first (nothing may be left RUNNING), then stop threads.
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
-        if self.asked is not None:
-            self.aborted.append(self.asked)
-            _fail_quietly(self.settings, self.asked, reason)
+        for trial in self.asked:
+            self.aborted.append(trial)
+            _fail_quietly(self.settings, trial, reason)
         for host in self.hosts:
             for slot, job in host.running_jobs():
-                self.aborted.append(job.trial)
-                _fail_quietly(self.settings, job.trial, reason)
+                for member in job.members():
+                    self.aborted.append(member.trial)
+                    _fail_quietly(self.settings, member.trial, reason)
                 slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
         # drain what has already been reported, without waiting for the rest.

@@ -58,6 +58,13 @@ class TrialJob:
     retry_of: int | None = None
     planning: TrialPlanning | None = None
     """Its memory planning (``memory_plan="home"``), filled in by its thread; else ``None``."""
+    batch: tuple[TrialJob, ...] = ()
+    """A fused batch (``WaterwaveExecutor(fuse=K)``): the jobs of its trials, each reported
+    with its own outcome; :attr:`trial` is then the first one's. Empty for one trial."""
+
+    def members(self) -> tuple[TrialJob, ...]:
+        """The one-trial jobs this job runs: its batch, or itself."""
+        return self.batch or (self,)
 
 
 @dataclass

@@ -1,0 +1,299 @@
+"""Fuse K models of one structure into one module (horizontal fusion, HFTA).
+
+HFTA (Wang et al., "Horizontally Fused Training Array", MLSys 2021, arXiv:2102.02344) trains K
+models that run the same operators on the same shapes as one model whose operators are batched.
+HFTA asks the user to rewrite the model with its fused operators; here the user's model runs
+unchanged: its parameters and buffers are stacked to ``(K, ...)`` and its ``forward`` runs under
+``torch.func.vmap`` over them (``functional_call``), with ``randomness="different"`` so each
+model draws its own dropout mask. Where a layer has a fused kernel (``_kernels.py``), vmap calls
+that kernel with the whole array at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.func import vmap
+
+from waterwave_hpo._checks import type_error
+from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._dropout import PerModelDropout
+from waterwave_hpo.fusion._kernels import kernel_module
+from waterwave_hpo.fusion._structure import structure_key
+from waterwave_hpo.fusion._structure import unsupported_layer
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace the submodule of ``root`` at dotted ``path`` by ``module``."""
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, module)
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    """The one device of the model's tensors (None if it has none)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return None
+
+
+def _check_models(models: object) -> list[nn.Module]:
+    """``models`` as a list after every check :func:`fuse` promises (see its ``Raises:``)."""
+    if isinstance(models, nn.Module) or not isinstance(models, Sequence):
+        raise type_error(
+            "models", models, "a sequence of nn.Module", "pass a list of K models, e.g. [m1, m2]"
+        )
+    models = list(models)
+    if not models:
+        raise value_error(
+            "models", models, "must hold at least one model (K >= 1)", "pass a list of K models"
+        )
+    for index, model in enumerate(models):
+        if not isinstance(model, nn.Module):
+            raise type_error(f"models[{index}]", model, "an nn.Module", "pass PyTorch models")
+        for path, module in model.named_modules():
+            if isinstance(module, FusedModule):
+                where = f"models[{index}]" + (f".{path}" if path else "")
+                raise ValueError(
+                    f"{where} is already a FusedModule; fuse the original models, or call "
+                    "unfuse() first and fuse the models it returns."
+                )
+    found = unsupported_layer(models[0])
+    if found is not None:
+        path, module, reason = found
+        raise TypeError(
+            f"models[0].{path} is {type(module).__module__}.{type(module).__qualname__}, "
+            f"which fusion does not support: {reason}. Train such models unfused (co-hosted "
+            "trials), or replace the layer."
+        )
+    key = structure_key(models[0])
+    device = _device_of(models[0])
+    for index, model in enumerate(models[1:], start=1):
+        difference = key.difference(structure_key(model))
+        if difference is not None:
+            raise ValueError(
+                f"models[{index}] differs from models[0] in structure: {difference}. Only models "
+                "with equal fusion.structure_key(model) fuse; group the models by their key "
+                "and fuse each group."
+            )
+        other = _device_of(model)
+        if other != device:
+            raise ValueError(
+                f"models[{index}] is on device {other} but models[0] on {device}; move every "
+                "model to one device (model.to(device)) before fusing."
+            )
+    return models
+
+
+class FusedModule(nn.Module):
+    """K models of one structure trained as one module (HFTA, MLSys 2021, Sec. 3).
+
+    Every parameter and buffer has shape ``(K, *shape_in_one_model)``; ``fused(x)`` runs the K
+    models on one batch and stacks their outputs. Built by :func:`fuse`; not constructed
+    directly.
+
+    Attributes:
+        stacked: A copy of the first model whose parameters and buffers are the stacked ones
+            (names as in the original model, e.g. ``stacked.0.weight``), whose ``nn.Dropout``
+            layers are :class:`PerModelDropout` and, with kernels, whose supported layers are
+            fused kernels. Its ``forward`` is only called through ``vmap``.
+    """
+
+    def __init__(self, models: list[nn.Module], *, kernels: bool) -> None:
+        super().__init__()
+        self._num_models = len(models)
+        template = models[0]
+        # The user's structure, without storage, to build unfuse()'s models from.
+        self._skeleton = (copy.deepcopy(template).to("meta"),)
+        self._dropout_paths = [
+            path for path, module in template.named_modules() if type(module) is nn.Dropout
+        ]
+        self._dropout_p = {
+            path: [float(model.get_submodule(path).p) for model in models]  # type: ignore[arg-type]
+            for path in self._dropout_paths
+        }
+        stacked = copy.deepcopy(template)
+        self._stack_tensors(stacked, models)
+        for path in self._dropout_paths:
+            dropout = PerModelDropout(0.0)
+            dropout.p = torch.tensor(
+                self._dropout_p[path], dtype=torch.float64, device=_device_of(stacked)
+            )
+            _set_submodule(stacked, path, dropout)
+        if kernels:
+            for path, module in list(stacked.named_modules()):
+                fused = kernel_module(module)
+                if fused is not None and path:
+                    _set_submodule(stacked, path, fused)
+                elif fused is not None:
+                    stacked = fused
+        self.stacked = stacked
+        self.train(template.training)
+
+    @staticmethod
+    def _stack_tensors(stacked: nn.Module, models: list[nn.Module]) -> None:
+        """Replace every parameter and buffer of ``stacked`` by the K models' stacked."""
+        with torch.no_grad():
+            new_params: dict[int, nn.Parameter] = {}
+            for name, param in stacked.named_parameters():
+                data = torch.stack([model.get_parameter(name).detach() for model in models])
+                new_params[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            for module in stacked.modules():
+                for local, old in module._parameters.items():
+                    if old is not None:
+                        module._parameters[local] = new_params[id(old)]
+            for module_path, module in stacked.named_modules():
+                for local, buffer in module._buffers.items():
+                    if buffer is None:
+                        continue
+                    name = f"{module_path}.{local}" if module_path else local
+                    module._buffers[local] = torch.stack(
+                        [model.get_buffer(name).detach() for model in models]
+                    ).clone()
+
+    @property
+    def num_models(self) -> int:
+        """K, the number of models fused."""
+        return self._num_models
+
+    def forward(self, *inputs: Any, stacked: bool = False) -> Any:
+        """Run the K models.
+
+        Args:
+            *inputs: The model's inputs. Shared (``stacked=False``): each ``(B, ...)``, the
+                same batch for every model. Stacked: each ``(K, B, ...)``, one batch per model.
+            stacked: Whether the inputs hold one batch per model.
+
+        Returns:
+            The K outputs stacked: ``(K, B, ...)`` for a model returning ``(B, ...)`` (tuples
+            and dicts of tensors likewise, each stacked).
+
+        Raises:
+            ValueError: ``stacked=True`` and an input's first dimension is not K.
+        """
+        if stacked:
+            for index, x in enumerate(inputs):
+                if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != self._num_models):
+                    raise value_error(
+                        f"inputs[{index}].shape",
+                        tuple(x.shape),
+                        f"must start with K={self._num_models} when stacked=True",
+                        "pass one batch per model, (K, B, ...), or stacked=False to share one",
+                    )
+        tensors: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
+        tensors.update(self.stacked.named_buffers())
+
+        def call(state: dict[str, torch.Tensor], *xs: Any) -> Any:
+            return functional_call(self.stacked, state, xs)
+
+        in_dims = (0, *([0 if stacked else None] * len(inputs)))
+        return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+
+    def keep_models(self, indices: Sequence[int]) -> None:
+        """Keep only the models at ``indices``, in that order (the others stop costing compute).
+
+        Parameter objects keep their identity (an optimizer holding them stays valid); their
+        ``.data`` and ``.grad`` are re-stacked to ``(K', ...)``, buffers likewise, and K becomes
+        ``len(indices)``.
+
+        Args:
+            indices: Distinct positions in ``range(K)``, at least one.
+
+        Raises:
+            TypeError: ``indices`` is not a sequence of ints.
+            ValueError: ``indices`` is empty, repeats a position or holds one out of range.
+        """
+        fix = f"pass distinct positions in range({self._num_models}), at least one"
+        if not isinstance(indices, Sequence) or isinstance(indices, str):
+            raise type_error("indices", indices, "a sequence of ints", fix)
+        kept = list(indices)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in kept):
+            raise type_error("indices", indices, "a sequence of ints", fix)
+        if not kept or len(set(kept)) != len(kept):
+            raise value_error("indices", indices, "must be distinct and non-empty", fix)
+        if any(not 0 <= i < self._num_models for i in kept):
+            raise value_error("indices", indices, f"must lie in range({self._num_models})", fix)
+        with torch.no_grad():
+            for param in self.stacked.parameters():
+                index = torch.tensor(kept, device=param.device)
+                grad: torch.Tensor | None = param.grad
+                param.data = param.data.index_select(0, index)
+                if grad is not None:
+                    param.grad = grad.index_select(0, index)
+            for module in self.stacked.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        index = torch.tensor(kept, device=buffer.device)
+                        module._buffers[name] = buffer.index_select(0, index)
+        self._dropout_p = {path: [ps[i] for i in kept] for path, ps in self._dropout_p.items()}
+        self._num_models = len(kept)
+
+    def unfuse(self) -> list[nn.Module]:
+        """K ordinary modules holding the fused models' current weights and buffers.
+
+        Each is a deep copy of the first original model's structure, with model k's
+        parameters, buffers (e.g. BatchNorm running statistics) and dropout rate, in the fused
+        module's train/eval mode. The fused module is left as it is.
+
+        Returns:
+            The K models, in the fused order (after :meth:`keep_models`, the kept ones).
+        """
+        named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
+        named.update(self.stacked.named_buffers())
+        device = _device_of(self.stacked) or torch.device("cpu")
+        models = []
+        for k in range(self._num_models):
+            model = copy.deepcopy(self._skeleton[0]).to_empty(device=device)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(named[name][k])
+                for name, buffer in model.named_buffers():
+                    buffer.copy_(named[name][k])
+            for path in self._dropout_paths:
+                dropout: nn.Dropout = model.get_submodule(path)  # type: ignore[assignment]
+                dropout.p = self._dropout_p[path][k]
+            models.append(model.train(self.training))
+        return models
+
+    def extra_repr(self) -> str:
+        """``num_models=K``."""
+        return f"num_models={self._num_models}"
+
+
+def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
+    """Fuse K models of one structure into one module (HFTA, MLSys 2021).
+
+    The models are copied (they are left as they are). Model k of the fused module starts
+    with model k's parameters, buffers and dropout rate.
+
+    Args:
+        models: K >= 1 models with equal :func:`structure_key`, on one device, built from the
+            layers in :data:`SUPPORTED_LAYERS` (and the user's own module classes).
+        kernels: Run Linear, Conv1d/Conv2d, LayerNorm and Embedding as fused kernels
+            (batched matmul, grouped convolution) inside vmap; False runs every layer through
+            vmap's own batching rules.
+
+    Returns:
+        The fused module, K = ``len(models)``.
+
+    Raises:
+        TypeError: ``models`` is not a sequence of ``nn.Module``, or a model holds a layer
+            fusion does not support (named with its path).
+        ValueError: ``models`` is empty, a model is (or holds) a :class:`FusedModule`, the
+            structures differ (the first difference is named) or the devices differ.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
+    >>> fused = fuse(models)
+    >>> fused(torch.randn(5, 4)).shape
+    torch.Size([3, 5, 2])
+    >>> fused.stacked[0].weight.shape
+    torch.Size([3, 8, 4])
+    """
+    return FusedModule(_check_models(models), kernels=kernels)

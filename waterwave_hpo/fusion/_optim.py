@@ -1,0 +1,765 @@
+"""Fused optimizers: one optimizer steps K models at once, each with its own hyperparameters.
+
+The idea is HFTA's fused optimizers (Wang et al., "Horizontally Fused Training Array: An Effective
+Hardware Utilization Squeezer for Training Novel Deep Learning Models", MLSys 2021,
+arXiv:2102.02344, section 3.2): when K models of one structure are trained as one, every
+parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning rate, momentum,
+weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each parameter's trailing
+dims, so the whole array updates with the same few kernels one model would need.
+
+Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
+for (``torch.optim.SGD``, ``Adam`` or ``AdamW``, as of torch 2.13's single-tensor path), with its
+own hyperparameters. The results agree with the stock optimizer to float tolerance, not bit for
+bit: the stock code multiplies by Python floats (``alpha=``/``value=`` arguments, fused into one
+kernel) where this one multiplies by broadcast tensors in a slightly different order, and torch
+may pick its foreach or fused kernels for the stock optimizer on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+import enum
+import inspect
+import math
+from typing import Any
+from typing import Protocol
+import weakref
+
+import torch
+from torch import nn
+
+from waterwave_hpo._checks import message
+from waterwave_hpo._checks import type_error
+from waterwave_hpo._checks import value_error
+
+
+class OptimizerKind(enum.Enum):
+    """The stock optimizers a :class:`FusedOptimizer` can stand for."""
+
+    SGD = "SGD"
+    ADAM = "Adam"
+    ADAMW = "AdamW"
+
+
+class _Kind(enum.Enum):
+    """How a hyperparameter is held: a number, a pair of numbers, or a flag."""
+
+    NUMBER = "number"
+    PAIR = "pair"
+    FLAG = "flag"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The stock class and the hyperparameters a fused optimizer supports for it."""
+
+    stock: type[torch.optim.Optimizer]
+    hparams: Mapping[str, _Kind]
+
+
+_SPECS: dict[OptimizerKind, _Spec] = {
+    OptimizerKind.SGD: _Spec(
+        torch.optim.SGD,
+        {
+            "lr": _Kind.NUMBER,
+            "momentum": _Kind.NUMBER,
+            "dampening": _Kind.NUMBER,
+            "weight_decay": _Kind.NUMBER,
+            "nesterov": _Kind.FLAG,
+            "maximize": _Kind.FLAG,
+        },
+    ),
+    OptimizerKind.ADAM: _Spec(
+        torch.optim.Adam,
+        {
+            "lr": _Kind.NUMBER,
+            "betas": _Kind.PAIR,
+            "eps": _Kind.NUMBER,
+            "weight_decay": _Kind.NUMBER,
+            "amsgrad": _Kind.FLAG,
+            "maximize": _Kind.FLAG,
+        },
+    ),
+    OptimizerKind.ADAMW: _Spec(
+        torch.optim.AdamW,
+        {
+            "lr": _Kind.NUMBER,
+            "betas": _Kind.PAIR,
+            "eps": _Kind.NUMBER,
+            "weight_decay": _Kind.NUMBER,
+            "amsgrad": _Kind.FLAG,
+            "maximize": _Kind.FLAG,
+        },
+    ),
+}
+
+_SUPPORTED = ", ".join(f"torch.optim.{kind.value}" for kind in OptimizerKind)
+
+# Hyperparameters are held in float64 so that Adam's bias corrections (``1 - beta ** step``) are
+# computed at the precision of the stock optimizer's Python floats; each step casts them once to
+# the parameters' dtype.
+_HPARAM_DTYPE = torch.float64
+
+
+class _PerModel(Protocol):
+    """Something that holds one entry per model and follows :meth:`FusedOptimizer.keep_models`."""
+
+    def _keep_models(self, indices: list[int]) -> None: ...
+
+
+def _kind_of(cls: object) -> OptimizerKind:
+    """The :class:`OptimizerKind` of a stock optimizer class, or a clear error."""
+    for kind, spec in _SPECS.items():
+        if cls is spec.stock:
+            return kind
+    if not isinstance(cls, type):
+        raise type_error("cls", cls, "an optimizer class", f"pass one of {_SUPPORTED}")
+    raise value_error(
+        "cls",
+        cls,
+        "is not an optimizer fusion supports (subclasses are not accepted: they may change the "
+        "update rule)",
+        f"pass one of {_SUPPORTED}",
+    )
+
+
+def _stock_defaults(kind: OptimizerKind) -> dict[str, Any]:
+    """The default of every supported hyperparameter, read from the stock class's signature."""
+    spec = _SPECS[kind]
+    parameters = inspect.signature(spec.stock.__init__).parameters
+    return {name: parameters[name].default for name in spec.hparams}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_value(kind: OptimizerKind, k: int, name: str, value: object) -> None:
+    """Raise a clear TypeError if ``hparams[k][name]`` is not of its hyperparameter's type."""
+    held = _SPECS[kind].hparams[name]
+    where = f"hparams[{k}][{name!r}]"
+    if held is _Kind.NUMBER and not _is_number(value):
+        raise type_error(where, value, "a number (int or float)", "pass a Python number")
+    if held is _Kind.FLAG and not isinstance(value, bool):
+        raise type_error(where, value, "a bool", "pass True or False")
+    if held is _Kind.PAIR and not (
+        isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_number(v) for v in value)
+    ):
+        raise TypeError(
+            message(where, value, "must be a pair of numbers", "pass e.g. (0.9, 0.999)")
+        )
+    if held is not _Kind.FLAG:
+        numbers: Sequence[Any] = value if isinstance(value, (tuple, list)) else (value,)
+        if not all(math.isfinite(float(v)) for v in numbers):
+            raise value_error(where, value, "must be finite", "pass a finite number")
+
+
+def _resolve_hparams(kind: OptimizerKind, hparams: object, num_models: int) -> list[dict[str, Any]]:
+    """Each model's hyperparameters, stock defaults filled in, checked as the stock class would.
+
+    Raises:
+        TypeError: ``hparams`` is not a sequence of dicts, or a value has the wrong type.
+        ValueError: its length is not ``num_models``; a name is unknown; a value is one the stock
+            optimizer refuses (e.g. a negative learning rate, Nesterov without momentum).
+    """
+    if isinstance(hparams, (str, bytes, Mapping)) or not isinstance(hparams, Sequence):
+        raise type_error(
+            "hparams", hparams, "a sequence of dicts", "pass one dict per model, e.g. [{'lr': 0.1}]"
+        )
+    if len(hparams) != num_models:
+        raise value_error(
+            "hparams",
+            f"<{len(hparams)} dicts>",
+            f"has {len(hparams)} entries but there are K={num_models} models",
+            f"pass exactly {num_models} dicts, one per model, in the models' order",
+        )
+    spec = _SPECS[kind]
+    defaults = _stock_defaults(kind)
+    supported = ", ".join(spec.hparams)
+    resolved = []
+    for k, given in enumerate(hparams):
+        if not isinstance(given, Mapping):
+            raise type_error(
+                f"hparams[{k}]", given, "a dict", "pass a dict of hyperparameter names to values"
+            )
+        for name, value in given.items():
+            if name not in spec.hparams:
+                raise value_error(
+                    f"hparams[{k}]",
+                    dict(given),
+                    f"names {name!r}, which fused {kind.value} does not support",
+                    f"use only {supported}",
+                )
+            _check_value(kind, k, name, value)
+        full = {**defaults, **given}
+        if spec.hparams.get("betas") is _Kind.PAIR:
+            full["betas"] = (float(full["betas"][0]), float(full["betas"][1]))
+        try:  # the stock class's own checks, so model k is accepted iff stock would accept it
+            spec.stock([torch.zeros(1, requires_grad=True)], **full)
+        except ValueError as error:
+            raise value_error(
+                f"hparams[{k}]",
+                dict(given),
+                f"torch.optim.{kind.value} refuses it ({error})",
+                "pass values the stock optimizer accepts",
+            ) from None
+        resolved.append(full)
+    return resolved
+
+
+def _named_parameters(
+    fused_or_params: object, num_models: int | None
+) -> tuple[list[tuple[str, nn.Parameter]], int]:
+    """The parameters to optimize, with names for messages, and K.
+
+    Raises:
+        TypeError: ``fused_or_params`` is neither a module nor an iterable of tensors.
+        ValueError: no parameters; ``num_models`` disagrees with the module; a parameter has no
+            leading dim of size K.
+    """
+    if num_models is not None and (isinstance(num_models, bool) or not isinstance(num_models, int)):
+        raise type_error("num_models", num_models, "an int >= 1", "pass K, the number of models")
+    if num_models is not None and num_models < 1:
+        raise value_error("num_models", num_models, "must be >= 1", "pass K, the number of models")
+    if isinstance(fused_or_params, nn.Module):
+        named = list(fused_or_params.named_parameters())
+        module_k = getattr(fused_or_params, "num_models", None)
+        if isinstance(module_k, int) and not isinstance(module_k, bool):
+            if num_models is not None and num_models != module_k:
+                raise value_error(
+                    "num_models",
+                    num_models,
+                    f"disagrees with the module's num_models={module_k}",
+                    "leave num_models out when passing a fused module",
+                )
+            num_models = module_k
+    elif isinstance(fused_or_params, Iterable) and not isinstance(fused_or_params, torch.Tensor):
+        items = list(fused_or_params)
+        for i, p in enumerate(items):
+            if isinstance(p, Mapping):
+                raise type_error(
+                    "fused_or_params",
+                    f"<parameter group {i}>",
+                    "a module or an iterable of tensors",
+                    "pass the parameters themselves; every hyperparameter is set per model "
+                    "through hparams, not per group",
+                )
+            if not isinstance(p, torch.Tensor):
+                raise type_error(
+                    f"fused_or_params[{i}]", p, "a tensor", "pass the fused module's parameters"
+                )
+        named = [(f"parameter {i}", p) for i, p in enumerate(items)]
+    else:
+        raise type_error(
+            "fused_or_params",
+            fused_or_params,
+            "an nn.Module or an iterable of parameters",
+            "pass the fused module, or its parameters() with num_models=K",
+        )
+    if not named:
+        raise value_error(
+            "fused_or_params",
+            fused_or_params,
+            "holds no parameters",
+            "pass the fused module (or its parameters) after fusing the models",
+        )
+    if num_models is None:
+        leading = {p.shape[0] if p.dim() > 0 else None for _, p in named}
+        if len(leading) != 1 or None in leading:
+            raise value_error(
+                "num_models",
+                None,
+                f"cannot be inferred: the parameters' leading dims are {sorted(map(str, leading))}",
+                "pass num_models=K, and parameters stacked to shape (K, ...)",
+            )
+        num_models = next(iter(leading))
+    assert num_models is not None
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise value_error(
+            "fused_or_params",
+            sorted(map(str, devices)),
+            "has parameters on more than one device",
+            "move the fused module to one device before building its optimizer",
+        )
+    for name, p in named:
+        _check_leading_dim(name, p, num_models)
+    return named, num_models
+
+
+def _check_leading_dim(name: str, p: torch.Tensor, num_models: int) -> None:
+    if p.dim() == 0 or p.shape[0] != num_models:
+        raise value_error(
+            name,
+            f"<tensor of shape {tuple(p.shape)}>",
+            f"has no leading dim of size K={num_models}",
+            "pass parameters stacked over the K models to shape (K, *shape), e.g. a fused "
+            "module's, and keep them and the optimizer at the same K (keep_models on both)",
+        )
+
+
+def _stack_hparams(
+    kind: OptimizerKind, resolved: list[dict[str, Any]], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each hyperparameter as a tensor over the models: (K,) numbers or flags, (K, 2) betas."""
+    stacked: dict[str, torch.Tensor] = {}
+    for name, held in _SPECS[kind].hparams.items():
+        values = [hp[name] for hp in resolved]
+        dtype = torch.bool if held is _Kind.FLAG else _HPARAM_DTYPE
+        stacked[name] = torch.tensor(values, dtype=dtype, device=device)
+    return stacked
+
+
+@dataclass
+class _Uses:
+    """Which optional parts of the update any model uses, known on the host.
+
+    Kept here so that a step never reads a device tensor back (a stream sync on CUDA); refreshed
+    only when the hyperparameters change (construction, scheduler, keep_models, load).
+    """
+
+    maximize: bool = False
+    weight_decay: bool = False
+    momentum: bool = False
+    plain_momentum_only: bool = False  # every model has momentum != 0 and no Nesterov
+    amsgrad: bool = False
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> _Uses:
+        """Read the group's (K,) hyperparameters once (a device-to-host copy on CUDA)."""
+        uses = cls(
+            maximize=any(group["maximize"].tolist()),
+            weight_decay=any(v != 0 for v in group["weight_decay"].tolist()),
+            amsgrad="amsgrad" in group and any(group["amsgrad"].tolist()),
+        )
+        if "momentum" in group:
+            uses.set_momentum(group["momentum"].tolist(), group["nesterov"].tolist())
+        return uses
+
+    def set_momentum(self, momentum: list[float], nesterov: list[bool]) -> None:
+        """Update from SGD's momentum and nesterov values (host lists)."""
+        self.momentum = any(m != 0 for m in momentum)
+        self.plain_momentum_only = all(m != 0 for m in momentum) and not any(nesterov)
+
+
+class _Broadcast:
+    """A group's hyperparameters for one step, cast to one parameter dtype, viewed ``(K, 1, ...)``.
+
+    Values computed from them (e.g. ``-lr * momentum``) are computed once per step and dtype.
+    """
+
+    def __init__(self, group: Mapping[str, Any], dtype: torch.dtype) -> None:
+        self._group = group
+        self._dtype = dtype
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def __call__(
+        self, name: str, ndim: int, compute: Callable[[], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """(K,) value ``name`` (the group's, or ``compute()``), viewed for a ``ndim``-dim tensor."""
+        flat = self._flat.get(name)
+        if flat is None:
+            source = self._group[name] if compute is None else compute()
+            flat = source if source.dtype == torch.bool else source.to(self._dtype)
+            self._flat[name] = flat
+        return self.view(flat, ndim)
+
+    def view(self, value: torch.Tensor, ndim: int) -> torch.Tensor:
+        """``value`` of shape (K,) cast and viewed to broadcast over a ``ndim``-dim tensor."""
+        cast = value if value.dtype in (torch.bool, self._dtype) else value.to(self._dtype)
+        return cast.reshape((cast.shape[0],) + (1,) * (ndim - 1))
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Steps K fused models at once; model k follows the stock optimizer with its own values.
+
+    Build it with :func:`optimizer`. Every parameter has shape ``(K, *shape)``; each
+    hyperparameter is a ``(K,)`` tensor (``betas``: ``(K, 2)``, flags: ``(K,)`` bool) in
+    ``param_groups[0]``, on the parameters' device, held in float64. The one parameter group holds
+    every parameter. State per parameter: ``step`` ``(K,)``, and the stock optimizer's buffers
+    (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` when a model uses
+    AMSGrad), each with the parameter's shape. ``state_dict``/``load_state_dict`` round-trip.
+
+    Idea: HFTA (arXiv:2102.02344), section 3.2, fused optimizers.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        kind: OptimizerKind,
+        hparams: list[dict[str, Any]],
+        num_models: int,
+    ) -> None:
+        """Use :func:`optimizer`; this constructor trusts its checked arguments."""
+        self._kind = kind
+        self._num_models = num_models
+        self._param_names = {id(p): name for name, p in named_params}
+        self._followers: weakref.WeakSet[_PerModel] = weakref.WeakSet()
+        device = named_params[0][1].device
+        group: dict[str, Any] = {"params": [p for _, p in named_params]}
+        group.update(_stack_hparams(kind, hparams, device))
+        super().__init__([group], defaults={})
+        self._uses = _Uses.of(self.param_groups[0])
+
+    @property
+    def kind(self) -> OptimizerKind:
+        """Which stock optimizer this one stands for."""
+        return self._kind
+
+    @property
+    def num_models(self) -> int:
+        """K, the number of models (changes with :meth:`keep_models`)."""
+        return self._num_models
+
+    def hparams(self, k: int) -> dict[str, Any]:
+        """Model ``k``'s hyperparameters now, as Python values (what the stock class would take).
+
+        Args:
+            k: The model's index, ``0 <= k < num_models``.
+
+        Returns:
+            ``{name: value}``; ``betas`` as a tuple.
+
+        Raises:
+            IndexError: ``k`` is out of range.
+        """
+        if not 0 <= k < self._num_models:
+            raise IndexError(
+                message("k", k, f"is out of range for K={self._num_models}", "pass 0 <= k < K")
+            )
+        group = self.param_groups[0]
+        out: dict[str, Any] = {}
+        for name, held in _SPECS[self._kind].hparams.items():
+            value = group[name][k].tolist()
+            out[name] = tuple(value) if held is _Kind.PAIR else value
+        return out
+
+    def set_hparam(self, name: str, values: Sequence[float] | torch.Tensor) -> None:
+        """Set a numeric hyperparameter of every model at once (what a scheduler does).
+
+        Args:
+            name: A numeric hyperparameter of this optimizer (``lr``, ``momentum``, ...,
+                ``betas`` with ``values`` of shape ``(K, 2)``).
+            values: One value per model, in the models' order.
+
+        Raises:
+            ValueError: ``name`` is not a numeric hyperparameter here, or ``values`` has the wrong
+                shape.
+        """
+        held = _SPECS[self._kind].hparams.get(name)
+        if held is None or held is _Kind.FLAG:
+            numeric = [n for n, h in _SPECS[self._kind].hparams.items() if h is not _Kind.FLAG]
+            raise value_error(
+                "name", name, f"is not a numeric hyperparameter of fused {self._kind.value}",
+                f"pass one of {', '.join(numeric)}",
+            )  # fmt: skip
+        target: torch.Tensor = self.param_groups[0][name]
+        new = torch.as_tensor(values, dtype=_HPARAM_DTYPE)
+        if new.shape != target.shape:
+            raise value_error(
+                "values",
+                f"<shape {tuple(new.shape)}>",
+                f"must have shape {tuple(target.shape)} (one value per model)",
+                f"pass {self._num_models} values",
+            )
+        # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
+        self.param_groups[0][name] = new.to(target.device)
+        # read from the host copy: no device sync
+        if name == "momentum":
+            self._uses.set_momentum(new.tolist(), self.param_groups[0]["nesterov"].tolist())
+        if name == "weight_decay":
+            self._uses.weight_decay = any(v != 0 for v in new.tolist())
+
+    def _follow(self, follower: _PerModel) -> None:
+        """Register something per model (a scheduler) that :meth:`keep_models` must slice too."""
+        self._followers.add(follower)
+
+    def keep_models(self, indices: Sequence[int]) -> None:
+        """Keep only these models, in this order: their hyperparameters, state and schedules.
+
+        Call it with the same indices as ``fused.keep_models`` (which re-stacks the parameters;
+        this slices the optimizer state, the per-model hyperparameters and every per-model
+        scheduler built on this optimizer). K becomes ``len(indices)``.
+
+        Args:
+            indices: Distinct model indices, each ``0 <= i < num_models``; at least one.
+
+        Raises:
+            TypeError: ``indices`` is not a sequence of ints.
+            ValueError: it is empty, has an index out of range, or repeats one.
+        """
+        kept = check_indices(indices, self._num_models)
+        index = torch.tensor(kept, dtype=torch.long)
+        group = self.param_groups[0]
+        for name in _SPECS[self._kind].hparams:
+            group[name] = group[name].index_select(0, index.to(group[name].device))
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.shape[0] != self._num_models:
+                        raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
+                    state[key] = value.index_select(0, index.to(value.device))
+        self._uses = _Uses.of(group)
+        for follower in list(self._followers):
+            follower._keep_models(kept)
+        self._num_models = len(kept)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state as ``torch.optim.Optimizer.state_dict`` gives it.
+
+        Unlike the stock optimizer's floats, the per-model hyperparameters are tensors; they are
+        cloned, so the returned dict keeps the values of now when a scheduler changes them later.
+        (The per-parameter state tensors are references, as in ``torch.optim``.)
+
+        Returns:
+            ``{"state": ..., "param_groups": [...]}``.
+        """
+        saved = super().state_dict()
+        for group in saved["param_groups"]:
+            for name in _SPECS[self._kind].hparams:
+                group[name] = group[name].clone()
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` of a fused optimizer of the same kind.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned (its K may differ from this optimizer's
+                if the parameters were re-stacked to match it).
+
+        Raises:
+            ValueError: the saved optimizer is of another kind, or its K does not match the
+                parameters.
+        """
+        groups = state_dict.get("param_groups", [])
+        names = set(_SPECS[self._kind].hparams)
+        if len(groups) != 1 or not names <= set(groups[0]):
+            raise value_error(
+                "state_dict",
+                "<state dict>",
+                f"was not saved by a fused {self._kind.value} optimizer",
+                f"load the state_dict of a fusion.optimizer(torch.optim.{self._kind.value}, ...)",
+            )
+        saved_k = int(groups[0]["lr"].shape[0])
+        super().load_state_dict(state_dict)
+        group = self.param_groups[0]
+        device = group["params"][0].device
+        # Cloned: torch.optim's load keeps the saved tensors themselves where device and dtype
+        # match, so an in-memory state_dict would share its buffers with this optimizer.
+        for name in names:
+            group[name] = group[name].to(device).clone()
+        for p in group["params"]:
+            _check_leading_dim(self._param_names.get(id(p), "parameter"), p, saved_k)
+            state = self.state.get(p, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.clone()
+            if "step" in state:
+                state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
+        self._uses = _Uses.of(group)
+        self._num_models = saved_k
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every model.
+
+        Args:
+            closure: Re-evaluates the models and returns the loss (as in ``torch.optim``).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: a parameter no longer has leading dim K (re-stacked by
+                ``fused.keep_models`` without calling this optimizer's :meth:`keep_models`).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        casts: dict[torch.dtype, _Broadcast] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            _check_leading_dim(self._param_names.get(id(p), "parameter"), p, self._num_models)
+            if p.grad.is_sparse:
+                raise value_error(
+                    self._param_names.get(id(p), "parameter"),
+                    "<sparse gradient>",
+                    "has a sparse gradient, which fused optimizers do not support",
+                    "use dense gradients (e.g. nn.Embedding(sparse=False))",
+                )
+            hp = casts.setdefault(p.dtype, _Broadcast(group, p.dtype))
+            if self._kind is OptimizerKind.SGD:
+                self._sgd(p, group, hp)
+            else:
+                self._adam(p, group, hp, decoupled=self._kind is OptimizerKind.ADAMW)
+        return loss
+
+    def _grad(self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast) -> torch.Tensor:
+        """``p.grad``, negated for the models that maximize."""
+        assert p.grad is not None
+        grad = p.grad
+        if self._uses.maximize:
+            grad = torch.where(hp("maximize", p.dim()), -grad, grad)
+        return grad
+
+    def _sgd(self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast) -> None:
+        """``torch.optim.SGD``'s update (``_single_tensor_sgd``), per model.
+
+        With momentum, the update ``p -= lr * g`` uses ``g = a * grad + c * buf`` with per-model
+        coefficients: no momentum (a=1, c=0), Nesterov (a=1, c=momentum), plain momentum (a=0,
+        c=1); so models of every kind share the same few full-size passes.
+        """
+        ndim = p.dim()
+        grad = self._grad(p, group, hp)
+        state = self.state[p]
+        if self._uses.weight_decay:
+            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
+        if not self._uses.momentum:
+            p.addcmul_(grad, hp("lr", ndim), value=-1)
+            return
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = grad.detach().clone()
+            state["momentum_buffer"] = buf
+        else:
+            buf.mul_(hp("momentum", ndim)).addcmul_(
+                grad, hp("one_minus_dampening", ndim, lambda: 1 - group["dampening"])
+            )
+        if not self._uses.plain_momentum_only:
+            p.addcmul_(grad, hp("neg_lr_a", ndim, lambda: _sgd_coefficients(group)[0]))
+        p.addcmul_(buf, hp("neg_lr_c", ndim, lambda: _sgd_coefficients(group)[1]))
+
+    def _adam(
+        self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast, *, decoupled: bool
+    ) -> None:
+        """``torch.optim.Adam``'s update (``_single_tensor_adam``), AdamW's if ``decoupled``."""
+        ndim = p.dim()
+        grad = self._grad(p, group, hp)
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros_like(group["lr"])
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self._uses.amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step: torch.Tensor = state["step"]
+        step += 1
+        lr: torch.Tensor = group["lr"]
+        betas: torch.Tensor = group["betas"]
+        if self._uses.weight_decay and decoupled:
+            p.mul_(hp("decay", ndim, lambda: 1 - lr * group["weight_decay"]))
+        elif self._uses.weight_decay:
+            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
+        exp_avg: torch.Tensor = state["exp_avg"]
+        exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
+        exp_avg.lerp_(grad, hp("one_minus_beta1", ndim, lambda: 1 - betas[:, 0]))
+        exp_avg_sq.mul_(hp("beta2", ndim, lambda: betas[:, 1])).addcmul_(
+            grad.square(), hp("one_minus_beta2", ndim, lambda: 1 - betas[:, 1])
+        )
+        # Per parameter (its step count), in float64 over (K,), as the stock code does in Python
+        # floats.
+        bias_correction2_sqrt = (1 - betas[:, 1] ** step) ** 0.5
+        neg_step_size = -lr / (1 - betas[:, 0] ** step)
+        second = exp_avg_sq
+        if "max_exp_avg_sq" in state:
+            max_exp_avg_sq: torch.Tensor = state["max_exp_avg_sq"]
+            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            second = torch.where(hp("amsgrad", ndim), max_exp_avg_sq, exp_avg_sq)
+        denom = second.sqrt().div_(hp.view(bias_correction2_sqrt, ndim)).add_(hp("eps", ndim))
+        p.addcmul_(exp_avg.div(denom), hp.view(neg_step_size, ndim))
+
+
+def _sgd_coefficients(group: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGD's per-model ``(-lr * a, -lr * c)`` of ``p -= lr * (a * grad + c * buf)``, each (K,)."""
+    lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+    no_momentum = momentum == 0
+    a = (no_momentum | nesterov).to(lr.dtype)
+    c = torch.where(no_momentum, 0.0, torch.where(nesterov, momentum, 1.0))
+    return -lr * a, -lr * c
+
+
+def check_indices(indices: object, num_models: int) -> list[int]:
+    """``indices`` as a list of distinct model indices in ``range(num_models)``, or a clear error.
+
+    Args:
+        indices: The models to keep, in their new order.
+        num_models: K, the number of models now.
+
+    Returns:
+        The indices as a list.
+
+    Raises:
+        TypeError: ``indices`` is not a sequence of ints.
+        ValueError: it is empty, has an index out of range, or repeats one.
+    """
+    fix = f"pass distinct model indices in 0..{num_models - 1}, at least one"
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+        raise type_error("indices", indices, "a sequence of ints", fix)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in indices):
+        raise type_error("indices", indices, "a sequence of ints", fix)
+    kept = list(indices)
+    if not kept:
+        raise value_error("indices", kept, "is empty (K would be 0)", fix)
+    if any(not 0 <= i < num_models for i in kept):
+        raise value_error("indices", kept, f"has an index out of range for K={num_models}", fix)
+    if len(set(kept)) != len(kept):
+        raise value_error("indices", kept, "repeats an index", fix)
+    return kept
+
+
+def optimizer(
+    cls: type[torch.optim.Optimizer],
+    fused_or_params: nn.Module | Iterable[torch.Tensor],
+    hparams: Sequence[Mapping[str, Any]],
+    *,
+    num_models: int | None = None,
+) -> FusedOptimizer:
+    """A fused optimizer for K models: model k is updated as ``cls`` with ``hparams[k]`` would.
+
+    Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
+    are). Each hyperparameter is held per model as a ``(K,)`` tensor broadcast over each
+    parameter's trailing dims (HFTA, arXiv:2102.02344, section 3.2).
+
+    Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
+    ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``). A name left out takes the
+    stock class's default. Per-model schedules: :class:`PerModelScheduler`, :class:`LambdaLR`.
+
+    Args:
+        cls: ``torch.optim.SGD``, ``torch.optim.Adam`` or ``torch.optim.AdamW``.
+        fused_or_params: A module all of whose parameters have leading dim K (a fused module),
+            or such parameters (then K is ``num_models``, or inferred from the leading dims).
+        hparams: One dict per model, ``len(hparams) == K``, in the models' order.
+        num_models: K; needed only if it cannot be read from the module or the parameters.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        TypeError: an argument or a hyperparameter value has the wrong type.
+        ValueError: ``cls`` is not supported; ``len(hparams) != K``; an unknown hyperparameter
+            or one the stock class refuses; a parameter without leading dim K.
+
+    >>> import torch
+    >>> from waterwave_hpo import fusion
+    >>> weight = torch.nn.Parameter(torch.zeros(2, 3))  # K=2 models of 3 weights
+    >>> opt = fusion.optimizer(torch.optim.SGD, [weight], [{"lr": 0.1}, {"lr": 1.0}])
+    >>> weight.grad = torch.ones(2, 3)
+    >>> opt.step()
+    >>> weight.data[:, 0].tolist()
+    [-0.10000000149011612, -1.0]
+    """
+    kind = _kind_of(cls)
+    named, k = _named_parameters(fused_or_params, num_models)
+    resolved = _resolve_hparams(kind, hparams, k)
+    return FusedOptimizer(named, kind, resolved, k)

@@ -1,0 +1,272 @@
+"""Which models can be fused: the structure key and the layers fusion supports.
+
+Two models fuse (HFTA, Wang et al., MLSys 2021, Sec. 3: a training array of models that run the
+same operators on the same shapes) when they have the same module tree, the same module
+configuration and the same parameters and buffers (names, shapes, dtypes). The key states all
+of it; the one number that may differ is the rate of an ``nn.Dropout``, which fusion keeps per
+model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+import enum
+
+import torch
+from torch import nn
+
+from waterwave_hpo._checks import type_error
+
+SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Sequential,
+    nn.ModuleList,
+    nn.ModuleDict,
+    nn.Identity,
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.LayerNorm,
+    nn.Embedding,
+    nn.Dropout,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softmax,
+    nn.LogSoftmax,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+)
+"""The ``torch.nn`` layers fusion has verified against K separate models (tests/fusion).
+
+Other ``torch.nn`` layers (RNNs, attention, SyncBatchNorm, other dropouts, ...) are refused by
+name; modules defined outside ``torch`` (the user's own classes) are allowed: their ``forward``
+runs under ``torch.func.vmap`` like everything else, on the supported layers inside them.
+"""
+
+
+class TensorKind(enum.Enum):
+    """Whether a tensor of a model is a parameter or a buffer."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+
+
+@dataclass(frozen=True)
+class ModuleEntry:
+    """One module of a model, as the structure key sees it.
+
+    Attributes:
+        path: Its name in ``model.named_modules()`` (``""`` for the model itself).
+        type_name: Its class, ``type(module).__qualname__``.
+        config: Its configuration: every public non-tensor attribute (e.g. ``Conv2d`` stride,
+            ``BatchNorm`` eps and momentum) as ``(name, description)`` pairs, except the
+            ``p`` of an ``nn.Dropout``.
+    """
+
+    path: str
+    type_name: str
+    config: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        """``path: Type(name=value, ...)``."""
+        return f"{self.path or '<model>'}: {self.layer()}"
+
+    def layer(self) -> str:
+        """``Type(name=value, ...)``, without the path."""
+        args = ", ".join(f"{name}={value}" for name, value in self.config)
+        return f"{self.type_name}({args})"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One parameter or buffer of a model, as the structure key sees it.
+
+    Attributes:
+        kind: Parameter or buffer.
+        name: Its name in ``named_parameters()`` / ``named_buffers()``.
+        shape: Its shape.
+        dtype: Its dtype, e.g. ``"torch.float32"``.
+        requires_grad: Whether it is trained (always False for buffers).
+    """
+
+    kind: TensorKind
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+    def __str__(self) -> str:
+        """``name: kind shape dtype``."""
+        frozen = "" if self.requires_grad or self.kind is TensorKind.BUFFER else " (frozen)"
+        return f"{self.name}: {self.kind.value} {self.shape} {self.dtype}{frozen}"
+
+
+@dataclass(frozen=True)
+class StructureKey:
+    """What must be equal for models to fuse; hashable, readable with ``str()``.
+
+    Equal iff the module types, the module configuration (every public non-tensor attribute,
+    e.g. ``Conv2d`` stride and padding, ``BatchNorm`` eps and momentum, ``LeakyReLU`` slope),
+    and the parameter and buffer names, shapes, dtypes and ``requires_grad`` match. The rate
+    ``p`` of an ``nn.Dropout`` does not enter the key: fused models keep their own rate.
+    The device does not enter the key (:func:`~waterwave_hpo.fusion.fuse` checks it).
+
+    Attributes:
+        modules: Every module, in ``named_modules()`` order.
+        tensors: Every parameter, then every buffer, in ``named_parameters()`` /
+            ``named_buffers()`` order.
+    """
+
+    modules: tuple[ModuleEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+
+    def __str__(self) -> str:
+        """One line per module, then one per tensor."""
+        return "\n".join([*map(str, self.modules), *map(str, self.tensors)])
+
+    def difference(self, other: StructureKey) -> str | None:
+        """The first difference from ``other`` in words, or None if the keys are equal.
+
+        Args:
+            other: The key to compare with.
+
+        Returns:
+            E.g. ``"'0.weight': parameter (128, 64) torch.float32 vs parameter (64, 64)
+            torch.float32"``, or None.
+        """
+        for mine, theirs in zip(self.modules, other.modules, strict=False):
+            if mine != theirs:
+                if mine.path != theirs.path:
+                    return f"module '{mine.path}' vs module '{theirs.path}'"
+                return f"module '{mine.path}': {mine.layer()} vs {theirs.layer()}"
+        if len(self.modules) != len(other.modules):
+            return _extra("module", self.modules, other.modules)
+        for t_mine, t_theirs in zip(self.tensors, other.tensors, strict=False):
+            if t_mine != t_theirs:
+                if t_mine.name != t_theirs.name:
+                    return f"{t_mine.kind.value} '{t_mine.name}' vs '{t_theirs.name}'"
+                return (
+                    f"'{t_mine.name}': {t_mine.kind.value} {t_mine.shape} {t_mine.dtype} "
+                    f"requires_grad={t_mine.requires_grad} vs {t_theirs.kind.value} "
+                    f"{t_theirs.shape} {t_theirs.dtype} requires_grad={t_theirs.requires_grad}"
+                )
+        if len(self.tensors) != len(other.tensors):
+            return _extra("tensor", self.tensors, other.tensors)
+        return None
+
+
+def _extra(
+    what: str,
+    mine: Sequence[ModuleEntry | TensorEntry],
+    theirs: Sequence[ModuleEntry | TensorEntry],
+) -> str:
+    """Name the first entry one side has and the other lacks."""
+    if len(mine) > len(theirs):
+        return f"{what} {mine[len(theirs)]} is missing in the other model"
+    return f"the other model has an extra {what} {theirs[len(mine)]}"
+
+
+def _describe(value: object) -> str:
+    """A configuration value in words that compare equal across copies of a model."""
+    if value is None or isinstance(
+        value, (bool, int, float, str, torch.dtype, torch.device, enum.Enum)
+    ):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(item) for item in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {value.dtype}"
+    if callable(value):
+        return str(getattr(value, "__qualname__", type(value).__qualname__))
+    return type(value).__qualname__
+
+
+def _config(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """The module's public non-tensor attributes, except the rate of an ``nn.Dropout``."""
+    items = []
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_") or name == "training":
+            continue
+        if type(module) is nn.Dropout and name == "p":
+            continue
+        items.append((name, _describe(value)))
+    return tuple(items)
+
+
+def structure_key(model: nn.Module) -> StructureKey:
+    """The structure key of ``model``: models with equal keys can be fused.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        Its key (see :class:`StructureKey` for what enters it).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    >>> from torch import nn
+    >>> a = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1))
+    >>> b = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+    >>> structure_key(a) == structure_key(b)
+    True
+    >>> print(structure_key(nn.Linear(4, 8)).tensors[0])
+    weight: parameter (8, 4) torch.float32
+    """
+    if not isinstance(model, nn.Module):
+        raise type_error("model", model, "an nn.Module", "pass a PyTorch model")
+    modules = tuple(
+        ModuleEntry(path, type(module).__qualname__, _config(module))
+        for path, module in model.named_modules()
+    )
+    tensors = tuple(
+        TensorEntry(TensorKind.PARAMETER, name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+        for name, p in model.named_parameters()
+    ) + tuple(
+        TensorEntry(TensorKind.BUFFER, name, tuple(b.shape), str(b.dtype), False)
+        for name, b in model.named_buffers()
+    )
+    return StructureKey(modules, tensors)
+
+
+def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """The first layer of ``model`` fusion does not support, with its path and why, or None.
+
+    Args:
+        model: The model to check.
+
+    Returns:
+        ``(path, module, reason)`` of the first unsupported module, or None.
+    """
+    for path, module in model.named_modules():
+        kind = type(module)
+        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d) and module.momentum is None:
+            return (
+                path,
+                module,
+                "momentum=None (a cumulative average) reads num_batches_tracked as a Python "
+                "number, which vmap cannot batch; give it a float momentum",
+            )
+        from_torch = kind.__module__.startswith("torch.")
+        if from_torch and kind not in SUPPORTED_LAYERS:
+            return (
+                path,
+                module,
+                "it is not among the layers verified under fusion "
+                f"({', '.join(t.__name__ for t in SUPPORTED_LAYERS)})",
+            )
+    return None
