@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from waterwave_hpo.bench._plans import PlanSharing
-from waterwave_hpo.bench._plans import compare_plans
+from waterwave_hpo.bench import PlanSharing
+from waterwave_hpo.bench import compare_plans
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import SimPlan
 from waterwave_hpo.sim import SimTrial

@@ -164,6 +164,35 @@ def test_a_trial_that_runs_out_of_memory_reruns_with_a_plan_and_completes(
     assert '"recompute"' in table["plan_choices"][1] or '"swap"' in table["plan_choices"][1]
 
 
+def test_an_attempt_the_scheduler_evicts_reruns_at_once_with_a_smaller_plan() -> None:
+    # The pipeline scheduler evicts a trial (BudgetExceededError from its gate) to break a
+    # deadlock; here the first attempt is evicted right after registering its model. Without
+    # plans an evicted trial that was alone is not re-run; with plans it re-runs planned.
+    from waterwave_hpo.scheduler import BudgetExceededError
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        model = _register(_mlp())
+        ctx = ww.current()
+        if ctx.attempt == 0:
+            raise BudgetExceededError(
+                ctx.trial_number, 1, PLAIN_BYTES, 4 * PLAIN_BYTES, evicted=True
+            )
+        return _train(model, 1)
+
+    for memory_plan, states in (
+        ("off", [TrialState.FAIL]),
+        ("home", [TrialState.FAIL, TrialState.COMPLETE]),
+    ):
+        executor = ww.WaterwaveExecutor(
+            "cpu", trials_per_device=1, memory_budget_bytes=4 * PLAIN_BYTES, memory_plan=memory_plan
+        )
+        study = optuna.create_study()
+        executor.optimize(study, objective, n_trials=1)
+        assert [t.state for t in study.trials] == states
+    plan = trial_memory_plan(study.trials[1])
+    assert plan is not None and plan.predicted_peak_bytes <= PLAIN_BYTES // 2
+
+
 def test_a_budget_no_plan_reaches_fails_the_trial_with_the_floor_named() -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         return _train(_register(_mlp()), 1)

@@ -309,3 +309,16 @@ def test_more_promising_trial_is_admitted_first() -> None:
     for t in threads:
         t.join(timeout=10)
     assert order == [2, 1]
+
+
+def test_room_bytes_is_the_budget_less_the_other_trials_claims_or_holdings() -> None:
+    s = PipelineScheduler(1000)
+    s.trial_started(1)
+    s.trial_started(2)
+    s.trial_started(3)
+    s.declare_profile(1, TrialProfile.of(100, [200]))  # claims 300, holds 0
+    s.acquire(2, -1, 150, Phase.RESIDENT)  # no profile: holds 150
+    assert s.room_bytes(3) == 1000 - 300 - 150
+    assert s.room_bytes(1) == 1000 - 150
+    s.trial_finished(1)
+    assert s.room_bytes(3) == 1000 - 150

@@ -2,9 +2,10 @@
 
 ``run_bench(BenchConfig(...))`` runs temporal sharing, Optuna ``n_jobs=K`` threads, K
 processes, ``cudaMallocAsync`` with K streams (CUDA only) and the waterwave executor (``fifo``
-and ``waterwave`` policies) on a ResNet-style CNN, a GPT-style language model and the demo's
-digits NAS, at a light and a high memory demand, and writes ``results.csv``, ``results.json``,
-plots and a ``README.md``.
+and ``waterwave`` policies, and with HOME memory plans: ``waterwave-plans``) on a ResNet-style
+CNN, a GPT-style language model and the demo's digits NAS, at a light and a high memory demand,
+and writes ``results.csv``, ``results.json``, plots and a ``README.md``; ``compare_plans``
+simulates co-hosting with and without memory plans (``plans.csv``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from waterwave_hpo.bench._calibrate import fit_batches
 from waterwave_hpo.bench._calibrate import profile_trial
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import unavailable_reason
+from waterwave_hpo.bench._plans import PlanComparison
+from waterwave_hpo.bench._plans import PlanSharing
+from waterwave_hpo.bench._plans import compare_plans
 from waterwave_hpo.bench._results import UNITS
 from waterwave_hpo.bench._results import MethodResult
 from waterwave_hpo.bench._results import results_table
@@ -39,11 +43,14 @@ __all__ = [
     "Method",
     "MethodResult",
     "MethodRun",
+    "PlanComparison",
+    "PlanSharing",
     "PoolNotInstalledError",
     "Setting",
     "TrialRecord",
     "Workload",
     "WorkloadSpec",
+    "compare_plans",
     "draw_params",
     "fit_batches",
     "profile_trial",

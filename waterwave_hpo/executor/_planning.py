@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from dataclasses import dataclass
 import enum
+import logging
 import threading
 from typing import Any
 
@@ -38,6 +39,8 @@ from waterwave_hpo.planning._internal import profile_units
 from waterwave_hpo.scheduler import Phase
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import SimPlan
+
+_logger = logging.getLogger("waterwave_hpo")
 
 
 class MemoryPlanMode(str, enum.Enum):
@@ -168,8 +171,9 @@ def fit_trial_memory(
     """Register the trial's model with the executor, which plans its memory if it must.
 
     Call it in an objective run by ``WaterwaveExecutor(memory_plan="home")``, on the model
-    on its device, before training. It profiles one step on ``example_input`` (undone, as
-    :func:`waterwave_hpo.fit_memory` does) and compares the step's peak with the memory the
+    on its device, before training. It profiles ``example_input`` (two training steps whose
+    effects are undone, as :func:`waterwave_hpo.fit_memory` does: their time is its cost, which
+    matters for trials of few steps) and compares the step's peak with the memory the
     trial's neighbours leave on the device (the pipeline scheduler's budget less their claims):
 
     * it fits: the model runs as it is;
@@ -262,6 +266,16 @@ def fit_trial_memory(
     planning.footprint_bytes = footprint
     if plan is not None:
         _record_plan(context.trial, plan)
+        _logger.info(
+            "Trial %d: its plain step needs %s, more than the %s it may use; it runs with a "
+            "%r memory plan (predicted peak %s, %.2fx the plain step's time).",
+            context.trial_number,
+            _checks.format_bytes(plain.peak_bytes),
+            _checks.format_bytes(plan.budget_bytes),
+            plan.planner,
+            _checks.format_bytes(plan.predicted_peak_bytes),
+            plan.predicted_step_seconds / max(plain.step_s, 1e-12),
+        )
     if scheduler is not None:
         key = ("fit_trial_memory", id(model))
         scheduler.declare_profile(context.trial_number, TrialProfile.of(footprint, (0,)), key=key)
