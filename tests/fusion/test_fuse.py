@@ -306,3 +306,12 @@ def test_the_originals_are_left_as_they_were() -> None:
             p.add_(1.0)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name])
+
+
+def test_forward_hooks_of_the_model_still_run() -> None:
+    model = mlp(0)
+    calls: list[tuple[int, ...]] = []
+    model[1].register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    fused = fusion.fuse([model, mlp(1)])
+    fused(torch.randn(5, 16))
+    assert calls == [(5, 32)]  # once per forward, seeing one model's activation (under vmap)

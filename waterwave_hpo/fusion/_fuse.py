@@ -59,6 +59,11 @@ def _layers(sequential: nn.Sequential) -> list[nn.Module]:
     return layers
 
 
+def _has_hooks(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has forward hooks (the direct path would skip them)."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
 def _check_models(models: object) -> list[nn.Module]:
     """``models`` as a list after every check :func:`fuse` promises (see its ``Raises:``)."""
     if isinstance(models, nn.Module) or not isinstance(models, Sequence):
@@ -152,7 +157,7 @@ class FusedModule(nn.Module):
         self.stacked = stacked
         # HFTA's direct path for a Sequential: its forward is its layers in order.
         self._direct: list[DirectStep] | None = None
-        if kernels and type(stacked) is nn.Sequential:
+        if kernels and type(stacked) is nn.Sequential and not _has_hooks(stacked):
             self._direct = [(layer, direct_form(layer)) for layer in _layers(stacked)]
         self.train(template.training)
 
