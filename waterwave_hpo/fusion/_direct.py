@@ -1,6 +1,6 @@
 """The layers of a fused ``nn.Sequential`` run directly on the array, HFTA style, without vmap.
 
-HFTA (Wang et al., MLSys 2021, arXiv:2102.02344, Sec. 3.2) fuses each operator of K models into
+HFTA (Wang et al., MLSys 2021, arXiv:2102.02344) fuses each operator of K models into
 one: Linear into a batched matmul, Conv into a grouped convolution, BatchNorm into one
 BatchNorm over K times the channels, and elementwise operators need nothing at all. When the
 user's model is an ``nn.Sequential`` its forward is nothing but its layers in order, so the fused

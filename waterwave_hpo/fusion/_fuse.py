@@ -113,7 +113,7 @@ def _check_models(models: object) -> list[nn.Module]:
 
 
 class FusedModule(nn.Module):
-    """K models of one structure trained as one module (HFTA, MLSys 2021, Sec. 3).
+    """K models of one structure trained as one module (HFTA, MLSys 2021).
 
     Every parameter and buffer has shape ``(K, *shape_in_one_model)``; ``fused(x)`` runs the K
     models on one batch and stacks their outputs. Built by :func:`fuse`; not constructed
