@@ -232,7 +232,17 @@ class FusedModule(nn.Module):
             return functional_call(module, state, xs)
 
         in_dims = (0, *([None if shared else 0] * len(inputs)))
-        return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        try:
+            return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        except RuntimeError as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(
+                    f"(fusion) raised while running {type(module).__qualname__} for the "
+                    f"{self._num_models} fused models under torch.func.vmap: its forward must "
+                    "be batchable by vmap (no .item() or other reads of a tensor's value into "
+                    "Python, no data-dependent control flow); train such models unfused."
+                )
+            raise
 
     def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
         """The Sequential's layers in order, each fused directly or else through vmap."""
