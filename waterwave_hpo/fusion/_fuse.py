@@ -336,9 +336,12 @@ def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
     Args:
         models: K >= 1 models with equal :func:`structure_key`, on one device, built from the
             layers in :data:`SUPPORTED_LAYERS` (and the user's own module classes).
-        kernels: Run Linear, Conv1d/Conv2d, LayerNorm and Embedding as fused kernels
-            (batched matmul, grouped convolution) inside vmap; False runs every layer through
-            vmap's own batching rules.
+        kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
+            layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
+            as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
+            dropout, pooling; other layers through vmap); any other model runs under vmap
+            with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
+            batching rules. Both give the same results (to float rounding).
 
     Returns:
         The fused module, K = ``len(models)``.
