@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import enum
 import inspect
 import math
+import numbers
 from typing import Any
 from typing import Protocol
 import weakref
@@ -135,7 +136,8 @@ def _stock_defaults(kind: OptimizerKind) -> dict[str, Any]:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (Python or NumPy scalar), not a bool and not a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_value(kind: OptimizerKind, k: int, name: str, value: object) -> None:
@@ -143,7 +145,7 @@ def _check_value(kind: OptimizerKind, k: int, name: str, value: object) -> None:
     held = _SPECS[kind].hparams[name]
     where = f"hparams[{k}][{name!r}]"
     if held is _Kind.NUMBER and not _is_number(value):
-        raise type_error(where, value, "a number (int or float)", "pass a Python number")
+        raise type_error(where, value, "a real number", "pass a Python int or float")
     if held is _Kind.FLAG and not isinstance(value, bool):
         raise type_error(where, value, "a bool", "pass True or False")
     if held is _Kind.PAIR and not (
@@ -292,6 +294,13 @@ def _named_parameters(
 
 
 def _check_leading_dim(name: str, p: torch.Tensor, num_models: int) -> None:
+    if not p.is_floating_point():
+        raise value_error(
+            name,
+            f"<{p.dtype} tensor of shape {tuple(p.shape)}>",
+            "is not a real floating-point tensor, which fused optimizers need",
+            "optimize only floating-point parameters (complex ones are not supported)",
+        )
     if p.dim() == 0 or p.shape[0] != num_models:
         raise value_error(
             name,
@@ -385,6 +394,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     AMSGrad), each with the parameter's shape. ``state_dict``/``load_state_dict`` round-trip.
 
     Idea: HFTA (arXiv:2102.02344), section 3.2, fused optimizers.
+
+    Attributes:
+        hparam_version: Counts changes of the per-model hyperparameters (:meth:`set_hparam`,
+            :meth:`keep_models`, :meth:`load_state_dict`); schedulers read it.
     """
 
     def __init__(
@@ -404,6 +417,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         group.update(_stack_hparams(kind, hparams, device))
         super().__init__([group], defaults={})
         self._uses = _Uses.of(self.param_groups[0])
+        # Counts changes of the hyperparameters; a scheduler that sees another writer's change
+        # writes all its values again.
+        self.hparam_version = 0
 
     @property
     def kind(self) -> OptimizerKind:
@@ -468,6 +484,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
         self.param_groups[0][name] = new.to(target.device)
+        self.hparam_version += 1
         # read from the host copy: no device sync
         if name == "momentum":
             self._uses.set_momentum(new.tolist(), self.param_groups[0]["nesterov"].tolist())
@@ -507,6 +524,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
                     state[key] = value.index_select(0, index.to(value.device))
         self._uses = _Uses.of(group)
+        self.hparam_version += 1
         for follower in list(self._followers):
             follower._keep_models(kept)
         self._num_models = len(kept)
@@ -564,6 +582,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
         self._uses = _Uses.of(group)
+        self.hparam_version += 1
         self._num_models = saved_k
 
     @torch.no_grad()
