@@ -359,3 +359,10 @@ def test_numpy_scalars_are_numbers_and_integer_parameters_are_refused() -> None:
     assert opt.param_groups[0]["lr"].tolist() == [0.5, 1.0]
     with pytest.raises(ValueError, match=r"parameter 0=.*torch.int64.*floating-point"):
         fusion.optimizer(torch.optim.SGD, [torch.zeros(2, 3, dtype=torch.long)], [{}] * 2)
+
+
+def test_a_second_parameter_group_is_refused() -> None:
+    opt = fusion.optimizer(torch.optim.SGD, Stacked(make_models(2)), [{"lr": 0.1}] * 2)
+    with pytest.raises(ValueError, match=r"param_group=.*one group.*one fusion.optimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 3))]})
+    assert len(opt.param_groups) == 1

@@ -421,6 +421,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         # writes all its values again.
         self.hparam_version = 0
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: a fused optimizer holds one group with per-model values.
+
+        Args:
+            param_group: The group (only the constructor's own group is accepted).
+
+        Raises:
+            ValueError: called after the optimizer was built.
+        """
+        if hasattr(self, "hparam_version"):  # set once the constructor's group is in
+            raise value_error(
+                "param_group",
+                f"<group of {len(list(param_group.get('params', [])))} parameters>",
+                "cannot be added to a fused optimizer (it holds one group, values per model)",
+                "build one fusion.optimizer over all the fused parameters",
+            )
+        super().add_param_group(param_group)
+
     @property
     def kind(self) -> OptimizerKind:
         """Which stock optimizer this one stands for."""
