@@ -366,3 +366,26 @@ def test_a_second_parameter_group_is_refused() -> None:
     with pytest.raises(ValueError, match=r"param_group=.*one group.*one fusion.optimizer"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 3))]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_nan_gradient_in_one_model_touches_no_other(cls: type[torch.optim.Optimizer]) -> None:
+    hparams = SGD_HPARAMS if cls is torch.optim.SGD else ADAM_HPARAMS
+    runs = []
+    for poison in (False, True):
+        stacked = Stacked(make_models(4))
+        opt = fusion.optimizer(cls, stacked, hparams)
+        for step in range(3):
+            xs, ys = batches(4, step)
+            opt.zero_grad()
+            fused_loss(stacked, xs, ys).backward()
+            if poison:
+                for p in stacked.parameters():
+                    p.grad[1] = math.nan  # type: ignore[index]
+            opt.step()
+        runs.append(stacked)
+    clean, poisoned = runs
+    for k in (0, 2, 3):
+        for name, value in poisoned.model_params(k).items():
+            assert torch.equal(value, clean.model_params(k)[name]), (k, name)
+    assert all(v.isnan().all() for v in poisoned.model_params(1).values())
