@@ -4,7 +4,7 @@
 models: one model's large (or NaN) gradient would scale every other model's. Here each model's
 gradients are clipped by that model's own norm, as ``clip_grad_norm_`` on the model alone would
 (same formula: coefficient ``min(1, max_norm / (norm + 1e-6))``). Per-model operators are the
-premise of HFTA's fused training array (arXiv:2102.02344, section 3).
+premise of HFTA's fused training array (Wang et al., MLSys 2021, arXiv:2102.02344).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 The idea is HFTA's fused optimizers (Wang et al., "Horizontally Fused Training Array: An Effective
 Hardware Utilization Squeezer for Training Novel Deep Learning Models", MLSys 2021,
-arXiv:2102.02344, section 3.2): when K models of one structure are trained as one, every
-parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning rate, momentum,
-weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each parameter's trailing
-dims, so the whole array updates with the same few kernels one model would need.
+arXiv:2102.02344; its library's ``hfta.optim``): when K models of one structure are trained as
+one, every parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning
+rate, momentum, weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each
+parameter's trailing dims, so the whole array updates with the same few kernels one model
+would need.
 
 Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
 for (``torch.optim.SGD``, ``Adam`` or ``AdamW``, as of torch 2.13's single-tensor path), with its
@@ -393,7 +394,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` when a model uses
     AMSGrad), each with the parameter's shape. ``state_dict``/``load_state_dict`` round-trip.
 
-    Idea: HFTA (arXiv:2102.02344), section 3.2, fused optimizers.
+    Idea: HFTA's fused optimizers (Wang et al., MLSys 2021, arXiv:2102.02344).
 
     Attributes:
         hparam_version: Counts changes of the per-model hyperparameters (:meth:`set_hparam`,
@@ -765,7 +766,7 @@ def optimizer(
 
     Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
     are). Each hyperparameter is held per model as a ``(K,)`` tensor broadcast over each
-    parameter's trailing dims (HFTA, arXiv:2102.02344, section 3.2).
+    parameter's trailing dims (HFTA's fused optimizers, arXiv:2102.02344).
 
     Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,

@@ -6,8 +6,8 @@ and one dummy parameter, and runs an ordinary ``torch.optim.lr_scheduler`` sched
 each step it copies the proxy's numeric hyperparameters (``lr``, and ``momentum`` or ``betas``,
 which e.g. ``OneCycleLR`` cycles) into the fused optimizer's ``(K,)`` tensors. So every stock
 scheduler works per model, unchanged, and model k's schedule equals what that scheduler would
-give model k trained alone, value for value. Per-model schedules are part of HFTA's fused
-training array (arXiv:2102.02344, section 3.2).
+give model k trained alone, value for value. HFTA (Wang et al., MLSys 2021, arXiv:2102.02344)
+also schedules each model of its fused array (its library's ``hfta.optim.lr_scheduler``).
 """
 
 from __future__ import annotations
