@@ -122,10 +122,22 @@ def test_batchnorm_keeps_running_statistics_per_model_in_train_and_eval() -> Non
         torch.testing.assert_close(out[k], model.eval()(x), **TOL)
 
 
-def test_each_model_keeps_its_own_dropout_rate() -> None:
+class Wrap(nn.Module):
+    """A user's module: not a Sequential, so its forward runs under vmap."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_each_model_keeps_its_own_dropout_rate(wrap: bool) -> None:
     rates = [0.0, 0.5, 0.9]
     models = [nn.Sequential(nn.Identity(), nn.Dropout(p)) for p in rates]
-    fused = fusion.fuse(models)
+    fused = fusion.fuse([Wrap(m) if wrap else m for m in models])
     out = fused(torch.ones(200, 100))
     for k, p in enumerate(rates):
         dropped = (out[k] == 0).float().mean().item()
@@ -136,8 +148,10 @@ def test_each_model_keeps_its_own_dropout_rate() -> None:
     torch.testing.assert_close(fused(torch.ones(3, 4)), torch.ones(3, 3, 4))
 
 
-def test_models_with_the_same_rate_draw_independent_masks() -> None:
-    fused = fusion.fuse([nn.Sequential(nn.Dropout(0.5)) for _ in range(4)])
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_models_with_the_same_rate_draw_independent_masks(wrap: bool) -> None:
+    models = [nn.Sequential(nn.Dropout(0.5)) for _ in range(4)]
+    fused = fusion.fuse([Wrap(m) if wrap else m for m in models])
     out = fused(torch.ones(64, 64))
     masks = (out != 0).flatten(1)
     for a in range(4):
@@ -292,3 +306,12 @@ def test_the_originals_are_left_as_they_were() -> None:
             p.add_(1.0)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name])
+
+
+def test_forward_hooks_of_the_model_still_run() -> None:
+    model = mlp(0)
+    calls: list[tuple[int, ...]] = []
+    model[1].register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    fused = fusion.fuse([model, mlp(1)])
+    fused(torch.randn(5, 16))
+    assert calls == [(5, 32)]  # once per forward, seeing one model's activation (under vmap)

@@ -11,6 +11,7 @@ that kernel with the whole array at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence
 import copy
 from typing import Any
@@ -22,6 +23,8 @@ from torch.func import vmap
 
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._direct import Result
+from waterwave_hpo.fusion._direct import direct_form
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._kernels import kernel_module
 from waterwave_hpo.fusion._structure import structure_key
@@ -40,6 +43,25 @@ def _device_of(model: nn.Module) -> torch.device | None:
     for tensor in [*model.parameters(), *model.buffers()]:
         return tensor.device
     return None
+
+
+DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, bool, int], Result] | None"]
+
+
+def _layers(sequential: nn.Sequential) -> list[nn.Module]:
+    """The layers of a Sequential in call order, nested Sequentials opened."""
+    layers: list[nn.Module] = []
+    for child in sequential:
+        if type(child) is nn.Sequential:
+            layers += _layers(child)
+        else:
+            layers.append(child)
+    return layers
+
+
+def _has_hooks(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has forward hooks (the direct path would skip them)."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
 
 
 def _check_models(models: object) -> list[nn.Module]:
@@ -91,7 +113,7 @@ def _check_models(models: object) -> list[nn.Module]:
 
 
 class FusedModule(nn.Module):
-    """K models of one structure trained as one module (HFTA, MLSys 2021, Sec. 3).
+    """K models of one structure trained as one module (HFTA, MLSys 2021).
 
     Every parameter and buffer has shape ``(K, *shape_in_one_model)``; ``fused(x)`` runs the K
     models on one batch and stacks their outputs. Built by :func:`fuse`; not constructed
@@ -133,6 +155,10 @@ class FusedModule(nn.Module):
                 elif fused is not None:
                     stacked = fused
         self.stacked = stacked
+        # HFTA's direct path for a Sequential: its forward is its layers in order.
+        self._direct: list[DirectStep] | None = None
+        if kernels and type(stacked) is nn.Sequential and not _has_hooks(stacked):
+            self._direct = [(layer, direct_form(layer)) for layer in _layers(stacked)]
         self.train(template.training)
 
     @staticmethod
@@ -185,14 +211,40 @@ class FusedModule(nn.Module):
                         f"must start with K={self._num_models} when stacked=True",
                         "pass one batch per model, (K, B, ...), or stacked=False to share one",
                     )
-        tensors: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
-        tensors.update(self.stacked.named_buffers())
+        if self._direct is not None and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            return self._forward_direct(inputs[0], shared=not stacked)
+        return self._vmap(self.stacked, inputs, shared=not stacked)
+
+    def _vmap(self, module: nn.Module, inputs: tuple[Any, ...], *, shared: bool) -> Any:
+        """Run ``module`` (part of the stacked model) for the K models under vmap."""
+        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        if shared and not tensors:
+            # Nothing of the models' own to batch (e.g. a Softmax): vmap needs a batched input.
+            k = self._num_models
+            inputs = tuple(
+                x.unsqueeze(0).expand(k, *x.shape) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            )
+            shared = False
 
         def call(state: dict[str, torch.Tensor], *xs: Any) -> Any:
-            return functional_call(self.stacked, state, xs)
+            return functional_call(module, state, xs)
 
-        in_dims = (0, *([0 if stacked else None] * len(inputs)))
+        in_dims = (0, *([None if shared else 0] * len(inputs)))
         return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+
+    def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
+        """The Sequential's layers in order, each fused directly or else through vmap."""
+        assert self._direct is not None
+        k = self._num_models
+        for layer, form in self._direct:
+            result = None if form is None else form(layer, x, shared, k)
+            if result is None:
+                x, shared = self._vmap(layer, (x,), shared=shared), False
+            else:
+                x, shared = result
+        return x.unsqueeze(0).expand(k, *x.shape) if shared else x
 
     def keep_models(self, indices: Sequence[int]) -> None:
         """Keep only the models at ``indices``, in that order (the others stop costing compute).

@@ -24,7 +24,7 @@ def per_model_loss(
     ``(B, ...)`` and its target, and must return a scalar (e.g. ``nn.CrossEntropyLoss()`` or
     ``F.mse_loss`` with a mean or sum reduction). The models share no parameter, so
     ``per_model_loss(...).sum().backward()`` gives each model exactly the gradient of its own
-    loss, as if it were trained alone (HFTA, MLSys 2021, Sec. 3: the array's loss is the sum).
+    loss, as if it were trained alone (HFTA, MLSys 2021: the array's loss is the sum).
 
     Args:
         loss_fn: ``loss_fn(output, target) -> scalar`` for one model.

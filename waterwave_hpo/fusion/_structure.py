@@ -1,6 +1,6 @@
 """Which models can be fused: the structure key and the layers fusion supports.
 
-Two models fuse (HFTA, Wang et al., MLSys 2021, Sec. 3: a training array of models that run the
+Two models fuse (HFTA, Wang et al., MLSys 2021: a training array of models that run the
 same operators on the same shapes) when they have the same module tree, the same module
 configuration and the same parameters and buffers (names, shapes, dtypes). The key states all
 of it; the one number that may differ is the rate of an ``nn.Dropout``, which fusion keeps per
