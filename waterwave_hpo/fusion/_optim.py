@@ -772,6 +772,8 @@ def optimizer(
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,
     ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``). A name left out takes the
     stock class's default. Per-model schedules: :class:`PerModelScheduler`, :class:`LambdaLR`.
+    All K models use one optimizer class: trials that chose different classes belong in different
+    fused groups (one optimizer each).
 
     Args:
         cls: ``torch.optim.SGD``, ``torch.optim.Adam`` or ``torch.optim.AdamW``.
