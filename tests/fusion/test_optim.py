@@ -389,3 +389,21 @@ def test_a_nan_gradient_in_one_model_touches_no_other(cls: type[torch.optim.Opti
         for name, value in poisoned.model_params(k).items():
             assert torch.equal(value, clean.model_params(k)[name]), (k, name)
     assert all(v.isnan().all() for v in poisoned.model_params(1).values())
+
+
+def test_schedules_composed_inside_the_factory_follow_stock() -> None:
+    def warmup_then_decay(o: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
+        warmup = lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3)
+        decay = lr_scheduler.ExponentialLR(o, gamma=0.5)
+        return lr_scheduler.SequentialLR(o, [warmup, decay], milestones=[3])
+
+    opt = fusion.optimizer(torch.optim.SGD, Stacked(make_models(2)), [{"lr": 1.0}, {"lr": 0.1}])
+    sched = fusion.PerModelScheduler(opt, warmup_then_decay)
+    stock = [torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr) for lr in (1.0, 0.1)]
+    stock_scheds = [warmup_then_decay(o) for o in stock]
+    for _ in range(6):
+        sched.step()
+        for o, s in zip(stock, stock_scheds, strict=True):
+            o.step()
+            s.step()
+        assert opt.param_groups[0]["lr"].tolist() == [o.param_groups[0]["lr"] for o in stock]

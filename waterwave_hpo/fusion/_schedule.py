@@ -41,6 +41,9 @@ class PerModelScheduler:
 
     Example: ``fusion.PerModelScheduler(opt, lambda o: torch.optim.lr_scheduler.StepLR(o, 10))``
     gives every model a step decay; a list of K factories gives each model its own scheduler.
+    Use one per optimizer: each keeps its own proxies, so two would not compose as two stock
+    schedulers on one optimizer do; compose inside the factory instead (``SequentialLR``,
+    ``ChainedScheduler`` on the optimizer the factory is given).
     """
 
     def __init__(
