@@ -333,3 +333,36 @@ def test_a_forward_vmap_cannot_batch_fails_with_a_note_naming_fusion() -> None:
     notes = getattr(info.value, "__notes__", [])
     if hasattr(info.value, "add_note"):
         assert any("ReadsAValue for the 2 fused models under torch.func.vmap" in n for n in notes)
+
+
+class TiedEmbedding(nn.Module):
+    """Input embedding and output layer share one weight (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))  # type: ignore[no-any-return]
+
+
+def test_tied_weights_stay_one_tensor_when_fused_and_unfused() -> None:
+    torch.manual_seed(0)
+    models = [TiedEmbedding() for _ in range(3)]
+    fused = fusion.fuse(models)
+    assert [name for name, _ in fused.named_parameters()] == ["stacked.embed.weight"]
+    tokens = torch.randint(0, 7, (5,))
+    out = fused(tokens)
+    out.square().sum().backward()
+    (table,) = fused.parameters()
+    for k, model in enumerate(models):
+        ref = model(tokens)
+        torch.testing.assert_close(out[k], ref, **TOL)
+        ref.square().sum().backward()
+        assert table.grad is not None and model.embed.weight.grad is not None
+        torch.testing.assert_close(table.grad[k], model.embed.weight.grad, **TOL)
+    for k, model in enumerate(fused.unfuse()):
+        assert model.out.weight is model.embed.weight
+        torch.testing.assert_close(model.embed.weight, table[k].detach())

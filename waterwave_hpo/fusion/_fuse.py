@@ -305,17 +305,32 @@ class FusedModule(nn.Module):
         Returns:
             The K models, in the fused order (after :meth:`keep_models`, the kept ones).
         """
-        named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
-        named.update(self.stacked.named_buffers())
-        device = _device_of(self.stacked) or torch.device("cpu")
+        # Every name, tied ones included: a tensor the model shares between two places
+        # (tied weights) is one stacked tensor, and becomes one tensor again in each model.
+        params = dict(self.stacked.named_parameters(remove_duplicate=False))
+        buffers = dict(self.stacked.named_buffers(remove_duplicate=False))
         models = []
         for k in range(self._num_models):
-            model = copy.deepcopy(self._skeleton[0]).to_empty(device=device)
+            model = copy.deepcopy(self._skeleton[0])
+            made: dict[int, nn.Parameter] = {}
+            made_buffers: dict[int, torch.Tensor] = {}
             with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(named[name][k])
-                for name, buffer in model.named_buffers():
-                    buffer.copy_(named[name][k])
+                for path, module in model.named_modules(remove_duplicate=False):
+                    prefix = f"{path}." if path else ""
+                    for local, old in module._parameters.items():
+                        if old is not None:
+                            source = params[prefix + local]
+                            if id(source) not in made:
+                                made[id(source)] = nn.Parameter(
+                                    source[k].clone(), requires_grad=source.requires_grad
+                                )
+                            module._parameters[local] = made[id(source)]
+                    for local, old in module._buffers.items():
+                        if old is not None:
+                            stacked_buffer = buffers[prefix + local]
+                            if id(stacked_buffer) not in made_buffers:
+                                made_buffers[id(stacked_buffer)] = stacked_buffer[k].clone()
+                            module._buffers[local] = made_buffers[id(stacked_buffer)]
             for path in self._dropout_paths:
                 dropout: nn.Dropout = model.get_submodule(path)  # type: ignore[assignment]
                 dropout.p = self._dropout_p[path][k]
