@@ -315,3 +315,21 @@ def test_forward_hooks_of_the_model_still_run() -> None:
     fused = fusion.fuse([model, mlp(1)])
     fused(torch.randn(5, 16))
     assert calls == [(5, 32)]  # once per forward, seeing one model's activation (under vmap)
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * float(self.linear.weight.sum())
+
+
+def test_a_forward_vmap_cannot_batch_fails_with_a_note_naming_fusion() -> None:
+    fused = fusion.fuse([ReadsAValue(), ReadsAValue()])
+    with pytest.raises(RuntimeError) as info:
+        fused(torch.randn(3, 2))
+    notes = getattr(info.value, "__notes__", [])
+    if hasattr(info.value, "add_note"):
+        assert any("ReadsAValue for the 2 fused models under torch.func.vmap" in n for n in notes)

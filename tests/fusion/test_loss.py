@@ -54,7 +54,7 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match=r"target.shape=\(2, 5\): must start with K=3"):
         fusion.per_model_loss(F.mse_loss, outputs, torch.zeros(2, 5), target_stacked=True)
     with pytest.raises(
-        ValueError, match=r"must return a scalar per model, got \(3, 5\) for K=3.*reduction='mean'"
+        ValueError, match=r"must return a scalar per model, got \(5,\) for K=3.*reduction='mean'"
     ):
         fusion.per_model_loss(
             nn.CrossEntropyLoss(reduction="none"), outputs, torch.zeros(5, dtype=torch.long)

@@ -232,7 +232,17 @@ class FusedModule(nn.Module):
             return functional_call(module, state, xs)
 
         in_dims = (0, *([None if shared else 0] * len(inputs)))
-        return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        try:
+            return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        except RuntimeError as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(
+                    f"(fusion) raised while running {type(module).__qualname__} for the "
+                    f"{self._num_models} fused models under torch.func.vmap: its forward must "
+                    "be batchable by vmap (no .item() or other reads of a tensor's value into "
+                    "Python, no data-dependent control flow); train such models unfused."
+                )
+            raise
 
     def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
         """The Sequential's layers in order, each fused directly or else through vmap."""
@@ -326,9 +336,12 @@ def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
     Args:
         models: K >= 1 models with equal :func:`structure_key`, on one device, built from the
             layers in :data:`SUPPORTED_LAYERS` (and the user's own module classes).
-        kernels: Run Linear, Conv1d/Conv2d, LayerNorm and Embedding as fused kernels
-            (batched matmul, grouped convolution) inside vmap; False runs every layer through
-            vmap's own batching rules.
+        kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
+            layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
+            as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
+            dropout, pooling; other layers through vmap); any other model runs under vmap
+            with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
+            batching rules. Both give the same results (to float rounding).
 
     Returns:
         The fused module, K = ``len(models)``.

@@ -2,13 +2,17 @@
 
 For K = 1, 2, 4, 8, 16 and three models (the digits MLP 64-128-128-10 at batch 64, a small CNN
 on 8x8 digits-shaped images at batch 64, the bench's ResNet-style CNN at width 16, one block per
-stage, 32x32 inputs at batch 32) it times three ways of training K models on the same batch
+stage, 32x32 inputs at batch 32) it times the ways of training K models on the same batch
 with SGD:
 
 * ``sequential``: K ordinary models, one step each, one after another;
 * ``vmap``: ``fusion.fuse(models, kernels=False)``: every layer batched by ``torch.func.vmap``;
-* ``kernels``: ``fusion.fuse(models)``: Linear as ``torch.baddbmm``, Conv as grouped conv
-  (HFTA, MLSys 2021), the rest through vmap.
+* ``kernels``: ``fusion.fuse(models)``: for an ``nn.Sequential``, HFTA's direct path (Linear as
+  ``torch.baddbmm``, Conv as one grouped conv, BatchNorm over K*C channels; HFTA, MLSys 2021);
+  in the ResNet's residual blocks (the user's module class) vmap with the fused Linear/Conv
+  kernels;
+* ``handwritten`` (``--handwritten``, digits MLP only): the ceiling, stacked weights and
+  ``baddbmm`` written by hand with one flat cross-entropy, no module machinery.
 
 A step is forward, per-model cross-entropy, backward, ``SGD.step`` (one optimizer over the
 fused parameters: the fused optimizers are fusopt's). The figure is *model-steps per second*
@@ -16,7 +20,9 @@ fused parameters: the fused optimizers are fusopt's). The figure is *model-steps
 (other engineers share its 2 cores) falls on all of them alike; the median of the rounds is
 reported, with ``os.getloadavg()`` before and after each round. Run::
 
-    python experiments/bench_fusion.py --rounds 3 --min-time-s 1.0
+    python experiments/bench_fusion_kernels.py --rounds 3 --min-time-s 1.0
+    python experiments/bench_fusion_kernels.py --models digits_mlp --handwritten --rounds 5 \
+        --min-time-s 0.5 --out experiments/results/2026-11-23-fusion-kernels/digits_mlp_handwritten
 
 Writes results.json and README.md to ``--out``
 (default ``experiments/results/<date>-fusion-kernels/``).
@@ -94,6 +100,8 @@ def make_step(method: str, models: list[nn.Module], x: torch.Tensor, y: torch.Te
                 opt.step()
 
         return step
+    if method == "handwritten":
+        return handwritten_step(models, x, y)
     fused = fusion.fuse(models, kernels=method == "kernels")
     opt = torch.optim.SGD(fused.parameters(), lr=0.01)
 
@@ -103,6 +111,38 @@ def make_step(method: str, models: list[nn.Module], x: torch.Tensor, y: torch.Te
         opt.step()
 
     return fused_step
+
+
+def handwritten_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Any:
+    """The ceiling for an MLP: HFTA's kernels written by hand (stacked weights, ``baddbmm``,
+    one flat cross-entropy), no module machinery; ``models`` must be Linear/ReLU Sequentials."""
+    k = len(models)
+    weights = [
+        torch.stack([model[i].weight.detach().t() for model in models]).requires_grad_()
+        for i, layer in enumerate(models[0])
+        if isinstance(layer, nn.Linear)
+    ]
+    biases = [
+        torch.stack([model[i].bias.detach() for model in models]).unsqueeze(1).requires_grad_()
+        for i, layer in enumerate(models[0])
+        if isinstance(layer, nn.Linear)
+    ]
+    opt = torch.optim.SGD([*weights, *biases], lr=0.01)
+    xs = x.unsqueeze(0).expand(k, *x.shape)
+    ys = y.repeat(k)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        h = xs
+        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            h = torch.baddbmm(b, h, w)
+            if i < len(weights) - 1:
+                h = torch.relu(h)
+        loss = F.cross_entropy(h.reshape(-1, h.shape[-1]), ys, reduction="none")
+        loss.view(k, -1).mean(1).sum().backward()
+        opt.step()
+
+    return step
 
 
 def time_step(step: Any, min_time_s: float) -> float:
@@ -127,6 +167,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--render", action="store_true", help="only rewrite README.md of --out")
+    parser.add_argument(
+        "--handwritten", action="store_true", help="also time hand-written baddbmm (MLP only)"
+    )
     args = parser.parse_args()
     if args.render:
         render(args.out)
@@ -143,19 +186,22 @@ def main() -> None:
             models = [build() for _ in range(k)]
             x = torch.randn(*shape)
             y = torch.randint(0, 10, (shape[0],))
-            steps = {m: make_step(m, models, x, y) for m in METHODS}
-            rates: dict[str, list[float]] = {m: [] for m in METHODS}
+            methods = METHODS + (
+                ("handwritten",) if args.handwritten and name == "digits_mlp" else ()
+            )
+            steps = {m: make_step(m, models, x, y) for m in methods}
+            rates: dict[str, list[float]] = {m: [] for m in methods}
             loads = []
             for _ in range(args.rounds):
                 load_before = os.getloadavg()[0]
-                for method in METHODS:
+                for method in methods:
                     rates[method].append(time_step(steps[method], args.min_time_s))
                 loads.append((load_before, os.getloadavg()[0]))
             row = {
                 "model": name,
                 "K": k,
-                **{f"{m}_model_steps_per_s": k * statistics.median(rates[m]) for m in METHODS},
-                **{f"{m}_rounds_steps_per_s": rates[m] for m in METHODS},
+                **{f"{m}_model_steps_per_s": k * statistics.median(rates[m]) for m in methods},
+                **{f"{m}_rounds_steps_per_s": rates[m] for m in methods},
                 "loadavg_1min_before_after": loads,
             }
             seq = row["sequential_model_steps_per_s"]
@@ -211,19 +257,25 @@ def render(out: Path) -> None:
         "column); read the ratios.",
         "",
         "| model | K | sequential model-steps/s (median) | vmap path | kernel path | "
-        "load (1-min, per round) |",
-        "|---|---:|---:|---:|---:|---|",
+        "hand-written baddbmm | load (1-min, per round) |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         cells = []
-        for method in ("vmap", "kernels"):
+        for method in ("vmap", "kernels", "handwritten"):
+            if f"{method}_rounds_steps_per_s" not in row:
+                cells.append("-")
+                continue
             ratios = round_ratios(row, method)
             cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
         load = ", ".join(f"{a:.1f}->{b:.1f}" for a, b in row["loadavg_1min_before_after"])
         lines.append(
             f"| {row['model']} | {row['K']} | {row['sequential_model_steps_per_s']:.0f} | "
-            f"{cells[0]} | {cells[1]} | {load} |"
+            f"{cells[0]} | {cells[1]} | {cells[2]} | {load} |"
         )
+    reading = out / "reading.md"  # the interpretation, written by hand after the run
+    if reading.exists():
+        lines += ["", reading.read_text().rstrip()]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
