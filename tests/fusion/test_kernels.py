@@ -155,3 +155,39 @@ def test_conv_chain_keeps_hfta_layout_and_stays_equal() -> None:
         out = fused(x)
         for k, model in enumerate(models):
             torch.testing.assert_close(out[k], model(x), **TOL)
+
+
+class ResBlock(nn.Module):
+    """The bench's residual block: fused convolutions hand vmap their (N, K*C) layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_residual_block_under_vmap_equals_separate_blocks(train: bool) -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(2, 3, 1), ResBlock()).double().train(train) for _ in range(K)]
+    for model in models:
+        _randomize(model)
+    fused = fusion.fuse(models)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    out = fused(x)
+    out.square().sum().backward()
+    for k, model in enumerate(models):
+        ref = model(x)
+        torch.testing.assert_close(out[k], ref, **TOL)
+        ref.square().sum().backward()
+        for p, q in zip(model.parameters(), fused.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(q.grad[k], p.grad, **TOL)
+        for b, q in zip(model.buffers(), fused.buffers(), strict=True):
+            torch.testing.assert_close(q[k], b, **TOL)
