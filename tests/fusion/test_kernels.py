@@ -191,3 +191,33 @@ def test_residual_block_under_vmap_equals_separate_blocks(train: bool) -> None:
             torch.testing.assert_close(q.grad[k], p.grad, **TOL)
         for b, q in zip(model.buffers(), fused.buffers(), strict=True):
             torch.testing.assert_close(q[k], b, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(lambda: nn.Linear(3, 2), (4, 3)), (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 2, 4, 4))],
+    ids=["linear", "conv2d"],
+)
+def test_fused_layers_outside_vmap_are_the_stock_layers(
+    make: Callable[[], nn.Module], shape: tuple[int, ...]
+) -> None:
+    """Called on one model's weights (no vmap), a fused layer computes the stock operator."""
+    torch.manual_seed(0)
+    stock = make().double()
+    fused_layer: nn.Module
+    if isinstance(stock, nn.Linear):
+        fused_layer = fusion.FusedLinear(stock)
+    else:
+        assert isinstance(stock, nn.Conv2d)
+        fused_layer = fusion.FusedConv(stock)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    out = fused_layer(x)
+    out.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in stock.parameters())]
+    x.grad = None
+    stock.zero_grad()
+    ref = stock(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    for got, want in zip(grads, [x.grad, *(p.grad for p in stock.parameters())], strict=True):
+        torch.testing.assert_close(got, want, **TOL)
