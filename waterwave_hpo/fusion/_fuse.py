@@ -149,7 +149,8 @@ class FusedModule(nn.Module):
         stacked: A copy of the first model whose parameters and buffers are the stacked ones
             (names as in the original model, e.g. ``stacked.0.weight``), whose ``nn.Dropout``
             layers are :class:`PerModelDropout` and, with kernels, whose supported layers are
-            fused kernels. Its ``forward`` is only called through ``vmap``.
+            fused kernels. Not to be called directly: :meth:`forward` runs it (through vmap,
+            or layer by layer on the direct path).
     """
 
     def __init__(self, models: list[nn.Module], *, kernels: bool) -> None:
