@@ -263,7 +263,7 @@ def test_fuse_names_the_first_structural_difference() -> None:
     b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(
         ValueError,
-        match=r"models\[2\] differs from models\[0\] in structure: "
+        match=r"models\[2\]=<Sequential>: differs from models\[0\] in structure: "
         r"module '2'.*out_features=2.*out_features=3",
     ):
         fusion.fuse([a, a, b])
@@ -277,23 +277,33 @@ def test_fuse_refuses_unsupported_layers_by_path() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.LSTM(4, 4)))
     with pytest.raises(
         TypeError,
-        match=r"models\[0\]\.1\.1 is torch.nn.modules.rnn.LSTM, which fusion does not support",
+        match=r"models\[0\]\.1\.1=<LSTM>: torch.nn.modules.rnn.LSTM is not supported: it is not ",
     ):
         fusion.fuse([model, model])
     cumulative = nn.Sequential(nn.BatchNorm1d(4, momentum=None))
-    with pytest.raises(TypeError, match=r"models\[0\]\.0 .*momentum=None"):
+    with pytest.raises(
+        TypeError,
+        match=r"models\[0\]\.0=<BatchNorm1d>: .*momentum=None.*; give the layer a float momentum",
+    ):
         fusion.fuse([cumulative])
 
 
 def test_fuse_refuses_a_fused_module_and_mixed_devices() -> None:
     fused = fusion.fuse([mlp(0), mlp(1)])
-    with pytest.raises(ValueError, match=r"models\[0\] is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[0\]=<FusedModule>: is already a FusedModule; fuse the original"
+    ):
         fusion.fuse([fused, fused])
-    with pytest.raises(ValueError, match=r"models\[1\]\.inner is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[1\]\.inner=<FusedModule>: is already a FusedModule"
+    ):
         holder = nn.Module()
         holder.inner = fused
         fusion.fuse([mlp(0), holder])
-    with pytest.raises(ValueError, match=r"models\[1\] is on device meta but models\[0\] on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"models\[1\]=<Sequential>: is on device meta but models\[0\] on cpu; move",
+    ):
         fusion.fuse([mlp(0), mlp(1).to("meta")])
 
 
@@ -366,3 +376,22 @@ def test_tied_weights_stay_one_tensor_when_fused_and_unfused() -> None:
     for k, model in enumerate(fused.unfuse()):
         assert model.out.weight is model.embed.weight
         torch.testing.assert_close(model.embed.weight, table[k].detach())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "start"),
+    [
+        (lambda: fusion.fuse([]), ValueError, "models=[]: "),
+        (lambda: fusion.fuse([mlp(0), nn.Linear(2, 2)]), ValueError, "models[1]=<Linear>: "),
+        (lambda: fusion.fuse([nn.LSTM(2, 2)]), TypeError, "models[0]=<LSTM>: "),
+        (lambda: fusion.fuse([mlp(0), mlp(1).to("meta")]), ValueError, "models[1]=<Sequential>: "),
+        (lambda: fusion.fuse([mlp(0)]).keep_models([5]), ValueError, "indices=[5]: "),
+        (lambda: fusion.structure_key(3), TypeError, "model=3: "),
+    ],
+)
+def test_errors_share_the_projects_one_format(call: object, error: type, start: str) -> None:
+    with pytest.raises(error) as info:
+        call()  # type: ignore[operator]
+    text = str(info.value)
+    assert text.startswith(start), text
+    assert "; " in text and text.endswith("."), text
