@@ -20,9 +20,7 @@ fused parameters: the fused optimizers are fusopt's). The figure is *model-steps
 (other engineers share its 2 cores) falls on all of them alike; the median of the rounds is
 reported, with ``os.getloadavg()`` before and after each round. Run::
 
-    python experiments/bench_fusion_kernels.py --rounds 3 --min-time-s 1.0
-    python experiments/bench_fusion_kernels.py --models digits_mlp --handwritten --rounds 5 \
-        --min-time-s 0.5 --out experiments/results/2026-11-23-fusion-kernels/digits_mlp_handwritten
+    python experiments/bench_fusion_kernels.py --handwritten --rounds 5 --min-time-s 0.5
 
 Writes results.json and README.md to ``--out``
 (default ``experiments/results/<date>-fusion-kernels/``).

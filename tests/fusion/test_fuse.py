@@ -263,7 +263,7 @@ def test_fuse_names_the_first_structural_difference() -> None:
     b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(
         ValueError,
-        match=r"models\[2\] differs from models\[0\] in structure: "
+        match=r"models\[2\]=<Sequential>: differs from models\[0\] in structure: "
         r"module '2'.*out_features=2.*out_features=3",
     ):
         fusion.fuse([a, a, b])
@@ -277,23 +277,33 @@ def test_fuse_refuses_unsupported_layers_by_path() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.LSTM(4, 4)))
     with pytest.raises(
         TypeError,
-        match=r"models\[0\]\.1\.1 is torch.nn.modules.rnn.LSTM, which fusion does not support",
+        match=r"models\[0\]\.1\.1=<LSTM>: torch.nn.modules.rnn.LSTM is not supported: it is not ",
     ):
         fusion.fuse([model, model])
     cumulative = nn.Sequential(nn.BatchNorm1d(4, momentum=None))
-    with pytest.raises(TypeError, match=r"models\[0\]\.0 .*momentum=None"):
+    with pytest.raises(
+        TypeError,
+        match=r"models\[0\]\.0=<BatchNorm1d>: .*momentum=None.*; give the layer a float momentum",
+    ):
         fusion.fuse([cumulative])
 
 
 def test_fuse_refuses_a_fused_module_and_mixed_devices() -> None:
     fused = fusion.fuse([mlp(0), mlp(1)])
-    with pytest.raises(ValueError, match=r"models\[0\] is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[0\]=<FusedModule>: is already a FusedModule; fuse the original"
+    ):
         fusion.fuse([fused, fused])
-    with pytest.raises(ValueError, match=r"models\[1\]\.inner is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[1\]\.inner=<FusedModule>: is already a FusedModule"
+    ):
         holder = nn.Module()
         holder.inner = fused
         fusion.fuse([mlp(0), holder])
-    with pytest.raises(ValueError, match=r"models\[1\] is on device meta but models\[0\] on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"models\[1\]=<Sequential>: is on device meta but models\[0\] on cpu; move",
+    ):
         fusion.fuse([mlp(0), mlp(1).to("meta")])
 
 
@@ -333,3 +343,55 @@ def test_a_forward_vmap_cannot_batch_fails_with_a_note_naming_fusion() -> None:
     notes = getattr(info.value, "__notes__", [])
     if hasattr(info.value, "add_note"):
         assert any("ReadsAValue for the 2 fused models under torch.func.vmap" in n for n in notes)
+
+
+class TiedEmbedding(nn.Module):
+    """Input embedding and output layer share one weight (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))  # type: ignore[no-any-return]
+
+
+def test_tied_weights_stay_one_tensor_when_fused_and_unfused() -> None:
+    torch.manual_seed(0)
+    models = [TiedEmbedding() for _ in range(3)]
+    fused = fusion.fuse(models)
+    assert [name for name, _ in fused.named_parameters()] == ["stacked.embed.weight"]
+    tokens = torch.randint(0, 7, (5,))
+    out = fused(tokens)
+    out.square().sum().backward()
+    (table,) = fused.parameters()
+    for k, model in enumerate(models):
+        ref = model(tokens)
+        torch.testing.assert_close(out[k], ref, **TOL)
+        ref.square().sum().backward()
+        assert table.grad is not None and model.embed.weight.grad is not None
+        torch.testing.assert_close(table.grad[k], model.embed.weight.grad, **TOL)
+    for k, model in enumerate(fused.unfuse()):
+        assert model.out.weight is model.embed.weight
+        torch.testing.assert_close(model.embed.weight, table[k].detach())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "start"),
+    [
+        (lambda: fusion.fuse([]), ValueError, "models=[]: "),
+        (lambda: fusion.fuse([mlp(0), nn.Linear(2, 2)]), ValueError, "models[1]=<Linear>: "),
+        (lambda: fusion.fuse([nn.LSTM(2, 2)]), TypeError, "models[0]=<LSTM>: "),
+        (lambda: fusion.fuse([mlp(0), mlp(1).to("meta")]), ValueError, "models[1]=<Sequential>: "),
+        (lambda: fusion.fuse([mlp(0)]).keep_models([5]), ValueError, "indices=[5]: "),
+        (lambda: fusion.structure_key(3), TypeError, "model=3: "),
+    ],
+)
+def test_errors_share_the_projects_one_format(call: object, error: type, start: str) -> None:
+    with pytest.raises(error) as info:
+        call()  # type: ignore[operator]
+    text = str(info.value)
+    assert text.startswith(start), text
+    assert "; " in text and text.endswith("."), text

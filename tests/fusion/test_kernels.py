@@ -155,3 +155,69 @@ def test_conv_chain_keeps_hfta_layout_and_stays_equal() -> None:
         out = fused(x)
         for k, model in enumerate(models):
             torch.testing.assert_close(out[k], model(x), **TOL)
+
+
+class ResBlock(nn.Module):
+    """The bench's residual block: fused convolutions hand vmap their (N, K*C) layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_residual_block_under_vmap_equals_separate_blocks(train: bool) -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(2, 3, 1), ResBlock()).double().train(train) for _ in range(K)]
+    for model in models:
+        _randomize(model)
+    fused = fusion.fuse(models)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    out = fused(x)
+    out.square().sum().backward()
+    for k, model in enumerate(models):
+        ref = model(x)
+        torch.testing.assert_close(out[k], ref, **TOL)
+        ref.square().sum().backward()
+        for p, q in zip(model.parameters(), fused.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(q.grad[k], p.grad, **TOL)
+        for b, q in zip(model.buffers(), fused.buffers(), strict=True):
+            torch.testing.assert_close(q[k], b, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(lambda: nn.Linear(3, 2), (4, 3)), (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 2, 4, 4))],
+    ids=["linear", "conv2d"],
+)
+def test_fused_layers_outside_vmap_are_the_stock_layers(
+    make: Callable[[], nn.Module], shape: tuple[int, ...]
+) -> None:
+    """Called on one model's weights (no vmap), a fused layer computes the stock operator."""
+    torch.manual_seed(0)
+    stock = make().double()
+    fused_layer: nn.Module
+    if isinstance(stock, nn.Linear):
+        fused_layer = fusion.FusedLinear(stock)
+    else:
+        assert isinstance(stock, nn.Conv2d)
+        fused_layer = fusion.FusedConv(stock)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    out = fused_layer(x)
+    out.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in stock.parameters())]
+    x.grad = None
+    stock.zero_grad()
+    ref = stock(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    for got, want in zip(grads, [x.grad, *(p.grad for p in stock.parameters())], strict=True):
+        torch.testing.assert_close(got, want, **TOL)

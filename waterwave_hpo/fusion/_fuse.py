@@ -21,6 +21,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
 
+from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
 from waterwave_hpo.fusion._direct import Result
@@ -64,6 +65,16 @@ def _has_hooks(model: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
 
 
+class _Short:
+    """A module shown as ``<TypeName>`` in an error message (its full repr is a whole model)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.text = f"<{type(module).__name__}>"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _check_models(models: object) -> list[nn.Module]:
     """``models`` as a list after every check :func:`fuse` promises (see its ``Raises:``)."""
     if isinstance(models, nn.Module) or not isinstance(models, Sequence):
@@ -80,18 +91,25 @@ def _check_models(models: object) -> list[nn.Module]:
             raise type_error(f"models[{index}]", model, "an nn.Module", "pass PyTorch models")
         for path, module in model.named_modules():
             if isinstance(module, FusedModule):
-                where = f"models[{index}]" + (f".{path}" if path else "")
                 raise ValueError(
-                    f"{where} is already a FusedModule; fuse the original models, or call "
-                    "unfuse() first and fuse the models it returns."
+                    message(
+                        f"models[{index}]" + (f".{path}" if path else ""),
+                        _Short(module),
+                        "is already a FusedModule",
+                        "fuse the original models, or the models its unfuse() returns",
+                    )
                 )
     found = unsupported_layer(models[0])
     if found is not None:
-        path, module, reason = found
+        path, module, reason, fix = found
+        kind = type(module)
         raise TypeError(
-            f"models[0].{path} is {type(module).__module__}.{type(module).__qualname__}, "
-            f"which fusion does not support: {reason}. Train such models unfused (co-hosted "
-            "trials), or replace the layer."
+            message(
+                f"models[0].{path}" if path else "models[0]",
+                _Short(module),
+                f"{kind.__module__}.{kind.__qualname__} is not supported: {reason}",
+                fix,
+            )
         )
     key = structure_key(models[0])
     device = _device_of(models[0])
@@ -99,15 +117,23 @@ def _check_models(models: object) -> list[nn.Module]:
         difference = key.difference(structure_key(model))
         if difference is not None:
             raise ValueError(
-                f"models[{index}] differs from models[0] in structure: {difference}. Only models "
-                "with equal fusion.structure_key(model) fuse; group the models by their key "
-                "and fuse each group."
+                message(
+                    f"models[{index}]",
+                    _Short(model),
+                    f"differs from models[0] in structure: {difference}",
+                    "only models with equal fusion.structure_key(model) fuse: group the models "
+                    "by their key and fuse each group",
+                )
             )
         other = _device_of(model)
         if other != device:
             raise ValueError(
-                f"models[{index}] is on device {other} but models[0] on {device}; move every "
-                "model to one device (model.to(device)) before fusing."
+                message(
+                    f"models[{index}]",
+                    _Short(model),
+                    f"is on device {other} but models[0] on {device}",
+                    "move every model to one device (model.to(device)) before fusing",
+                )
             )
     return models
 
@@ -123,7 +149,8 @@ class FusedModule(nn.Module):
         stacked: A copy of the first model whose parameters and buffers are the stacked ones
             (names as in the original model, e.g. ``stacked.0.weight``), whose ``nn.Dropout``
             layers are :class:`PerModelDropout` and, with kernels, whose supported layers are
-            fused kernels. Its ``forward`` is only called through ``vmap``.
+            fused kernels. Not to be called directly: :meth:`forward` runs it (through vmap,
+            or layer by layer on the direct path).
     """
 
     def __init__(self, models: list[nn.Module], *, kernels: bool) -> None:
@@ -305,17 +332,32 @@ class FusedModule(nn.Module):
         Returns:
             The K models, in the fused order (after :meth:`keep_models`, the kept ones).
         """
-        named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
-        named.update(self.stacked.named_buffers())
-        device = _device_of(self.stacked) or torch.device("cpu")
+        # Every name, tied ones included: a tensor the model shares between two places
+        # (tied weights) is one stacked tensor, and becomes one tensor again in each model.
+        params = dict(self.stacked.named_parameters(remove_duplicate=False))
+        buffers = dict(self.stacked.named_buffers(remove_duplicate=False))
         models = []
         for k in range(self._num_models):
-            model = copy.deepcopy(self._skeleton[0]).to_empty(device=device)
+            model = copy.deepcopy(self._skeleton[0])
+            made: dict[int, nn.Parameter] = {}
+            made_buffers: dict[int, torch.Tensor] = {}
             with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(named[name][k])
-                for name, buffer in model.named_buffers():
-                    buffer.copy_(named[name][k])
+                for path, module in model.named_modules(remove_duplicate=False):
+                    prefix = f"{path}." if path else ""
+                    for local, old in module._parameters.items():
+                        if old is not None:
+                            source = params[prefix + local]
+                            if id(source) not in made:
+                                made[id(source)] = nn.Parameter(
+                                    source[k].clone(), requires_grad=source.requires_grad
+                                )
+                            module._parameters[local] = made[id(source)]
+                    for local, old in module._buffers.items():
+                        if old is not None:
+                            stacked_buffer = buffers[prefix + local]
+                            if id(stacked_buffer) not in made_buffers:
+                                made_buffers[id(stacked_buffer)] = stacked_buffer[k].clone()
+                            module._buffers[local] = made_buffers[id(stacked_buffer)]
             for path in self._dropout_paths:
                 dropout: nn.Dropout = model.get_submodule(path)  # type: ignore[assignment]
                 dropout.p = self._dropout_p[path][k]

@@ -168,7 +168,8 @@ class FusedLinear(nn.Module):
     """``nn.Linear`` run as one batched matmul over the K fused models (HFTA, MLSys 2021).
 
     Holds the same ``weight`` ``(K, out, in)`` and ``bias`` ``(K, out)`` as the layer it
-    replaces; called only inside :class:`~waterwave_hpo.fusion.FusedModule`'s vmap.
+    replaces; inside :class:`~waterwave_hpo.fusion.FusedModule` it runs under vmap (outside
+    vmap it is the stock operator).
 
     Args:
         linear: The layer it replaces (its parameters are taken over, not copied).
