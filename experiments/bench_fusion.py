@@ -8,7 +8,8 @@ order whatever the batching) of one model structure on scikit-learn's digits, th
 
 Measured, in one process, methods interleaved round by round (so they share the load):
 
-* trials per hour: ``--trials`` trials of ``--epochs`` epochs each, one after another
+* trials per hour (``--threads`` intra-op threads, default 1, for every method): ``--trials``
+  trials of ``--epochs`` epochs each, one after another
   (``trials_per_device=1``), co-hosted (``trials_per_device=K`` threads), and fused
   (``fuse=K`` on one slot: each batch trained as one fused model). Median over ``--rounds``;
   ratios to one-after-another are taken within each round.
@@ -218,6 +219,67 @@ def quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One training step: K fused (fused kernels on and off) against K stock steps."""
+    data = load_digits()
+    x, y = data.x_train[:BATCH], data.y_train[:BATCH]
+    hyper = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
+
+    def timed(step: Any, n: int = 40) -> float:
+        for _ in range(5):
+            step()
+        started = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - started) / n
+
+    rows = []
+    for model in args.models:
+        kind = FixedModel(model)
+        single = build_fixed_model(kind, 0.1)
+        opt = torch.optim.SGD(single.parameters(), **hyper)
+
+        def one_step(m: nn.Module = single, o: torch.optim.Optimizer = opt) -> None:
+            o.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(m(x), y).backward()  # type: ignore[no-untyped-call]
+            o.step()
+
+        for k in args.ks:
+            for kernels in (True, False):
+                fused = fusion.fuse(
+                    [build_fixed_model(kind, 0.1) for _ in range(k)], kernels=kernels
+                )
+                fopt = fusion.optimizer(torch.optim.SGD, fused, [hyper] * k)
+
+                def fused_step(f: Any = fused, o: Any = fopt) -> None:
+                    o.zero_grad(set_to_none=True)
+                    loss = fusion.per_model_loss(
+                        nn.functional.cross_entropy, f(x), y, target_stacked=False
+                    )
+                    loss.sum().backward()
+                    o.step()
+
+                alone_s = timed(one_step)
+                fused_s = timed(fused_step)
+                rows.append(
+                    {
+                        "model": model,
+                        "k": k,
+                        "kernels": kernels,
+                        "one_step_s": alone_s,
+                        "fused_step_s": fused_s,
+                        "speedup_vs_k_steps": k * alone_s / fused_s,
+                        "load1": os.getloadavg()[0],
+                    }
+                )
+                print(
+                    f"step {model} K={k:2} kernels={kernels!s:5}: fused {fused_s * 1e3:.2f} ms, "
+                    f"one {alone_s * 1e3:.2f} ms, x{k * alone_s / fused_s:.2f}",
+                    flush=True,
+                )
+    return rows
+
+
 def plot(out: Path, rows: list[dict[str, Any]], quality_rows: list[dict[str, Any]]) -> None:
     import matplotlib
 
@@ -275,13 +337,43 @@ def main() -> None:
     parser.add_argument("--quality-epochs", type=int, default=4)
     parser.add_argument("--quality-model", default="mlp", choices=["mlp", "cnn"])
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument(
+        "--steps-only",
+        action="store_true",
+        help="only time one training step, fused vs K stock steps; writes steps.json",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared machine two threads per step "
+        "oversubscribe the cores; co-hosted trials still use one core each)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = args.out or Path("experiments/results") / f"{dt.date.today():%Y-%m-%d}-fusion"
     out.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)
     load_before = os.getloadavg()
+    if args.steps_only:
+        step_rows = steps(args)
+        (out / "steps.json").write_text(
+            json.dumps(
+                {
+                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                    "started_utc": started.isoformat(timespec="seconds"),
+                    "load_before": load_before,
+                    "load_after": os.getloadavg(),
+                    "torch_threads": torch.get_num_threads(),
+                    "steps": step_rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        return
     mem_rows = memory(args)
     rows = throughput(args)
     quality_rows = [] if args.skip_quality else quality(args)

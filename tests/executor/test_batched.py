@@ -211,3 +211,28 @@ def test_ray_executor_refuses_a_batched_objective() -> None:
     executor = ww.RayExecutor(n_hosts=1, num_gpus_per_host=0)
     with pytest.raises(NotImplementedError, match="does not run fused batches yet"):
         executor.optimize(optuna.create_study(), _squares, n_trials=1)
+
+
+def test_study_stop_in_the_objective_asks_no_more_batches() -> None:
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        trials[0].study.stop()
+        return _squares(trials)
+
+    study = optuna.create_study()
+    _cpu(3).optimize(study, objective, n_trials=30)
+    assert _states(study) == [TrialState.COMPLETE] * 3
+
+
+def test_the_sampler_sees_the_batch_mates_running(storage: optuna.storages.BaseStorage) -> None:
+    running_seen: list[int] = []
+
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        study = trials[0].study
+        running_seen.append(len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))))
+        return _squares(trials)
+
+    study = optuna.create_study(storage=storage)
+    _cpu(4).optimize(study, objective, n_trials=8)
+    assert running_seen == [4, 4]  # asked together: each sampler call saw the earlier ones

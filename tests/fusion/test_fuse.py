@@ -122,10 +122,22 @@ def test_batchnorm_keeps_running_statistics_per_model_in_train_and_eval() -> Non
         torch.testing.assert_close(out[k], model.eval()(x), **TOL)
 
 
-def test_each_model_keeps_its_own_dropout_rate() -> None:
+class Wrap(nn.Module):
+    """A user's module: not a Sequential, so its forward runs under vmap."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_each_model_keeps_its_own_dropout_rate(wrap: bool) -> None:
     rates = [0.0, 0.5, 0.9]
     models = [nn.Sequential(nn.Identity(), nn.Dropout(p)) for p in rates]
-    fused = fusion.fuse(models)
+    fused = fusion.fuse([Wrap(m) if wrap else m for m in models])
     out = fused(torch.ones(200, 100))
     for k, p in enumerate(rates):
         dropped = (out[k] == 0).float().mean().item()
@@ -136,8 +148,10 @@ def test_each_model_keeps_its_own_dropout_rate() -> None:
     torch.testing.assert_close(fused(torch.ones(3, 4)), torch.ones(3, 3, 4))
 
 
-def test_models_with_the_same_rate_draw_independent_masks() -> None:
-    fused = fusion.fuse([nn.Sequential(nn.Dropout(0.5)) for _ in range(4)])
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_models_with_the_same_rate_draw_independent_masks(wrap: bool) -> None:
+    models = [nn.Sequential(nn.Dropout(0.5)) for _ in range(4)]
+    fused = fusion.fuse([Wrap(m) if wrap else m for m in models])
     out = fused(torch.ones(64, 64))
     masks = (out != 0).flatten(1)
     for a in range(4):
@@ -249,7 +263,7 @@ def test_fuse_names_the_first_structural_difference() -> None:
     b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(
         ValueError,
-        match=r"models\[2\] differs from models\[0\] in structure: "
+        match=r"models\[2\]=<Sequential>: differs from models\[0\] in structure: "
         r"module '2'.*out_features=2.*out_features=3",
     ):
         fusion.fuse([a, a, b])
@@ -263,23 +277,33 @@ def test_fuse_refuses_unsupported_layers_by_path() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.LSTM(4, 4)))
     with pytest.raises(
         TypeError,
-        match=r"models\[0\]\.1\.1 is torch.nn.modules.rnn.LSTM, which fusion does not support",
+        match=r"models\[0\]\.1\.1=<LSTM>: torch.nn.modules.rnn.LSTM is not supported: it is not ",
     ):
         fusion.fuse([model, model])
     cumulative = nn.Sequential(nn.BatchNorm1d(4, momentum=None))
-    with pytest.raises(TypeError, match=r"models\[0\]\.0 .*momentum=None"):
+    with pytest.raises(
+        TypeError,
+        match=r"models\[0\]\.0=<BatchNorm1d>: .*momentum=None.*; give the layer a float momentum",
+    ):
         fusion.fuse([cumulative])
 
 
 def test_fuse_refuses_a_fused_module_and_mixed_devices() -> None:
     fused = fusion.fuse([mlp(0), mlp(1)])
-    with pytest.raises(ValueError, match=r"models\[0\] is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[0\]=<FusedModule>: is already a FusedModule; fuse the original"
+    ):
         fusion.fuse([fused, fused])
-    with pytest.raises(ValueError, match=r"models\[1\]\.inner is already a FusedModule"):
+    with pytest.raises(
+        ValueError, match=r"models\[1\]\.inner=<FusedModule>: is already a FusedModule"
+    ):
         holder = nn.Module()
         holder.inner = fused
         fusion.fuse([mlp(0), holder])
-    with pytest.raises(ValueError, match=r"models\[1\] is on device meta but models\[0\] on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"models\[1\]=<Sequential>: is on device meta but models\[0\] on cpu; move",
+    ):
         fusion.fuse([mlp(0), mlp(1).to("meta")])
 
 
@@ -292,3 +316,82 @@ def test_the_originals_are_left_as_they_were() -> None:
             p.add_(1.0)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name])
+
+
+def test_forward_hooks_of_the_model_still_run() -> None:
+    model = mlp(0)
+    calls: list[tuple[int, ...]] = []
+    model[1].register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    fused = fusion.fuse([model, mlp(1)])
+    fused(torch.randn(5, 16))
+    assert calls == [(5, 32)]  # once per forward, seeing one model's activation (under vmap)
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * float(self.linear.weight.sum())
+
+
+def test_a_forward_vmap_cannot_batch_fails_with_a_note_naming_fusion() -> None:
+    fused = fusion.fuse([ReadsAValue(), ReadsAValue()])
+    with pytest.raises(RuntimeError) as info:
+        fused(torch.randn(3, 2))
+    notes = getattr(info.value, "__notes__", [])
+    if hasattr(info.value, "add_note"):
+        assert any("ReadsAValue for the 2 fused models under torch.func.vmap" in n for n in notes)
+
+
+class TiedEmbedding(nn.Module):
+    """Input embedding and output layer share one weight (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))  # type: ignore[no-any-return]
+
+
+def test_tied_weights_stay_one_tensor_when_fused_and_unfused() -> None:
+    torch.manual_seed(0)
+    models = [TiedEmbedding() for _ in range(3)]
+    fused = fusion.fuse(models)
+    assert [name for name, _ in fused.named_parameters()] == ["stacked.embed.weight"]
+    tokens = torch.randint(0, 7, (5,))
+    out = fused(tokens)
+    out.square().sum().backward()
+    (table,) = fused.parameters()
+    for k, model in enumerate(models):
+        ref = model(tokens)
+        torch.testing.assert_close(out[k], ref, **TOL)
+        ref.square().sum().backward()
+        assert table.grad is not None and model.embed.weight.grad is not None
+        torch.testing.assert_close(table.grad[k], model.embed.weight.grad, **TOL)
+    for k, model in enumerate(fused.unfuse()):
+        assert model.out.weight is model.embed.weight
+        torch.testing.assert_close(model.embed.weight, table[k].detach())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "start"),
+    [
+        (lambda: fusion.fuse([]), ValueError, "models=[]: "),
+        (lambda: fusion.fuse([mlp(0), nn.Linear(2, 2)]), ValueError, "models[1]=<Linear>: "),
+        (lambda: fusion.fuse([nn.LSTM(2, 2)]), TypeError, "models[0]=<LSTM>: "),
+        (lambda: fusion.fuse([mlp(0), mlp(1).to("meta")]), ValueError, "models[1]=<Sequential>: "),
+        (lambda: fusion.fuse([mlp(0)]).keep_models([5]), ValueError, "indices=[5]: "),
+        (lambda: fusion.structure_key(3), TypeError, "model=3: "),
+    ],
+)
+def test_errors_share_the_projects_one_format(call: object, error: type, start: str) -> None:
+    with pytest.raises(error) as info:
+        call()  # type: ignore[operator]
+    text = str(info.value)
+    assert text.startswith(start), text
+    assert "; " in text and text.endswith("."), text

@@ -47,11 +47,12 @@ def _train_stock(
     hparams: list[dict[str, Any]],
     factories: list[Any] | None,
     steps: int,
+    device: str = "cpu",
 ) -> None:
     opts = [cls(m.parameters(), **hp) for m, hp in zip(models, hparams, strict=True)]
     scheds = [f(o) for f, o in zip(factories, opts, strict=True)] if factories else []
     for step in range(steps):
-        xs, ys = batches(len(models), step)
+        xs, ys = (t.to(device) for t in batches(len(models), step))
         for k, (model, opt) in enumerate(zip(models, opts, strict=True)):
             opt.zero_grad()
             nn.functional.cross_entropy(model(xs[k]), ys[k]).backward()
@@ -65,9 +66,10 @@ def _train_fused(
     opt: fusion.FusedOptimizer,
     sched: fusion.PerModelScheduler | None,
     steps: range,
+    device: str = "cpu",
 ) -> None:
     for step in steps:
-        xs, ys = batches(stacked.num_models, step)
+        xs, ys = (t.to(device) for t in batches(stacked.num_models, step))
         opt.zero_grad(set_to_none=True)
         fused_loss(stacked, xs, ys).backward()
         opt.step()
@@ -104,16 +106,19 @@ def test_sgd_models_train_as_with_stock_sgd(with_schedule: bool) -> None:
     _assert_models_equal(stacked, stock)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_adam_and_adamw_models_train_as_with_stock_with_their_own_schedules(
-    cls: type[torch.optim.Optimizer],
+    cls: type[torch.optim.Optimizer], device: str
 ) -> None:
-    stock = make_models(4, seed=1)
+    # on CUDA the stock optimizer takes torch's foreach path: the same tolerance holds
+    stock = [m.to(device) for m in make_models(4, seed=1)]
     stacked = Stacked(stock)
     opt = fusion.optimizer(cls, stacked, ADAM_HPARAMS)
+    assert opt.param_groups[0]["lr"].device.type == device
     sched = fusion.PerModelScheduler(opt, _schedules())  # OneCycleLR cycles model 2's beta1
-    _train_stock(stock, cls, ADAM_HPARAMS, _schedules(), STEPS)
-    _train_fused(stacked, opt, sched, range(STEPS))
+    _train_stock(stock, cls, ADAM_HPARAMS, _schedules(), STEPS, device)
+    _train_fused(stacked, opt, sched, range(STEPS), device)
     _assert_models_equal(stacked, stock)
     assert sched.get_last_lr() == pytest.approx(
         [0.9**STEPS * 1e-2, 3e-3 * 0.5 ** (STEPS // 4), sched.get_last_lr()[2], 0.0], abs=1e-12
@@ -255,8 +260,8 @@ def test_unknown_hyperparameter_names_it_and_the_supported_ones() -> None:
 @pytest.mark.parametrize(
     ("bad", "pattern"),
     [
-        ({"lr": "0.1"}, r"hparams\[1\]\['lr'\]='0.1': must be a number"),
-        ({"lr": torch.tensor(0.1)}, r"hparams\[1\]\['lr'\]=.*must be a number"),
+        ({"lr": "0.1"}, r"hparams\[1\]\['lr'\]='0.1': must be a real number"),
+        ({"lr": torch.tensor(0.1)}, r"hparams\[1\]\['lr'\]=.*must be a real number"),
         ({"amsgrad": 1}, r"hparams\[1\]\['amsgrad'\]=1: must be a bool"),
         ({"betas": 0.9}, r"hparams\[1\]\['betas'\]=0.9: must be a pair of numbers"),
     ],
@@ -335,3 +340,70 @@ def test_a_saved_state_dict_keeps_its_values_when_the_schedule_moves_on() -> Non
     sched.step()
     assert saved["param_groups"][0]["lr"].tolist() == [1.0, 1.0]
     assert opt.param_groups[0]["lr"].tolist() == [0.5, 0.5]
+
+
+def test_a_schedule_overrides_a_hand_set_value_on_its_next_step_as_stock_does() -> None:
+    opt = fusion.optimizer(torch.optim.SGD, Stacked(make_models(2)), [{"lr": 0.1}] * 2)
+    sched = fusion.LambdaLR(opt, [lambda e: 1.0, lambda e: 0.5])
+    opt.set_hparam("lr", [7.0, 7.0])
+    sched.step()
+    assert opt.param_groups[0]["lr"].tolist() == [0.1, 0.05]
+
+
+def test_numpy_scalars_are_numbers_and_integer_parameters_are_refused() -> None:
+    import numpy as np
+
+    opt = fusion.optimizer(
+        torch.optim.SGD, Stacked(make_models(2)), [{"lr": np.float32(0.5)}, {"lr": 1}]
+    )
+    assert opt.param_groups[0]["lr"].tolist() == [0.5, 1.0]
+    with pytest.raises(ValueError, match=r"parameter 0=.*torch.int64.*floating-point"):
+        fusion.optimizer(torch.optim.SGD, [torch.zeros(2, 3, dtype=torch.long)], [{}] * 2)
+
+
+def test_a_second_parameter_group_is_refused() -> None:
+    opt = fusion.optimizer(torch.optim.SGD, Stacked(make_models(2)), [{"lr": 0.1}] * 2)
+    with pytest.raises(ValueError, match=r"param_group=.*one group.*one fusion.optimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 3))]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_nan_gradient_in_one_model_touches_no_other(cls: type[torch.optim.Optimizer]) -> None:
+    hparams = SGD_HPARAMS if cls is torch.optim.SGD else ADAM_HPARAMS
+    runs = []
+    for poison in (False, True):
+        stacked = Stacked(make_models(4))
+        opt = fusion.optimizer(cls, stacked, hparams)
+        for step in range(3):
+            xs, ys = batches(4, step)
+            opt.zero_grad()
+            fused_loss(stacked, xs, ys).backward()
+            if poison:
+                for p in stacked.parameters():
+                    p.grad[1] = math.nan  # type: ignore[index]
+            opt.step()
+        runs.append(stacked)
+    clean, poisoned = runs
+    for k in (0, 2, 3):
+        for name, value in poisoned.model_params(k).items():
+            assert torch.equal(value, clean.model_params(k)[name]), (k, name)
+    assert all(v.isnan().all() for v in poisoned.model_params(1).values())
+
+
+def test_schedules_composed_inside_the_factory_follow_stock() -> None:
+    def warmup_then_decay(o: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
+        warmup = lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3)
+        decay = lr_scheduler.ExponentialLR(o, gamma=0.5)
+        return lr_scheduler.SequentialLR(o, [warmup, decay], milestones=[3])
+
+    opt = fusion.optimizer(torch.optim.SGD, Stacked(make_models(2)), [{"lr": 1.0}, {"lr": 0.1}])
+    sched = fusion.PerModelScheduler(opt, warmup_then_decay)
+    stock = [torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr) for lr in (1.0, 0.1)]
+    stock_scheds = [warmup_then_decay(o) for o in stock]
+    for _ in range(6):
+        sched.step()
+        for o, s in zip(stock, stock_scheds, strict=True):
+            o.step()
+            s.step()
+        assert opt.param_groups[0]["lr"].tolist() == [o.param_groups[0]["lr"] for o in stock]

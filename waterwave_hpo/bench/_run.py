@@ -326,8 +326,8 @@ def _with_predictions(
     log(f"   simulator: compute parallelism {parallelism:.2f} (fitted to optuna-threads only)")
     out = []
     for result, run in zip(results, runs, strict=True):
-        if not run.available or result.makespan_s is None:
-            out.append(result)
+        if not run.available or result.makespan_s is None or run.method is Method.FUSED:
+            out.append(result)  # the simulator does not model fused trials: no prediction
             continue
         if run.method is Method.WATERWAVE_PLANS:
             if not plan_profiles:

@@ -86,7 +86,16 @@ def measure_process_start_s(device: str) -> float:
 
 
 def sharing_of(method: Method, k: int, process_start_s: float = 0.0) -> Sharing:
-    """How the simulator models ``method`` (``process_start_s``: spatial's start-up)."""
+    """How the simulator models ``method`` (``process_start_s``: spatial's start-up).
+
+    Raises:
+        ValueError: For ``Method.FUSED``: the simulator does not model fused trials.
+    """
+    if method is Method.FUSED:
+        raise ValueError(
+            "method=Method.FUSED: the simulator does not model fused trials (one model for K); "
+            "compare the fused method's measured makespan instead"
+        )
     if method is Method.TEMPORAL:
         return Sharing(1, policy=None, retry_on_oom=False)
     if method in (Method.OPTUNA_THREADS, Method.CUDA_MALLOC_ASYNC):

@@ -130,7 +130,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "NAS, each at a light and a high memory demand, under every way of sharing the device "
         "(temporal; Optuna n_jobs=K threads; K processes, with MPS if running; "
         "cudaMallocAsync with K streams, CUDA only; the waterwave executor with the fifo and "
-        "waterwave policies, and with HOME memory plans instead of NodeGroup gates), with the "
+        "waterwave policies, and with HOME memory plans instead of NodeGroup gates; fused: K "
+        "trials of one structure trained as one model), with the "
         "same trials, seeds and batch sizes. Writes README.md, "
         "results.csv, results.json and plots to --out, and prints the simulator's prediction "
         "beside each measurement. On a CPU-only machine everything runs at small scale and "
@@ -173,7 +174,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=[m.value for m in Method],
         metavar="M",
         help="temporal optuna-threads spatial cuda-malloc-async waterwave-fifo waterwave "
-        "waterwave-plans (default all; temporal always runs: it is the baseline)",
+        "waterwave-plans fused (default all; temporal always runs: it is the baseline)",
     )
     bench.add_argument(
         "--budget-s",

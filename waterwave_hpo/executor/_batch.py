@@ -289,7 +289,12 @@ def _end_failed(
     fail_value: object = None,
 ) -> TrialOutcome:
     with contextlib.suppress(Exception):
-        _set_attr(settings, member.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+        # A reason already there was written by the executor on Ctrl+C, which tells the batch
+        # FAIL while it still runs: a batch-mate's report() then raises UpdateFinishedTrialError
+        # here, and that must not replace "interrupted" as the trial's reason.
+        study, trial_id = settings.study, _optuna_compat.trial_id(member.trial)
+        if ATTR_FAIL_REASON not in _optuna_compat.system_attrs(study, trial_id):
+            _set_attr(settings, member.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
     frozen, _ = _optuna_compat.tell_as_optimize(settings.study, member.trial, state=TrialState.FAIL)
     fail_message = reason if error is None else None
     return TrialOutcome(member, kind, frozen, error, neighbours, fail_message, fail_value)

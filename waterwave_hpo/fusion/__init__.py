@@ -4,10 +4,12 @@
 :class:`FusedModule` that runs the user's unchanged model under ``torch.func.vmap`` (with fused
 kernels for Linear and Conv1d/Conv2d), :func:`per_model_loss` gives each model its own loss.
 :func:`optimizer` builds a :class:`FusedOptimizer` whose every hyperparameter is per model;
-:class:`PerModelScheduler` and :class:`LambdaLR` give each model its own learning-rate schedule.
+:class:`PerModelScheduler` and :class:`LambdaLR` give each model its own learning-rate schedule,
+:func:`clip_grad_norm_` clips each model's gradients by its own norm.
 This module only re-exports.
 """
 
+from waterwave_hpo.fusion._clip import clip_grad_norm_
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._fuse import FusedModule
 from waterwave_hpo.fusion._fuse import fuse
@@ -40,6 +42,7 @@ __all__ = [
     "StructureKey",
     "TensorEntry",
     "TensorKind",
+    "clip_grad_norm_",
     "fuse",
     "optimizer",
     "per_model_loss",

@@ -11,6 +11,7 @@ that kernel with the whole array at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence
 import copy
 from typing import Any
@@ -20,8 +21,11 @@ from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
 
+from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._direct import Result
+from waterwave_hpo.fusion._direct import direct_form
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._kernels import kernel_module
 from waterwave_hpo.fusion._structure import structure_key
@@ -42,6 +46,35 @@ def _device_of(model: nn.Module) -> torch.device | None:
     return None
 
 
+DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, bool, int], Result] | None"]
+
+
+def _layers(sequential: nn.Sequential) -> list[nn.Module]:
+    """The layers of a Sequential in call order, nested Sequentials opened."""
+    layers: list[nn.Module] = []
+    for child in sequential:
+        if type(child) is nn.Sequential:
+            layers += _layers(child)
+        else:
+            layers.append(child)
+    return layers
+
+
+def _has_hooks(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has forward hooks (the direct path would skip them)."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+class _Short:
+    """A module shown as ``<TypeName>`` in an error message (its full repr is a whole model)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.text = f"<{type(module).__name__}>"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _check_models(models: object) -> list[nn.Module]:
     """``models`` as a list after every check :func:`fuse` promises (see its ``Raises:``)."""
     if isinstance(models, nn.Module) or not isinstance(models, Sequence):
@@ -58,18 +91,25 @@ def _check_models(models: object) -> list[nn.Module]:
             raise type_error(f"models[{index}]", model, "an nn.Module", "pass PyTorch models")
         for path, module in model.named_modules():
             if isinstance(module, FusedModule):
-                where = f"models[{index}]" + (f".{path}" if path else "")
                 raise ValueError(
-                    f"{where} is already a FusedModule; fuse the original models, or call "
-                    "unfuse() first and fuse the models it returns."
+                    message(
+                        f"models[{index}]" + (f".{path}" if path else ""),
+                        _Short(module),
+                        "is already a FusedModule",
+                        "fuse the original models, or the models its unfuse() returns",
+                    )
                 )
     found = unsupported_layer(models[0])
     if found is not None:
-        path, module, reason = found
+        path, module, reason, fix = found
+        kind = type(module)
         raise TypeError(
-            f"models[0].{path} is {type(module).__module__}.{type(module).__qualname__}, "
-            f"which fusion does not support: {reason}. Train such models unfused (co-hosted "
-            "trials), or replace the layer."
+            message(
+                f"models[0].{path}" if path else "models[0]",
+                _Short(module),
+                f"{kind.__module__}.{kind.__qualname__} is not supported: {reason}",
+                fix,
+            )
         )
     key = structure_key(models[0])
     device = _device_of(models[0])
@@ -77,21 +117,29 @@ def _check_models(models: object) -> list[nn.Module]:
         difference = key.difference(structure_key(model))
         if difference is not None:
             raise ValueError(
-                f"models[{index}] differs from models[0] in structure: {difference}. Only models "
-                "with equal fusion.structure_key(model) fuse; group the models by their key "
-                "and fuse each group."
+                message(
+                    f"models[{index}]",
+                    _Short(model),
+                    f"differs from models[0] in structure: {difference}",
+                    "only models with equal fusion.structure_key(model) fuse: group the models "
+                    "by their key and fuse each group",
+                )
             )
         other = _device_of(model)
         if other != device:
             raise ValueError(
-                f"models[{index}] is on device {other} but models[0] on {device}; move every "
-                "model to one device (model.to(device)) before fusing."
+                message(
+                    f"models[{index}]",
+                    _Short(model),
+                    f"is on device {other} but models[0] on {device}",
+                    "move every model to one device (model.to(device)) before fusing",
+                )
             )
     return models
 
 
 class FusedModule(nn.Module):
-    """K models of one structure trained as one module (HFTA, MLSys 2021, Sec. 3).
+    """K models of one structure trained as one module (HFTA, MLSys 2021).
 
     Every parameter and buffer has shape ``(K, *shape_in_one_model)``; ``fused(x)`` runs the K
     models on one batch and stacks their outputs. Built by :func:`fuse`; not constructed
@@ -101,7 +149,8 @@ class FusedModule(nn.Module):
         stacked: A copy of the first model whose parameters and buffers are the stacked ones
             (names as in the original model, e.g. ``stacked.0.weight``), whose ``nn.Dropout``
             layers are :class:`PerModelDropout` and, with kernels, whose supported layers are
-            fused kernels. Its ``forward`` is only called through ``vmap``.
+            fused kernels. Not to be called directly: :meth:`forward` runs it (through vmap,
+            or layer by layer on the direct path).
     """
 
     def __init__(self, models: list[nn.Module], *, kernels: bool) -> None:
@@ -133,6 +182,10 @@ class FusedModule(nn.Module):
                 elif fused is not None:
                     stacked = fused
         self.stacked = stacked
+        # HFTA's direct path for a Sequential: its forward is its layers in order.
+        self._direct: list[DirectStep] | None = None
+        if kernels and type(stacked) is nn.Sequential and not _has_hooks(stacked):
+            self._direct = [(layer, direct_form(layer)) for layer in _layers(stacked)]
         self.train(template.training)
 
     @staticmethod
@@ -185,14 +238,50 @@ class FusedModule(nn.Module):
                         f"must start with K={self._num_models} when stacked=True",
                         "pass one batch per model, (K, B, ...), or stacked=False to share one",
                     )
-        tensors: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
-        tensors.update(self.stacked.named_buffers())
+        if self._direct is not None and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            return self._forward_direct(inputs[0], shared=not stacked)
+        return self._vmap(self.stacked, inputs, shared=not stacked)
+
+    def _vmap(self, module: nn.Module, inputs: tuple[Any, ...], *, shared: bool) -> Any:
+        """Run ``module`` (part of the stacked model) for the K models under vmap."""
+        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        if shared and not tensors:
+            # Nothing of the models' own to batch (e.g. a Softmax): vmap needs a batched input.
+            k = self._num_models
+            inputs = tuple(
+                x.unsqueeze(0).expand(k, *x.shape) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            )
+            shared = False
 
         def call(state: dict[str, torch.Tensor], *xs: Any) -> Any:
-            return functional_call(self.stacked, state, xs)
+            return functional_call(module, state, xs)
 
-        in_dims = (0, *([0 if stacked else None] * len(inputs)))
-        return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        in_dims = (0, *([None if shared else 0] * len(inputs)))
+        try:
+            return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
+        except RuntimeError as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(
+                    f"(fusion) raised while running {type(module).__qualname__} for the "
+                    f"{self._num_models} fused models under torch.func.vmap: its forward must "
+                    "be batchable by vmap (no .item() or other reads of a tensor's value into "
+                    "Python, no data-dependent control flow); train such models unfused."
+                )
+            raise
+
+    def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
+        """The Sequential's layers in order, each fused directly or else through vmap."""
+        assert self._direct is not None
+        k = self._num_models
+        for layer, form in self._direct:
+            result = None if form is None else form(layer, x, shared, k)
+            if result is None:
+                x, shared = self._vmap(layer, (x,), shared=shared), False
+            else:
+                x, shared = result
+        return x.unsqueeze(0).expand(k, *x.shape) if shared else x
 
     def keep_models(self, indices: Sequence[int]) -> None:
         """Keep only the models at ``indices``, in that order (the others stop costing compute).
@@ -243,17 +332,32 @@ class FusedModule(nn.Module):
         Returns:
             The K models, in the fused order (after :meth:`keep_models`, the kept ones).
         """
-        named: dict[str, torch.Tensor] = dict(self.stacked.named_parameters())
-        named.update(self.stacked.named_buffers())
-        device = _device_of(self.stacked) or torch.device("cpu")
+        # Every name, tied ones included: a tensor the model shares between two places
+        # (tied weights) is one stacked tensor, and becomes one tensor again in each model.
+        params = dict(self.stacked.named_parameters(remove_duplicate=False))
+        buffers = dict(self.stacked.named_buffers(remove_duplicate=False))
         models = []
         for k in range(self._num_models):
-            model = copy.deepcopy(self._skeleton[0]).to_empty(device=device)
+            model = copy.deepcopy(self._skeleton[0])
+            made: dict[int, nn.Parameter] = {}
+            made_buffers: dict[int, torch.Tensor] = {}
             with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(named[name][k])
-                for name, buffer in model.named_buffers():
-                    buffer.copy_(named[name][k])
+                for path, module in model.named_modules(remove_duplicate=False):
+                    prefix = f"{path}." if path else ""
+                    for local, old in module._parameters.items():
+                        if old is not None:
+                            source = params[prefix + local]
+                            if id(source) not in made:
+                                made[id(source)] = nn.Parameter(
+                                    source[k].clone(), requires_grad=source.requires_grad
+                                )
+                            module._parameters[local] = made[id(source)]
+                    for local, old in module._buffers.items():
+                        if old is not None:
+                            stacked_buffer = buffers[prefix + local]
+                            if id(stacked_buffer) not in made_buffers:
+                                made_buffers[id(stacked_buffer)] = stacked_buffer[k].clone()
+                            module._buffers[local] = made_buffers[id(stacked_buffer)]
             for path in self._dropout_paths:
                 dropout: nn.Dropout = model.get_submodule(path)  # type: ignore[assignment]
                 dropout.p = self._dropout_p[path][k]
@@ -274,9 +378,12 @@ def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
     Args:
         models: K >= 1 models with equal :func:`structure_key`, on one device, built from the
             layers in :data:`SUPPORTED_LAYERS` (and the user's own module classes).
-        kernels: Run Linear, Conv1d/Conv2d, LayerNorm and Embedding as fused kernels
-            (batched matmul, grouped convolution) inside vmap; False runs every layer through
-            vmap's own batching rules.
+        kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
+            layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
+            as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
+            dropout, pooling; other layers through vmap); any other model runs under vmap
+            with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
+            batching rules. Both give the same results (to float rounding).
 
     Returns:
         The fused module, K = ``len(models)``.

@@ -1,4 +1,4 @@
-"""Fused kernels: one batched operator for the K models' layer (HFTA, MLSys 2021, Sec. 3.2).
+"""Fused kernels: one batched operator for the K models' layer (HFTA, MLSys 2021).
 
 HFTA (Wang et al., arXiv:2102.02344) fuses K linear layers into one batched matmul and K
 convolutions into one grouped convolution. Here each kernel is an ``autograd.Function`` with a
@@ -165,10 +165,11 @@ class _ConvFn(torch.autograd.Function):
 
 
 class FusedLinear(nn.Module):
-    """``nn.Linear`` run as one batched matmul over the K fused models (HFTA, Sec. 3.2).
+    """``nn.Linear`` run as one batched matmul over the K fused models (HFTA, MLSys 2021).
 
     Holds the same ``weight`` ``(K, out, in)`` and ``bias`` ``(K, out)`` as the layer it
-    replaces; called only inside :class:`~waterwave_hpo.fusion.FusedModule`'s vmap.
+    replaces; inside :class:`~waterwave_hpo.fusion.FusedModule` it runs under vmap (outside
+    vmap it is the stock operator).
 
     Args:
         linear: The layer it replaces (its parameters are taken over, not copied).

@@ -2,10 +2,11 @@
 
 The idea is HFTA's fused optimizers (Wang et al., "Horizontally Fused Training Array: An Effective
 Hardware Utilization Squeezer for Training Novel Deep Learning Models", MLSys 2021,
-arXiv:2102.02344, section 3.2): when K models of one structure are trained as one, every
-parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning rate, momentum,
-weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each parameter's trailing
-dims, so the whole array updates with the same few kernels one model would need.
+arXiv:2102.02344; its library's ``hfta.optim``): when K models of one structure are trained as
+one, every parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning
+rate, momentum, weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each
+parameter's trailing dims, so the whole array updates with the same few kernels one model
+would need.
 
 Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
 for (``torch.optim.SGD``, ``Adam`` or ``AdamW``, as of torch 2.13's single-tensor path), with its
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import enum
 import inspect
 import math
+import numbers
 from typing import Any
 from typing import Protocol
 import weakref
@@ -135,7 +137,8 @@ def _stock_defaults(kind: OptimizerKind) -> dict[str, Any]:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (Python or NumPy scalar), not a bool and not a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_value(kind: OptimizerKind, k: int, name: str, value: object) -> None:
@@ -143,7 +146,7 @@ def _check_value(kind: OptimizerKind, k: int, name: str, value: object) -> None:
     held = _SPECS[kind].hparams[name]
     where = f"hparams[{k}][{name!r}]"
     if held is _Kind.NUMBER and not _is_number(value):
-        raise type_error(where, value, "a number (int or float)", "pass a Python number")
+        raise type_error(where, value, "a real number", "pass a Python int or float")
     if held is _Kind.FLAG and not isinstance(value, bool):
         raise type_error(where, value, "a bool", "pass True or False")
     if held is _Kind.PAIR and not (
@@ -292,6 +295,13 @@ def _named_parameters(
 
 
 def _check_leading_dim(name: str, p: torch.Tensor, num_models: int) -> None:
+    if not p.is_floating_point():
+        raise value_error(
+            name,
+            f"<{p.dtype} tensor of shape {tuple(p.shape)}>",
+            "is not a real floating-point tensor, which fused optimizers need",
+            "optimize only floating-point parameters (complex ones are not supported)",
+        )
     if p.dim() == 0 or p.shape[0] != num_models:
         raise value_error(
             name,
@@ -384,7 +394,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` when a model uses
     AMSGrad), each with the parameter's shape. ``state_dict``/``load_state_dict`` round-trip.
 
-    Idea: HFTA (arXiv:2102.02344), section 3.2, fused optimizers.
+    Idea: HFTA's fused optimizers (Wang et al., MLSys 2021, arXiv:2102.02344).
+
+    Attributes:
+        hparam_version: Counts changes of the per-model hyperparameters (:meth:`set_hparam`,
+            :meth:`keep_models`, :meth:`load_state_dict`); schedulers read it.
     """
 
     def __init__(
@@ -404,6 +418,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         group.update(_stack_hparams(kind, hparams, device))
         super().__init__([group], defaults={})
         self._uses = _Uses.of(self.param_groups[0])
+        # Counts changes of the hyperparameters; a scheduler that sees another writer's change
+        # writes all its values again.
+        self.hparam_version = 0
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: a fused optimizer holds one group with per-model values.
+
+        Args:
+            param_group: The group (only the constructor's own group is accepted).
+
+        Raises:
+            ValueError: called after the optimizer was built.
+        """
+        if hasattr(self, "hparam_version"):  # set once the constructor's group is in
+            raise value_error(
+                "param_group",
+                f"<group of {len(list(param_group.get('params', [])))} parameters>",
+                "cannot be added to a fused optimizer (it holds one group, values per model)",
+                "build one fusion.optimizer over all the fused parameters",
+            )
+        super().add_param_group(param_group)
 
     @property
     def kind(self) -> OptimizerKind:
@@ -468,6 +503,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
         self.param_groups[0][name] = new.to(target.device)
+        self.hparam_version += 1
         # read from the host copy: no device sync
         if name == "momentum":
             self._uses.set_momentum(new.tolist(), self.param_groups[0]["nesterov"].tolist())
@@ -507,6 +543,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
                     state[key] = value.index_select(0, index.to(value.device))
         self._uses = _Uses.of(group)
+        self.hparam_version += 1
         for follower in list(self._followers):
             follower._keep_models(kept)
         self._num_models = len(kept)
@@ -564,6 +601,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
         self._uses = _Uses.of(group)
+        self.hparam_version += 1
         self._num_models = saved_k
 
     @torch.no_grad()
@@ -728,12 +766,14 @@ def optimizer(
 
     Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
     are). Each hyperparameter is held per model as a ``(K,)`` tensor broadcast over each
-    parameter's trailing dims (HFTA, arXiv:2102.02344, section 3.2).
+    parameter's trailing dims (HFTA's fused optimizers, arXiv:2102.02344).
 
     Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,
     ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``). A name left out takes the
     stock class's default. Per-model schedules: :class:`PerModelScheduler`, :class:`LambdaLR`.
+    All K models use one optimizer class: trials that chose different classes belong in different
+    fused groups (one optimizer each).
 
     Args:
         cls: ``torch.optim.SGD``, ``torch.optim.Adam`` or ``torch.optim.AdamW``.

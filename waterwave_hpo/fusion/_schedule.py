@@ -6,8 +6,8 @@ and one dummy parameter, and runs an ordinary ``torch.optim.lr_scheduler`` sched
 each step it copies the proxy's numeric hyperparameters (``lr``, and ``momentum`` or ``betas``,
 which e.g. ``OneCycleLR`` cycles) into the fused optimizer's ``(K,)`` tensors. So every stock
 scheduler works per model, unchanged, and model k's schedule equals what that scheduler would
-give model k trained alone, value for value. Per-model schedules are part of HFTA's fused
-training array (arXiv:2102.02344, section 3.2).
+give model k trained alone, value for value. HFTA (Wang et al., MLSys 2021, arXiv:2102.02344)
+also schedules each model of its fused array (its library's ``hfta.optim.lr_scheduler``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class PerModelScheduler:
 
     Example: ``fusion.PerModelScheduler(opt, lambda o: torch.optim.lr_scheduler.StepLR(o, 10))``
     gives every model a step decay; a list of K factories gives each model its own scheduler.
+    Use one per optimizer: each keeps its own proxies, so two would not compose as two stock
+    schedulers on one optimizer do; compose inside the factory instead (``SequentialLR``,
+    ``ChainedScheduler`` on the optimizer the factory is given).
     """
 
     def __init__(
@@ -87,6 +90,8 @@ class PerModelScheduler:
         self._numeric = [
             n for n, h in _SPECS[optimizer.kind].hparams.items() if h is not _Kind.FLAG
         ]
+        self._copied: dict[str, list[Any]] = {}
+        self._seen_version = -1
         self._proxies: list[torch.optim.Optimizer] = []
         self._schedulers: list[LRScheduler] = []
         stock = _SPECS[optimizer.kind].stock
@@ -185,22 +190,34 @@ class PerModelScheduler:
         ):
             proxy.load_state_dict(proxy_state)
             scheduler.load_state_dict(scheduler_state)
-        self._copy_to_optimizer()
+        self._copied = {}
+        self._copy_to_optimizer()  # the loaded schedules' values win over the optimizer's
 
     def _keep_models(self, indices: list[int]) -> None:
         """Keep the schedules of these models, in this order (called by ``keep_models``)."""
         kept = check_indices(indices, len(self._schedulers))
         self._proxies = [self._proxies[i] for i in kept]
         self._schedulers = [self._schedulers[i] for i in kept]
+        self._copied = {}  # the optimizer's values were sliced the same way; rewriting is cheap
 
     def _copy_to_optimizer(self) -> None:
+        """Write the proxies' values into the optimizer's (K,) tensors, those that changed only.
+
+        ``_copied`` is what this scheduler last wrote; if anything else changed the optimizer's
+        hyperparameters since (``hparam_version``), every value is written again.
+        """
+        if self._optimizer.hparam_version != self._seen_version:
+            self._copied = {}
         for name in self._numeric:
-            values = [proxy.param_groups[0][name] for proxy in self._proxies]
+            values: list[Any] = [proxy.param_groups[0][name] for proxy in self._proxies]
             if name == "betas":
                 values = [[float(b) for b in pair] for pair in values]
             else:
                 values = [float(v) for v in values]
-            self._optimizer.set_hparam(name, values)
+            if self._copied.get(name) != values:
+                self._optimizer.set_hparam(name, values)
+                self._copied[name] = values
+        self._seen_version = self._optimizer.hparam_version
 
 
 class LambdaLR(PerModelScheduler):

@@ -1,6 +1,6 @@
 """Which models can be fused: the structure key and the layers fusion supports.
 
-Two models fuse (HFTA, Wang et al., MLSys 2021, Sec. 3: a training array of models that run the
+Two models fuse (HFTA, Wang et al., MLSys 2021: a training array of models that run the
 same operators on the same shapes) when they have the same module tree, the same module
 configuration and the same parameters and buffers (names, shapes, dtypes). The key states all
 of it; the one number that may differ is the rate of an ``nn.Dropout``, which fusion keeps per
@@ -243,14 +243,14 @@ def structure_key(model: nn.Module) -> StructureKey:
     return StructureKey(modules, tensors)
 
 
-def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str] | None:
-    """The first layer of ``model`` fusion does not support, with its path and why, or None.
+def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str, str] | None:
+    """The first layer of ``model`` fusion does not support, with its path, why and the fix.
 
     Args:
         model: The model to check.
 
     Returns:
-        ``(path, module, reason)`` of the first unsupported module, or None.
+        ``(path, module, reason, fix)`` of the first unsupported module, or None.
     """
     for path, module in model.named_modules():
         kind = type(module)
@@ -259,7 +259,8 @@ def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str] | None:
                 path,
                 module,
                 "momentum=None (a cumulative average) reads num_batches_tracked as a Python "
-                "number, which vmap cannot batch; give it a float momentum",
+                "number, which vmap cannot batch",
+                "give the layer a float momentum, e.g. 0.1",
             )
         from_torch = kind.__module__.startswith("torch.")
         if from_torch and kind not in SUPPORTED_LAYERS:
@@ -268,5 +269,6 @@ def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str] | None:
                 module,
                 "it is not among the layers verified under fusion "
                 f"({', '.join(t.__name__ for t in SUPPORTED_LAYERS)})",
+                "train such models unfused (co-hosted trials), or replace the layer",
             )
     return None
