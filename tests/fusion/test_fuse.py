@@ -227,6 +227,27 @@ def test_keep_models_restacks_in_place_and_keeps_parameter_identity() -> None:
     torch.testing.assert_close(out[1], models[1].eval()(x), **TOL)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_training_goes_on_after_keep_models_while_the_last_graph_is_alive(kernels: bool) -> None:
+    # A training loop's `loss` outlives the step in which a trial is pruned: the next backward
+    # must see the kept models' shapes, not the old K (autograd caches a node per parameter).
+    models = [bn_net(seed) for seed in range(4)]
+    fused = fusion.fuse(models, kernels=kernels)
+    opt = fusion.optimizer(torch.optim.SGD, fused, [{"lr": 0.1, "momentum": 0.9}] * 4)
+    x, y = torch.randn(4, 3, 5, 5), torch.tensor([0, 1, 2, 0])
+    loss = fusion.per_model_loss(F.cross_entropy, fused(x), y).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    fused.keep_models([2, 0])
+    opt.keep_models([2, 0])
+    assert loss.grad_fn is not None  # the earlier step's graph is still alive
+    fusion.per_model_loss(F.cross_entropy, fused(x), y).sum().backward()
+    opt.step()
+    assert [p.shape[0] for p in fused.parameters()] == [2] * len(list(fused.parameters()))
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in fused.parameters())
+
+
 @pytest.mark.parametrize(
     ("indices", "error", "match"),
     [

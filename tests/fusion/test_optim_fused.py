@@ -43,10 +43,6 @@ def test_fused_module_trained_with_fused_optimizer_equals_stock_training_after_p
         opt.zero_grad(set_to_none=True)
         losses = fusion.per_model_loss(nn.functional.cross_entropy, fused(xs[0]), ys[0])
         losses.sum().backward()
-        # Not kept to the next step: a graph still alive across fused.keep_models makes the next
-        # backward fail (the parameters' AccumulateGrad nodes keep the old K; reported to the
-        # owner of fuse, not this optimizer's concern).
-        del losses
         opt.step()
         sched.step()
         for k in alive:

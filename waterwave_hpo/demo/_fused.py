@@ -201,10 +201,6 @@ def _train_epoch(
 ) -> torch.Tensor:
     """One epoch of the fused model over ``data`` in ``order``; which models stayed finite.
 
-    In a function of its own so that no reference to the last step's autograd graph outlives
-    it: ``keep_models`` re-stacks the parameters to fewer models, and a graph still alive keeps
-    their old gradient shape (a later backward then fails).
-
     Returns:
         ``(K,)`` bool: whether each model's loss was finite at every step.
     """

@@ -311,7 +311,14 @@ class FusedModule(nn.Module):
             for param in self.stacked.parameters():
                 index = torch.tensor(kept, device=param.device)
                 grad: torch.Tensor | None = param.grad
-                param.data = param.data.index_select(0, index)
+                # Not ``param.data = ...``: the parameter's AccumulateGrad node outlives a
+                # ``.data`` swap while any graph of an earlier step is alive (torch resets it
+                # only on a dtype or device change), so the next backward would check gradients
+                # against the old K and fail. ``swap_tensors`` gives the same Python object a
+                # new tensor and autograd state; optimizers keyed by the object stay valid.
+                torch.utils.swap_tensors(
+                    param, nn.Parameter(param.index_select(0, index), param.requires_grad)
+                )
                 if grad is not None:
                     param.grad = grad.index_select(0, index)
             for module in self.stacked.modules():
