@@ -316,7 +316,7 @@ class FusedModule(nn.Module):
                 # only on a dtype or device change), so the next backward would check gradients
                 # against the old K and fail. ``swap_tensors`` gives the same Python object a
                 # new tensor and autograd state; optimizers keyed by the object stay valid.
-                torch.utils.swap_tensors(
+                torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
                     param, nn.Parameter(param.index_select(0, index), param.requires_grad)
                 )
                 if grad is not None:
