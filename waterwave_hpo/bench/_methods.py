@@ -19,8 +19,8 @@ class Method(enum.Enum):
     and NodeGroup gates, under the ``fifo`` or ``waterwave`` policy. ``WATERWAVE_PLANS``: the
     executor with ``memory_plan="home"``: each trial's model registered with
     :func:`waterwave_hpo.fit_trial_memory` instead of gates, so a trial that does not fit
-    beside its neighbours runs with a HOME keep/swap/recompute plan (issue 11 part 6: the
-    co-hosting at high memory demand with plans, beside the two without). ``FUSED``: the
+    beside its neighbours runs with a HOME keep/swap/recompute plan (co-hosting
+    at high memory demand with plans, beside the two without). ``FUSED``: the
     executor with ``fuse=K`` on one slot: each batch of up to K trials is grouped by model
     structure and each group trained as one horizontally fused model (HFTA, arXiv:2102.02344);
     trials of a structure no other trial of their batch shares train alone.
