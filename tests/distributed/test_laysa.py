@@ -259,3 +259,148 @@ def test_state_saved_and_restored_resumes_exactly(world: list[dict[str, Any]]) -
         assert any(
             not torch.equal(a, b) for a, b in zip(rank["continued"], rank["forgetful"], strict=True)
         )
+
+
+# ---------------------------------------------------------------- half precision (issue #22)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+HALF_STEPS = 8
+
+
+def _issue_model(dtype: torch.dtype) -> torch.nn.Sequential:
+    # the model of the report: 33*67 + 67 + ... entries, so k = floor(0.03 * numel) is odd
+    # for some layers and a 2-byte-value message puts the int32 indices at 2 * k bytes
+    return _mlp((33, 67, 67, 3)).to(dtype)
+
+
+class _Mixed(torch.nn.Module):
+    """bf16 and fp32 layers in one model: DDP buckets them apart (one bucket per dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.low = torch.nn.Linear(33, 67).to(torch.bfloat16)
+        self.full = torch.nn.Linear(67, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.full(torch.relu(self.low(x.to(torch.bfloat16))).float())
+
+
+def _train_losses(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[float]:
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses
+
+
+def _half_scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(32, 33, generator=generator)
+    y = torch.randint(0, 3, (32,), generator=generator)
+    for dtype in HALF_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        batches = [(x.to(dtype), y)] * HALF_STEPS
+        runs: dict[str, Any] = {}
+        for how in ("dense", "density1", "laysa", "as_view", "naive"):
+            model = DistributedDataParallel(
+                _issue_model(dtype), gradient_as_bucket_view=how == "as_view"
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+            if how == "density1":
+                laysa(model, density=1.0, optimizer=opt)
+            elif how in ("laysa", "as_view"):
+                laysa(model, density=0.03, optimizer=opt)
+            elif how == "naive":
+                attach_baseline(model, Baseline.NAIVE_TOPK, density=0.03)
+            losses = _train_losses(model, opt, batches)
+            runs[how] = {"losses": losses, "params": _params(model)}
+        out[name] = runs
+    mixed: dict[str, Any] = {}
+    for how in ("laysa", "naive"):
+        model = DistributedDataParallel(_Mixed())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        if how == "laysa":
+            mixed["ledger"] = laysa(model, density=0.03, optimizer=opt).state.ledger
+        else:
+            attach_baseline(model, Baseline.NAIVE_TOPK, density=0.03)
+        _train_losses(model, opt, [(x, y)] * HALF_STEPS)
+        mixed[how] = _params(model)
+    mixed["dtypes"] = sorted({str(p.dtype) for p in _Mixed().parameters()})
+    # fp16 gradients of 40000 on every rank: their sum overflows fp16, their mean does not
+    vector = DistributedDataParallel(_Vector(40).half())
+    vector_opt = torch.optim.SGD(vector.parameters(), lr=1e-4)
+    laysa(vector, density=0.1, optimizer=vector_opt)
+    for _ in range(2):  # one dense step, one sparse
+        vector_opt.zero_grad()
+        vector(torch.full((40,), 40000.0, dtype=torch.float16)).backward()
+        vector_opt.step()
+    out["fp16_large"] = _params(vector)[0]
+    out["mixed"] = mixed
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def half_world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_world(_half_scenarios, 2, tmp_path_factory.mktemp("laysa_half"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_density_1_is_exactly_dense_ddp_in_that_dtype(
+    half_world: list[dict[str, Any]], dtype: str
+) -> None:
+    for rank in half_world:
+        runs = rank[dtype]
+        assert runs["dense"]["losses"] == runs["density1"]["losses"]
+        for a, b in zip(runs["dense"]["params"], runs["density1"]["params"], strict=True):
+            assert a.dtype == getattr(torch, dtype)
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("how", ["laysa", "as_view"])
+def test_half_precision_sparse_laysa_trains_exactly_like_naive_top_k(
+    half_world: list[dict[str, Any]], dtype: str, how: str
+) -> None:
+    # the report's crash was in the first sparse step; past it, the mirror update in 2-byte
+    # dtypes must equal the naive hook's dense averaged gradient, bit for bit
+    for rank in half_world:
+        runs = rank[dtype]
+        for a, b in zip(runs["naive"]["params"], runs[how]["params"], strict=True):
+            assert torch.equal(a, b)
+        losses = runs[how]["losses"]
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert losses[-1] < losses[0]  # it learns the fixed batch
+    first, second = (rank[dtype][how]["params"] for rank in half_world)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)  # the replicas stay identical
+
+
+def test_a_model_mixing_bf16_and_fp32_layers_trains_like_naive_top_k(
+    half_world: list[dict[str, Any]],
+) -> None:
+    for rank in half_world:
+        mixed = rank["mixed"]
+        assert mixed["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        for a, b in zip(mixed["naive"], mixed["laysa"], strict=True):
+            assert torch.equal(a, b)
+        assert mixed["ledger"].current_bytes == mixed["ledger"].peak_bytes  # no churn
+
+
+def test_fp16_gradients_whose_sum_overflows_average_without_overflow(
+    half_world: list[dict[str, Any]],
+) -> None:
+    # DDP divides before it sums; so must the sparse average (else 40000 + 40000 = inf)
+    for rank in half_world:
+        w = rank["fp16_large"].float()
+        assert torch.isfinite(w).all()
+        sent_twice = w == (-2 * 1e-4 * torch.tensor(40000.0, dtype=torch.float16).float())
+        assert int(sent_twice.sum()) == 4  # k = 4 entries: the dense step's and the sparse's

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from waterwave_hpo import _checks
 from waterwave_hpo.distributed._buffers import INDEX_DTYPE
 from waterwave_hpo.distributed._buffers import k_for
+from waterwave_hpo.distributed._buffers import packed_offsets
 from waterwave_hpo.distributed._collectives import all_gather_then
 from waterwave_hpo.distributed._collectives import all_reduce_mean
 from waterwave_hpo.distributed._ledger import CommMemoryLedger
@@ -124,9 +125,15 @@ def naive_topk_hook(
         ledger.release(top)
         offset = int(view.storage_offset() - buffer.storage_offset())
         shapes.append((offset, view.numel(), k))
-    send = ledger.allocate(
-        torch.cat([torch.cat(values).view(torch.uint8), torch.cat(indices).view(torch.uint8)])
+    total_k = sum(k for _, _, k in shapes)
+    (_, index_offset), message_bytes = packed_offsets(
+        [(buffer.dtype, total_k), (INDEX_DTYPE, total_k)]
     )
+    value_bytes = total_k * buffer.element_size()
+    index_end = index_offset + total_k * INDEX_DTYPE.itemsize
+    send = ledger.allocate(torch.zeros(message_bytes, dtype=torch.uint8, device=buffer.device))
+    torch.cat(values, out=send[:value_bytes].view(buffer.dtype))
+    torch.cat(indices, out=send[index_offset:index_end].view(INDEX_DTYPE))
     for tensor in (*values, *indices):
         ledger.release(tensor)
     recv = ledger.allocate(
@@ -135,14 +142,12 @@ def naive_topk_hook(
     state._bytes_this_step += send.nbytes
     if last:
         state.end_step()
-    total_k = sum(k for _, _, k in shapes)
-    value_bytes = total_k * buffer.element_size()
 
     def average(_: Any) -> torch.Tensor:
         result = ledger.allocate(torch.zeros_like(buffer))
         by_rank = recv.view(world_size, -1)
         all_values = by_rank[:, :value_bytes].view(buffer.dtype)
-        all_indices = by_rank[:, value_bytes:].view(INDEX_DTYPE)
+        all_indices = by_rank[:, index_offset:index_end].view(INDEX_DTYPE)
         segment = 0
         for offset, numel, k in shapes:
             target = result[offset : offset + numel]
@@ -151,9 +156,9 @@ def naive_topk_hook(
                     0,
                     all_indices[rank, segment : segment + k],
                     all_values[rank, segment : segment + k],
+                    alpha=1 / world_size,  # divide first, as DDP: no fp16 overflow in the sum
                 )
             segment += k
-        result.div_(world_size)
         ledger.release(send)
         ledger.release(recv)
         ledger.release(result)  # DDP copies it into the gradients and drops it

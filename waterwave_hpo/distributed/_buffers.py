@@ -26,7 +26,7 @@ import torch
 from waterwave_hpo.distributed._ledger import CommMemoryLedger
 
 SELECTION_CHUNK_ELEMENTS = 1 << 14
-"""Elements of the magnitude chunk top-k selection works in (64 KiB in fp32)."""
+"""Elements of the magnitude chunk top-k selection works in (64 KiB in fp32, 32 KiB in bf16)."""
 
 INDEX_DTYPE = torch.int32
 """Indices on the wire: int32 (a layer's offset fits; half of int64's bytes)."""
@@ -64,13 +64,43 @@ class LayerSlot:
     segment: int
 
 
+def packed_offsets(regions: list[tuple[torch.dtype, int]]) -> tuple[list[int], int]:
+    """Byte offsets of typed regions packed in one byte buffer, each aligned to its dtype.
+
+    A typed view of a byte buffer (``buffer[a:b].view(dtype)``) needs its byte offset to be a
+    multiple of ``dtype.itemsize`` (PyTorch refuses otherwise, and a GPU kernel reading the
+    dtype needs that alignment). Each region starts at the first multiple of its itemsize after
+    the previous one ends; the total is rounded up to the largest itemsize, so the rows of a
+    ``[world_size, total]`` receive buffer are aligned too. Padding is at most
+    ``itemsize - 1`` bytes per region (none for fp32 values with int32 indices).
+
+    Args:
+        regions: ``(dtype, elements)`` per region, in order.
+
+    Returns:
+        The byte offset of each region and the packed size in bytes.
+    """
+    offsets = []
+    end = 0
+    widest = 1
+    for dtype, numel in regions:
+        size = dtype.itemsize
+        widest = max(widest, size)
+        start = -(-end // size) * size
+        offsets.append(start)
+        end = start + numel * size
+    return offsets, -(-end // widest) * widest
+
+
 class BucketBuffers:
     """The fixed send and receive buffers of one DDP bucket.
 
     A message is ``K`` values (the gradient dtype) followed by ``K`` int32 indices, packed in
-    one uint8 buffer so one ``all_gather_into_tensor`` moves both. Shapes: ``send`` is
-    ``[K * (value_bytes + 4)]``, ``recv`` is ``[world_size * K * (value_bytes + 4)]``
-    (flat for gloo), rank-major.
+    one uint8 buffer so one ``all_gather_into_tensor`` moves both; the indices start at the
+    first multiple of 4 bytes after the values (:func:`packed_offsets`: with 2-byte bf16/fp16
+    values and an odd ``K`` that is 2 bytes of padding). Shapes: ``send`` is
+    ``[message_bytes]``, ``recv`` is ``[world_size * message_bytes]`` (flat for gloo),
+    rank-major, with ``message_bytes >= K * (value_bytes + 4)``.
     """
 
     def __init__(
@@ -84,9 +114,11 @@ class BucketBuffers:
         self.slots = slots
         self.dtype = dtype
         self.total_k = sum(s.k for s in slots)
-        value_bytes = dtype.itemsize
-        self._value_bytes_total = self.total_k * value_bytes
-        message_bytes = self.total_k * (value_bytes + INDEX_DTYPE.itemsize)
+        (_, self._index_offset), message_bytes = packed_offsets(
+            [(dtype, self.total_k), (INDEX_DTYPE, self.total_k)]
+        )
+        self._value_bytes_total = self.total_k * dtype.itemsize
+        self._index_bytes_total = self.total_k * INDEX_DTYPE.itemsize
         self.send = ledger.allocate(torch.empty(message_bytes, dtype=torch.uint8, device=device))
         self.recv = ledger.allocate(
             torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
@@ -94,13 +126,16 @@ class BucketBuffers:
         self._by_rank = self.recv.view(world_size, message_bytes)
         self.param_ids = tuple(id(s.param) for s in slots)
 
+    def _indices(self, message: torch.Tensor) -> torch.Tensor:
+        return message[..., self._index_offset : self._index_offset + self._index_bytes_total]
+
     def send_values(self) -> torch.Tensor:
         """The send buffer's values, shape ``[K]``, the gradient dtype (a view)."""
         return self.send[: self._value_bytes_total].view(self.dtype)
 
     def send_indices(self) -> torch.Tensor:
         """The send buffer's indices, shape ``[K]``, int32 (a view)."""
-        return self.send[self._value_bytes_total :].view(INDEX_DTYPE)
+        return self._indices(self.send).view(INDEX_DTYPE)
 
     def recv_values(self) -> torch.Tensor:
         """Every rank's values, shape ``[world_size, K]`` (a view)."""
@@ -108,7 +143,7 @@ class BucketBuffers:
 
     def recv_indices(self) -> torch.Tensor:
         """Every rank's indices, shape ``[world_size, K]``, int32 (a view)."""
-        return self._by_rank[:, self._value_bytes_total :].view(INDEX_DTYPE)
+        return self._indices(self._by_rank).view(INDEX_DTYPE)
 
     def release(self, ledger: CommMemoryLedger) -> None:
         """Give both buffers back to the ledger."""
@@ -164,14 +199,21 @@ class LayerCentricBuffers:
     def shared(
         self, name: str, numel: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """The first ``numel`` elements of the shared buffer ``name`` (grown if too small)."""
+        """The first ``numel`` elements of the shared buffer ``name``, as ``dtype`` (a view).
+
+        Each shared buffer is bytes, grown (never shrunk) to the largest request, and viewed
+        as the requested dtype from byte 0 (aligned for any dtype), so the buckets of a model
+        mixing dtypes (DDP buckets by dtype: e.g. bf16 weights with fp32 norms) reuse one
+        buffer instead of reallocating it at every change of dtype.
+        """
+        nbytes = numel * dtype.itemsize
         found = self._shared.get(name)
-        if found is None or found.numel() < numel or found.dtype != dtype:
+        if found is None or found.numel() < nbytes:
             if found is not None:
                 self.ledger.release(found)
-            found = self.ledger.allocate(torch.empty(numel, dtype=dtype, device=device))
+            found = self.ledger.allocate(torch.empty(nbytes, dtype=torch.uint8, device=device))
             self._shared[name] = found
-        return found[:numel]
+        return found[:nbytes].view(dtype)
 
     def select_top_k(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         """Indices of the ``k`` entries of largest magnitude of ``flat`` (``[n]`` -> ``[k]``).

@@ -25,6 +25,13 @@ Between ``backward()`` and ``step()`` a sparse layer's ``.grad`` holds DDP's cop
 residual, not the averaged gradient: clip or inspect gradients inside the optimizer (or at
 ``density=1``), not in that window.
 
+Precision: the residual stays in the gradient's dtype (DDP's bucket), as PyTorch's PowerSGD
+keeps its error feedback in the bucket's dtype. A model whose parameters are bf16 or fp16
+therefore accumulates ``g + r`` in that dtype, where a gradient entry far below the residual's
+magnitude rounds away (bf16 keeps 8 significant bits); under ``torch.autocast`` the parameters
+and gradients are fp32 and nothing is lost. The averaged gradient divides each rank's values
+before summing them (as DDP does), so fp16 gradients whose sum would overflow do not.
+
 Limits: ``optimizer.step(closure)`` (e.g. LBFGS) is not supported for sparse layers; with
 ``gradient_as_bucket_view=True`` the optimizer is called once more per sparse layer per step.
 """
@@ -95,14 +102,20 @@ class MirrorWeightUpdate:
 
     @staticmethod
     def _average_into(out: torch.Tensor, sent: SentBucket, slot: LayerSlot) -> None:
-        """``out`` (``[numel]``) <- the layer's averaged sparse gradient over all ranks."""
+        """``out`` (``[numel]``) <- the layer's averaged sparse gradient over all ranks.
+
+        Each rank's values are scaled by ``1 / world_size`` before they are summed, as DDP
+        divides before its all-reduce: in fp16 the sum of the ranks' values could overflow
+        (``inf``) where their mean does not.
+        """
         values = sent.buffers.recv_values()
         indices = sent.buffers.recv_indices()
         segment = slice(slot.segment, slot.segment + slot.k)
         out.zero_()
         for rank in range(sent.world_size):
-            out.index_add_(0, indices[rank, segment], values[rank, segment])
-        out.div_(sent.world_size)
+            out.index_add_(
+                0, indices[rank, segment], values[rank, segment], alpha=1 / sent.world_size
+            )
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._inside_step:
