@@ -26,6 +26,7 @@ from waterwave_hpo.planning._planners import MAX_EXHAUSTIVE_UNITS
 from waterwave_hpo.planning._planners import PLANNERS
 from waterwave_hpo.planning._planners import PlanDoesNotFitError
 from waterwave_hpo.planning._planners import PlannerResult
+from waterwave_hpo.planning._rng import RecomputeMismatchError
 from waterwave_hpo.planning._units import CheckpointedModelError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "PlanDoesNotFitError",
     "PlannerResult",
     "Prediction",
+    "RecomputeMismatchError",
     "StepLedger",
     "StepProfile",
     "Unit",

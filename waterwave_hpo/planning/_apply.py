@@ -1,10 +1,13 @@
 """Applying a plan to a model: recompute through checkpoint, swap through saved-tensor hooks.
 
 - **Recompute** units: each outermost module call of the unit runs under
-  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``, so
-  its saved activations are dropped after forward and recomputed in backward with the same
-  random numbers (dropout included). Buffers the recompute would update a second time (e.g.
-  BatchNorm's running statistics) are restored after it, so the step changes them once.
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=False)``, so
+  its saved activations are dropped after forward and recomputed in backward. Its random ops
+  (dropout...) are recorded in forward and replayed in the recompute (``planning/_rng.py``):
+  the recompute sees exactly its forward's random numbers and never sets the process's
+  generator, which co-hosted trials share (restoring it would rewind their streams). Buffers
+  the recompute would update a second time (e.g. BatchNorm's running statistics) are restored
+  after it, so the step changes them once.
 - **Swap** units: while the unit's forward runs, ``torch.autograd.graph.saved_tensors_hooks``
   packs every saved activation into a host copy. On CUDA the copy goes to pinned host memory on
   a side stream, after that stream waits for the compute stream; an event marks its end and the
@@ -41,6 +44,7 @@ from waterwave_hpo.planning._cost import recompute_runs
 from waterwave_hpo.planning._ledger import StepLedger
 from waterwave_hpo.planning._plan import Placement
 from waterwave_hpo.planning._plan import StepProfile
+from waterwave_hpo.planning._rng import RandomRecord
 from waterwave_hpo.planning._units import UnitModules
 
 
@@ -210,10 +214,14 @@ def _unpack(obj: Any) -> torch.Tensor:
     return obj  # type: ignore[no-any-return]
 
 
-def _checkpoint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _checkpoint(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], record: RandomRecord
+) -> Any:
     """``checkpoint(fn, *args, **kwargs)`` that keeps the arguments' identities.
 
-    ``checkpoint(fn, *args, **kwargs)`` (non-reentrant, RNG preserved) that keeps the
+    ``checkpoint(fn, *args, **kwargs)`` (non-reentrant; the random ops' results of the forward
+    are kept in ``record`` and replayed by the recompute, which never touches the process's
+    generator) that keeps the
     arguments' identities: checkpoint saves and restores each tensor argument on its own, so
     ``attn(h, h, h)`` would be recomputed as three distinct tensors, and
     ``nn.MultiheadAttention`` takes another path (separate projections) when ``query is key``
@@ -238,7 +246,11 @@ def _checkpoint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return fn(*a, **kw)
 
     return torch.utils.checkpoint.checkpoint(
-        run, *unique, use_reentrant=False, preserve_rng_state=True
+        run,
+        *unique,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=lambda: (record.recorder(), record.replayer()),
     )
 
 
@@ -364,7 +376,7 @@ class PlanHooks:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return _checkpoint(_once_in_backward(modules, inner), args, kwargs)
+            return _checkpoint(_once_in_backward(modules, inner), args, kwargs, self._record())
 
         return forward
 
@@ -391,11 +403,20 @@ class PlanHooks:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled() or kwargs or len(args) != 1:
                 return inner(*args, **kwargs)
-            out = _checkpoint(_once_in_backward(members, run_all), args, {})
+            out = _checkpoint(_once_in_backward(members, run_all), args, {}, self._record())
             local.skip = list(rest)
             return out
 
         return forward
+
+    def _record(self) -> RandomRecord:
+        """A record of one checkpoint call's random results, held in the ledger while it lives."""
+
+        def hold(t: torch.Tensor) -> _Kept:
+            key = ("device", str(t.device), t.untyped_storage().data_ptr())
+            return _Kept(t, self.ledger, key, tensor_bytes(t))
+
+        return RandomRecord(hold)
 
     def _passed_forward(self, m: nn.Module, inner: Any) -> Any:
         local = self._local

@@ -18,7 +18,8 @@ IEEE Trans. Computers 2022, Sec. 4, made concrete for our placement units):
   forwards), whose activations are then freed unit by unit as backward proceeds.
 - Device bytes: ``static_bytes`` (parameters, gradients, optimizer state) and
   ``other_saved_bytes`` for the whole step; a keep unit's ``saved_bytes`` from its forward to
-  the end of its backward; a recompute run's first ``input_bytes`` likewise, plus the
+  the end of its backward; a recompute run's first ``input_bytes`` likewise, and every
+  recompute unit's ``random_bytes`` (its random ops' results, replayed), plus the
   run's recomputed ``saved_bytes`` (of the units whose backward has not ended) during its
   backward (the recompute's transient); a swap unit's
   ``saved_bytes`` until its swap-out completes and again from its prefetch to the end of its
@@ -92,7 +93,7 @@ def predict(
         if c is Placement.KEEP:
             held[i] = u.saved_bytes
         elif c is Placement.RECOMPUTE:
-            held[i] = u.input_bytes if run_start[i] == i else 0
+            held[i] = (u.input_bytes if run_start[i] == i else 0) + u.random_bytes
         else:
             swap_bytes[i] = u.saved_bytes
             start = max(t, copy_free)

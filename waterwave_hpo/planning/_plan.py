@@ -42,6 +42,10 @@ class Unit:
         chains_previous: Whether this unit's modules directly follow the previous unit's in
             one ``nn.Sequential``, so a run of recompute units is one checkpoint that keeps
             only the run's first input (Chen et al. 2016's segments; ours: found per model).
+        random_bytes: Bytes of the results of the random ops its forward runs (dropout's
+            mask or noise...): what a recompute keeps from forward to backward besides its
+            input, so that the recompute replays the forward's random numbers instead of
+            drawing from the process's generator again (see ``planning/_rng.py``).
     """
 
     name: str
@@ -50,6 +54,7 @@ class Unit:
     forward_s: float
     backward_s: float
     chains_previous: bool = False
+    random_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ such as BatchNorm statistics and the RNG state are restored; parameters are not 
 the first is the NodeGroup profiler's (:class:`~waterwave_hpo.nodegroup._profile.Profiler`:
 where the model can be cut, forward and backward seconds per atom); the second attributes every
 saved-for-backward tensor to the atom whose outermost module call saved it and records the
-bytes each atom's module calls take as arguments (what a recompute keeps).
+bytes each atom's module calls take as arguments (what a recompute keeps) and the bytes of the
+results of its random ops (what a recompute keeps to replay them, ``planning/_rng.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from waterwave_hpo.nodegroup._internal import profile_on
 from waterwave_hpo.nodegroup._internal import tensor_bytes
 from waterwave_hpo.planning._plan import StepProfile
 from waterwave_hpo.planning._plan import Unit
+from waterwave_hpo.planning._rng import RandomBytesCounter
 
 #: Optimizer state as a multiple of the trainable parameters' bytes, for an optimizer whose
 #: state is still empty (before its first step): Adam keeps two moments, SGD with momentum one.
@@ -154,6 +156,7 @@ def profile_units(
             forward_s=atoms[u].forward_s,
             backward_s=backward[u],
             chains_previous=u > 0 and _follows(places[u - 1], places[u]),
+            random_bytes=observer.random.random_bytes[u],
         )
         for u, calls in enumerate(groups)
     )
@@ -183,6 +186,8 @@ class _SavedObserver:
         self._names = {id(m): name for name, m in model.named_modules()}
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._done = False
+        self.random = RandomBytesCounter(lambda: self._stack[-1] if self._stack else -1, n)
+        self._counting = False
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             self._on_pack(t)
@@ -202,6 +207,9 @@ class _SavedObserver:
         self._leave()
 
     def _leave(self) -> None:
+        if self._counting:
+            self._counting = False
+            self.random.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
@@ -214,6 +222,8 @@ class _SavedObserver:
                 return
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
             self._hooks.__enter__()
+            self.random.__enter__()  # type: ignore[no-untyped-call]
+            self._counting = True
         if self._hooks is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)

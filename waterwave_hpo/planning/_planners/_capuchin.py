@@ -25,8 +25,8 @@ def plan_capuchin(
     (Capuchin's "swap first when the transfer is hidden"); if there is none, recompute the
     kept unit, among those whose recompute lowers the peak, with the least recompute seconds
     per byte freed (Capuchin's MSPS ranking, on forward seconds over
-    ``saved_bytes - input_bytes``); failing that, the swap adding the least time per byte of
-    peak it removes. Each step asks the cost model.
+    ``saved_bytes - input_bytes - random_bytes``); failing that, the swap adding the least
+    time per byte of peak it removes. Each step asks the cost model.
 
     Raises:
         PlanDoesNotFitError: If no single change lowers the peak and it is still over budget.
@@ -54,7 +54,7 @@ def plan_capuchin(
                     any_swap = (cost, i)
             trial[i] = Placement.RECOMPUTE
             if predict(profile, trial, bandwidth_bytes_per_s).peak_bytes < current.peak_bytes:
-                freed = u.saved_bytes - u.input_bytes
+                freed = u.saved_bytes - u.input_bytes - u.random_bytes
                 rate = u.forward_s / max(freed, 1)
                 if best_rec is None or rate < best_rec[0]:
                     best_rec = (rate, i)
