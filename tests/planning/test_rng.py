@@ -236,3 +236,44 @@ def test_replay_returns_the_recorded_numbers_for_functional_in_place_and_out_ops
         assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(c, again_out)
         a2.add_(1)  # mutating a replayed result leaves the record intact
     assert torch.equal(torch.get_rng_state(), state)  # the replay drew nothing
+
+
+class PrivateDropout(nn.Module):
+    """Dropout drawing from its own generator (the demo's per-trial recipe, ``SeededDropout``)."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        self.p = p
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.empty_like(x).bernoulli_(1 - self.p, generator=self.generator)
+        return x * keep / (1 - self.p)
+
+
+def test_a_recomputed_unit_drawing_from_its_own_generator_gets_its_forwards_mask() -> None:
+    # checkpoint's preserve_rng_state restores only the default generators: a recompute drew
+    # the next numbers of a private generator, not the forward's (and advanced it twice a step)
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(32, 32), nn.Tanh(), PrivateDropout(0.5, i))
+                for i in range(4)
+            ),
+            nn.Linear(32, 4),
+        )
+
+    bare = build()
+    expected = _steps(bare, 4)
+    planned = build()
+    _planned(planned)
+    # profiling drew from the private generators: reset them as the bare model's were
+    for module, seed in zip(
+        [m for m in planned.modules() if isinstance(m, PrivateDropout)], range(4), strict=True
+    ):
+        module.generator.manual_seed(seed)
+    got = _steps(planned, 4)
+    for step_expected, step_got in zip(expected, got, strict=True):
+        for a, b in zip(step_expected, step_got, strict=True):
+            assert torch.equal(a, b)
