@@ -25,19 +25,37 @@ import tempfile
 from typing import Any
 
 
-def train_loop(config: dict[str, Any]) -> None:
-    """One data-parallel worker: shard of digits, DDP via ``prepare_model``, LaySA attached."""
+def train_worker(
+    config: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    device: Any,
+    prepare_model: Any,
+    report: Any,
+) -> None:
+    """One data-parallel worker's training on its shard of digits, LaySA attached.
+
+    Ray-free, so a test can run it on the CPU in a one-process gloo group. The model is on
+    ``device`` (``prepare_model`` moves and wraps it, as Ray Train's does); every batch is moved
+    there before the model sees it, and predictions come back to the host (``.cpu()``) before
+    NumPy reads them.
+
+    Args:
+        config: ``lr``, ``density``, ``epochs``.
+        rank: This worker's rank; it trains on every ``world_size``-th example from it.
+        world_size: Workers in the group.
+        device: The model's device (``ray.train.torch.get_device()``: a GPU with ``--use-gpu``).
+        prepare_model: ``net -> DDP model on device`` (``ray.train.torch.prepare_model``).
+        report: Called with each epoch's metrics (``ray.train.report``).
+    """
     import numpy as np
-    from ray import train
-    import ray.train.torch
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     import torch
 
     from waterwave_hpo.distributed import laysa
 
-    context = train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
@@ -45,6 +63,7 @@ def train_loop(config: dict[str, Any]) -> None:
     )
     x_train_t = torch.from_numpy(x_train[rank::world_size])
     y_train_t = torch.from_numpy(y_train[rank::world_size]).long()
+    x_test_t = torch.from_numpy(x_test)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Linear(64, 256),
@@ -53,7 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
         torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )
-    model = ray.train.torch.prepare_model(net)
+    model = prepare_model(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     attached = laysa(model, density=config["density"], optimizer=optimizer, warmup_steps=5)
     generator = torch.Generator().manual_seed(1)
@@ -62,12 +81,13 @@ def train_loop(config: dict[str, Any]) -> None:
         order = torch.randperm(len(x_train_t), generator=generator)
         for step in range(len(x_train_t) // batch):
             index = order[step * batch : (step + 1) * batch]
+            inputs, targets = x_train_t[index].to(device), y_train_t[index].to(device)
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x_train_t[index]), y_train_t[index]).backward()
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
             optimizer.step()
         with torch.no_grad():
-            predicted = model(torch.from_numpy(x_test)).argmax(1).numpy()
-        train.report(
+            predicted = model(x_test_t.to(device)).argmax(1).cpu().numpy()
+        report(
             {
                 "epoch": epoch,
                 "accuracy": float((predicted == y_test).mean()),
@@ -75,6 +95,22 @@ def train_loop(config: dict[str, Any]) -> None:
                 "extra_memory_bytes": attached.state.ledger.peak_bytes,
             }
         )
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """One Ray Train worker: :func:`train_worker` on the device Ray Train gives it."""
+    from ray import train
+    import ray.train.torch
+
+    context = train.get_context()
+    train_worker(
+        config,
+        rank=context.get_world_rank(),
+        world_size=context.get_world_size(),
+        device=ray.train.torch.get_device(),
+        prepare_model=ray.train.torch.prepare_model,
+        report=train.report,
+    )
 
 
 def tune_trial(config: dict[str, Any]) -> None:
