@@ -412,8 +412,11 @@ class PlanHooks:
     def _record(self) -> RandomRecord:
         """A record of one checkpoint call's random results, held in the ledger while it lives."""
 
-        def hold(t: torch.Tensor) -> _Kept:
-            key = ("device", str(t.device), t.untyped_storage().data_ptr())
+        def hold(t: torch.Tensor) -> _Kept | None:
+            try:
+                key = ("device", str(t.device), t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # sparse, nested: not counted
+                return None
             return _Kept(t, self.ledger, key, tensor_bytes(t))
 
         return RandomRecord(hold)

@@ -49,9 +49,15 @@ def _argument(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any
     return None
 
 
+_SEEDED: dict[Any, bool] = {}  # op -> tagged nondeterministic_seeded (every op passes here)
+
+
 def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the aten op ``func`` called with ``args``/``kwargs`` draws random numbers."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
+    seeded = _SEEDED.get(func)
+    if seeded is None:
+        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    if not seeded:
         return False
     p = _argument(func, "dropout_p", args, kwargs)
     return not (isinstance(p, (int, float)) and p == 0)
