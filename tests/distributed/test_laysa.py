@@ -317,7 +317,8 @@ def _half_scenarios(rank: int, world_size: int) -> dict[str, Any]:
             if how == "density1":
                 laysa(model, density=1.0, optimizer=opt)
             elif how in ("laysa", "as_view"):
-                laysa(model, density=0.03, optimizer=opt)
+                ledger = laysa(model, density=0.03, optimizer=opt).state.ledger
+                runs[f"{how}_ledger"] = ledger
             elif how == "naive":
                 attach_baseline(model, Baseline.NAIVE_TOPK, density=0.03)
             losses = _train_losses(model, opt, batches)
@@ -404,3 +405,22 @@ def test_fp16_gradients_whose_sum_overflows_average_without_overflow(
         assert torch.isfinite(w).all()
         sent_twice = w == (-2 * 1e-4 * torch.tensor(40000.0, dtype=torch.float16).float())
         assert int(sent_twice.sum()) == 4  # k = 4 entries: the dense step's and the sparse's
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_ledger_counts_every_byte_padding_included(
+    half_world: list[dict[str, Any]], dtype: str
+) -> None:
+    numels = [33 * 67, 67, 67 * 67, 67, 67 * 3, 3]
+    ks = [max(1, int(0.03 * n)) for n in numels]
+    total_k = sum(ks)
+    assert total_k % 2 == 1  # odd: the int32 indices need 2 bytes of padding after the values
+    message = (2 * total_k + 2) + 4 * total_k
+    expected = (
+        max(numels) * 2  # |g| of the largest layer (below one selection chunk)
+        + max(ks) * (2 + 8)  # top-k values in the dtype, int64 indices
+        + 3 * message  # send, and receive from 2 ranks
+    )
+    for rank in half_world:
+        ledger = rank[dtype]["laysa_ledger"]
+        assert ledger.current_bytes == ledger.peak_bytes == expected

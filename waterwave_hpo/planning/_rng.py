@@ -24,6 +24,12 @@ dropout...), except an attention kernel called with ``dropout_p=0``. (PyTorch's 
 ``create_selective_checkpoint_contexts`` with ``MUST_SAVE`` for these ops does not serve: on
 the CPU dropout fills a buffer with ``bernoulli_`` in place and scales it in place, which it
 refuses as "Tensor cached during selective activation checkpoint has been mutated".)
+
+Limits: only ops that pass PyTorch's dispatcher are seen. A kernel that draws from a generator
+without being a PyTorch op (a CuPy or C++ extension kernel reading torch's generator state
+itself) is re-run by the recompute and draws new numbers; keep or swap such a unit. The
+record costs a copy of each random result and a Python dispatch per op of a recompute unit
+(``experiments/results/2026-11-25-recompute-rng/``).
 """
 
 from __future__ import annotations
