@@ -288,8 +288,14 @@ class FakeGpu:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         """``Tensor.record_stream``: the block is held for ``stream``'s work at its free."""
         self.record_stream_calls += 1
-        block = self.block_of(t)
-        if block is not None and isinstance(stream, FakeStream):
+        self.record_stream_ptr(t.untyped_storage().data_ptr(), stream)
+
+    def record_stream_ptr(self, ptr: int, stream: Any) -> None:
+        """``StreamAwarePool.record_stream(ptr, stream)``, as the pool's own API says it."""
+        block = self._blocks.get(ptr)
+        if block is None:
+            raise ValueError(f"The ptr argument {ptr:#x}: not a live allocation of this pool.")
+        if isinstance(stream, FakeStream):
             with self.lock:
                 block.recorded.add(stream)
 
@@ -362,6 +368,19 @@ class FakeGpu:
                     block.uses.append((stream, seq))
         stream.enqueue(run)
         return dst
+
+
+class FakePool:
+    """Stands for the waterwave pool behind a swapped allocator whose shim has no
+    ``record_stream`` hook: the device's memory, told of cross-stream uses by pointer."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.recorded: list[tuple[int, Any]] = []
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        self.recorded.append((ptr, stream))
+        self.gpu.record_stream_ptr(ptr, stream)
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> FakeGpu:

@@ -8,6 +8,7 @@ copies land only when the test advances the device; frees are checked against qu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fakes import late_cuda
@@ -143,6 +144,37 @@ def test_a_prefetched_buffer_dropped_before_its_unpack_is_released_after_its_cop
     assert gpu.held_bytes == 4 * KIB  # held for the copy, not handed to a neighbour
     gpu.advance()
     assert (gpu.allocated_bytes, gpu.held_bytes, ledger.current_bytes) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("route", ["record_stream", "pool", "no pool"])
+def test_every_allocator_route_orders_the_swap_buffers_release_after_their_copies(
+    gpu: late_cuda.FakeGpu, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """PyTorch's allocator (``Tensor.record_stream``); the waterwave pool behind a shim without
+    the record_stream hook (``pool.record_stream``, as ``Tensor.record_stream`` is dropped
+    there); and no pool to tell: the activation is then held until its copy is seen landed,
+    and the compute stream waits for the swap-in on the GPU before anything can free it."""
+    pool = late_cuda.FakePool(gpu)
+    if route != "record_stream":
+        info = dataclasses.replace(ww.memory.allocator_info(), swapped=True, record_stream=False)
+        monkeypatch.setattr(ww.memory, "allocator_info", lambda: info)
+        monkeypatch.setattr(
+            ww.memory, "device_pool", lambda device=0: pool if route == "pool" else None
+        )
+    ledger = StepLedger()
+    held = _Swapped(_activation(gpu), ledger, _Transfer(), ("device", "cuda:0", 1), 4 * KIB)
+    held_until_landed = route == "no pool"
+    assert gpu.allocated_bytes == (4 * KIB if held_until_landed else 0)
+    gpu.advance()
+    held.poll()
+    assert gpu.allocated_bytes == 0
+    held.prefetch()
+    del held  # backward raised before the unpack
+    gpu.advance()
+    assert gpu.hazards == []
+    assert (gpu.allocated_bytes, gpu.held_bytes, ledger.current_bytes) == (0, 0, 0)
+    assert len(pool.recorded) == (2 if route == "pool" else 0)
+    assert gpu.record_stream_calls == (2 if route == "record_stream" else 0)
 
 
 def _mlp() -> nn.Module:
