@@ -211,3 +211,52 @@ def test_a_swap_plan_keeps_its_predicted_peak_when_copies_land_late(
     assert gpu.hazards == []
     for (name, p), q in zip(model.named_parameters(), bare.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity forward; when armed, its backward runs out of memory (expected here)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, armed: bool) -> torch.Tensor:
+        ctx.armed = armed
+        return x.clone()  # a new tensor: what comes after saves it, not the input
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.armed:
+            raise torch.cuda.OutOfMemoryError("fake: out of memory in backward")
+        return grad, None
+
+
+class _Raises(nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OutOfMemoryInBackward.apply(x, self.armed)  # type: ignore[no-any-return]
+
+
+def test_backward_that_runs_out_of_memory_frees_swap_in_buffers_after_their_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 22, finding 3, in a real step: the GPU catches up in mid-forward (the early
+    swap-outs land), backward starts the swap-ins and raises before unpacking them; every
+    swap-in buffer is freed only after its copy, none is handed out while being written."""
+    torch.manual_seed(0)
+    raises = _Raises()
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), raises, nn.Linear(256, 4)
+    )
+    x = torch.randn(32, 64)
+    ww.fit_memory(model, 1 << 40, example_input=x, planner="swap_all")
+    raises.armed = True
+    gpu = late_cuda.install(monkeypatch)
+    raises.register_forward_hook(lambda *_: gpu.advance())  # the GPU caught up here
+    with gpu.memory():
+        loss = model(x.clone()).square().mean()
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            loss.backward()
+        assert any(not s.query() for s in gpu.side_streams)  # swap-ins still queued
+        del loss  # the failed step's graph and its saved tensors go
+    assert gpu.hazards == []
+    gpu.advance()
+    assert (gpu.held_bytes, memory_ledger(model).current_bytes) == (0, 0)
