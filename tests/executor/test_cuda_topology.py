@@ -100,3 +100,38 @@ def test_a_trials_backward_runs_in_its_own_thread_with_its_context(
     ]
     assert seen == {n: (True, n) for n in range(k)}
     assert topology.worker.backwards == 0
+
+
+def test_a_slot_that_cannot_get_a_cuda_stream_fails_its_trial_with_the_reason(
+    topology: cuda_topology.Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waterwave_hpo.executor import _streams
+
+    def no_stream(device: torch.device) -> None:
+        raise RuntimeError("cuStreamCreate failed with CUresult 2")
+
+    monkeypatch.setattr(_streams, "acquire_stream", no_stream)
+    ran: list[int] = []
+    study = optuna.create_study()
+    executor = ww.WaterwaveExecutor("cuda:0", 1, record_trial_attrs=True)
+    with pytest.raises(RuntimeError, match="cuStreamCreate failed"):
+        executor.optimize(study, lambda trial: ran.append(trial.number) or 0.0, n_trials=2)
+    assert ran == []  # no objective ran without its stream
+    assert [t.state for t in study.trials] == [TrialState.FAIL]
+    assert "cuStreamCreate failed" in study.trials[0].system_attrs["waterwave:fail_reason"]
+
+
+def test_a_cuda_out_of_memory_fails_that_trial_alone_and_the_study_goes_on(
+    topology: cuda_topology.Topology,
+) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1.0
+
+    study = optuna.create_study()
+    executor = ww.WaterwaveExecutor("cuda:0", 1, record_trial_attrs=True)
+    executor.optimize(study, objective, n_trials=2)  # alone on the device: failed, not retried
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert "out of device memory" in study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert topology.device_syncs == []
