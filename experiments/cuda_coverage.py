@@ -94,6 +94,7 @@ DEFAULT_TESTS = (
     "tests/memory/test_torch_api.py",
     "tests/memory/test_torch.py",
     "tests/bench/test_cuda_paths.py",
+    "tests/bench/test_cuda_devices.py",
     "tests/nodegroup/test_autograd_thread.py",
     "tests/test_experimental.py",
     "tests/doctor/test_doctor.py",
