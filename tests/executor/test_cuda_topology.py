@@ -60,7 +60,78 @@ def test_a_co_hosted_study_on_the_cuda_paths_keeps_the_rules(
     assert topology.cuda.events[0] == "pool 0"  # installed before CUDA initialised
     assert topology.device_syncs == []  # no device-wide synchronize
     assert topology.stats_calls == []  # no per-device stats API
-    assert topology.worker.backwards == 12  # every backward on the shared worker
+    # Every backward ran in its trial's thread (issue 22 #4), none on the shared worker.
+    assert (topology.worker.backwards, topology.worker.inline_backwards) == (0, 12)
     for t in study.trials:  # each trial's peak is its own account, not its slot stream's
         assert allocated[t.number] == (t.number + 1) * MIB
         assert t.system_attrs[ATTR_PEAK_BYTES] == (t.number + 1) * MIB
+
+
+def test_a_trials_backward_runs_in_its_own_thread_with_its_context(
+    topology: cuda_topology.Topology,
+) -> None:
+    """Issue 22, finding 4: on CUDA autograd runs every backward on one device thread unless the
+    calling thread turned multithreading off; then hooks see the trial's thread and its
+    ``current()``, and K trials' backwards overlap instead of queueing on one thread."""
+    k = 2
+    barrier = threading.Barrier(k, timeout=30)  # both trials inside a backward hook at once
+    seen: dict[int, tuple[bool, int]] = {}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        trial_thread = threading.current_thread()
+        x = torch.randn(4, 8, requires_grad=True)
+        y = (x * 2.0).sum()
+
+        def hook(grad: torch.Tensor) -> None:
+            barrier.wait()  # on one shared worker this times out: the hooks are serialised
+            seen[trial.number] = (
+                threading.current_thread() is trial_thread,
+                ww.current().trial_number,
+            )
+
+        x.register_hook(hook)
+        y.backward()
+        return 0.0
+
+    study = optuna.create_study()
+    ww.WaterwaveExecutor("cuda:0", k).optimize(study, objective, n_trials=k)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * k, [
+        t.system_attrs for t in study.trials
+    ]
+    assert seen == {n: (True, n) for n in range(k)}
+    assert topology.worker.backwards == 0
+
+
+def test_a_slot_that_cannot_get_a_cuda_stream_fails_its_trial_with_the_reason(
+    topology: cuda_topology.Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from waterwave_hpo.executor import _streams
+
+    def no_stream(device: torch.device) -> None:
+        raise RuntimeError("cuStreamCreate failed with CUresult 2")
+
+    monkeypatch.setattr(_streams, "acquire_stream", no_stream)
+    ran: list[int] = []
+    study = optuna.create_study()
+    executor = ww.WaterwaveExecutor("cuda:0", 1, record_trial_attrs=True)
+    with pytest.raises(RuntimeError, match="cuStreamCreate failed"):
+        executor.optimize(study, lambda trial: ran.append(trial.number) or 0.0, n_trials=2)
+    assert ran == []  # no objective ran without its stream
+    assert [t.state for t in study.trials] == [TrialState.FAIL]
+    assert "cuStreamCreate failed" in study.trials[0].system_attrs["waterwave:fail_reason"]
+
+
+def test_a_cuda_out_of_memory_fails_that_trial_alone_and_the_study_goes_on(
+    topology: cuda_topology.Topology,
+) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1.0
+
+    study = optuna.create_study()
+    executor = ww.WaterwaveExecutor("cuda:0", 1, record_trial_attrs=True)
+    executor.optimize(study, objective, n_trials=2)  # alone on the device: failed, not retried
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert "out of device memory" in study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert topology.device_syncs == []

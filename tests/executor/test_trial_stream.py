@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from fakes import fake_cupy
+from fakes.autograd_worker import SharedAutogradWorker
 import pytest
 import torch
 
@@ -54,6 +55,28 @@ def test_each_trial_thread_sees_its_own_stream_in_cupy(monkeypatch: pytest.Monke
     for t in threads:
         t.join()
     assert seen == {101: 101, 202: 202}
+
+
+@pytest.mark.usefixtures("no_torch_cuda")
+def test_cupy_work_in_a_trials_backward_goes_to_the_trials_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 22, finding 4: CuPy code in a backward hook ran on autograd's device thread, where
+    CuPy's (thread-local) current stream is its null stream, unordered with the trial's."""
+    cupy = fake_cupy.install(monkeypatch)
+    worker = SharedAutogradWorker(timeout_s=30)
+    worker.install(monkeypatch)
+    seen: list[int] = []
+    try:
+        with on_trial_stream(torch.device("cuda:0"), _Stream(0xBEEF), None):  # type: ignore[arg-type]
+            x = torch.ones(3, requires_grad=True)
+            x.register_hook(lambda g: seen.append(cupy.empty(8).stream_ptr))  # type: ignore[no-untyped-call]
+            (x * 2).sum().backward()
+        (x * 3).sum().backward()  # outside a trial: the default again, on the shared worker
+    finally:
+        worker.close()
+    assert seen == [0xBEEF, 0]
+    assert (worker.inline_backwards, worker.backwards) == (1, 1)
 
 
 def test_without_cupy_the_trial_stream_needs_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:

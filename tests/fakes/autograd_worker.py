@@ -9,6 +9,11 @@ relies on thread-local state of the trial's thread. :class:`SharedAutogradWorker
 the CUDA topology: install it and every ``Tensor.backward`` / ``torch.autograd.backward`` runs
 on one shared daemon thread in a fresh ``contextvars.Context()``, with a timeout that turns a
 blocked hook into a test failure instead of a hang.
+
+Like the engine (``Engine::ready_queue`` in ``torch/csrc/autograd/engine.cpp``), a thread that
+turned multithreaded backward off (``torch.autograd.set_multithreading_enabled(False)``, a flag
+of the calling thread's ``c10::AutogradState``) runs its backward itself, in its own context:
+counted in :attr:`SharedAutogradWorker.inline_backwards`, not in ``backwards``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ class SharedAutogradWorker:
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
         self.backwards = 0
+        #: Backwards run in the calling thread because it turned multithreading off.
+        self.inline_backwards = 0
         self._jobs: queue.Queue[Any] = queue.Queue()
+        self._inline = threading.local()
         self._thread = threading.Thread(
             target=self._run, name="fake-autograd-device-0", daemon=True
         )
@@ -61,6 +69,15 @@ class SharedAutogradWorker:
         """Run ``fn()`` on the worker and wait for it (at most ``timeout_s``)."""
         if self.on_worker():  # a backward inside a backward (e.g. a reentrant checkpoint)
             return fn()
+        if not torch._C._is_multithreading_enabled():  # this thread's flag, as the engine reads it
+            if getattr(self._inline, "depth", 0):  # Tensor.backward calls autograd.backward
+                return fn()
+            self.inline_backwards += 1
+            self._inline.depth = 1
+            try:
+                return fn()
+            finally:
+                self._inline.depth = 0
         done: queue.Queue[Any] = queue.Queue()
         self._jobs.put((fn, done))
         try:
@@ -76,9 +93,10 @@ class SharedAutogradWorker:
         return value
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Route ``Tensor.backward`` and ``torch.autograd.backward`` to the worker."""
+        """Route ``Tensor.backward``, ``torch.autograd.backward`` and ``.grad`` to the worker."""
         tensor_backward = torch.Tensor.backward
         autograd_backward = torch.autograd.backward
+        autograd_grad = torch.autograd.grad
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             self.run(lambda: tensor_backward(tensor, *args, **kwargs))
@@ -86,8 +104,12 @@ class SharedAutogradWorker:
         def functional(*args: Any, **kwargs: Any) -> None:
             self.run(lambda: autograd_backward(*args, **kwargs))
 
+        def grad(*args: Any, **kwargs: Any) -> Any:
+            return self.run(lambda: autograd_grad(*args, **kwargs))
+
         monkeypatch.setattr(torch.Tensor, "backward", backward)
         monkeypatch.setattr(torch.autograd, "backward", functional)
+        monkeypatch.setattr(torch.autograd, "grad", grad)
 
     def close(self) -> None:
         """Stop the worker (it is a daemon: a blocked one does not keep the process alive)."""

@@ -4,16 +4,20 @@ autograd worker, and tripwires on what nothing may call while the pool is instal
 
 ``install(monkeypatch)`` returns a :class:`Topology`; after running code under it, assert
 ``topology.device_syncs == []`` (no device-wide ``torch.cuda.synchronize``) and
-``topology.stats_calls == []`` (no per-device stats API of PyTorch's). Tensors stay on the CPU:
+``topology.stats_calls == []`` (no per-device stats API of PyTorch's). ``torch.cuda.stream(s)``
+makes ``s`` the thread's current stream; events complete late (see :class:`FakeStream`); for
+copies that land late and device memory, see ``late_cuda.py``. Tensors stay on the CPU:
 ``.to("cuda:N")`` is a no-op here, so code written for CUDA runs its CUDA branches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 from dataclasses import dataclass
 from dataclasses import field
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -38,7 +42,12 @@ STATS_APIS = (
 
 
 class FakeStream:
-    """A slot's stream: a raw handle; ``synchronize`` waits for this stream only (allowed)."""
+    """A slot's stream: a raw handle; ``synchronize`` waits for this stream only (allowed).
+
+    Its work completes late, as on a GPU: an event recorded on it has not completed (``query()``
+    is False, ``elapsed_time`` raises as CUDA's ``cudaErrorNotReady`` does) until the stream,
+    or that event or a later one on it, is synchronised.
+    """
 
     _handles = itertools.count(0x1000)
 
@@ -46,28 +55,60 @@ class FakeStream:
         self.cuda_stream = next(self._handles)
         self.device = device
         self.synchronized = 0
+        self.recorded = 0  # events recorded on it so far
+        self.completed = 0  # of which this many have completed
 
     def synchronize(self) -> None:
         self.synchronized += 1
+        self.completed = self.recorded
+
+
+_current = threading.local()
+
+
+def _current_stream(device: Any = None) -> FakeStream:
+    stream: FakeStream | None = getattr(_current, "stream", None)
+    if stream is None:
+        stream = _current.stream = FakeStream(device)  # the thread's default stream
+    return stream
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    saved = getattr(_current, "stream", None)
+    _current.stream = stream
+    try:
+        yield
+    finally:
+        _current.stream = saved
 
 
 class FakeEvent:
-    """A timing event: each record is 1 ms after the previous one."""
+    """A timing event: each record is 1 ms after the previous one; completes late (above)."""
 
     _ticks = itertools.count()
 
     def __init__(self, enable_timing: bool = False) -> None:
-        self.stream: Any = None
+        self.stream: FakeStream | None = None
+        self.seq = 0
         self.tick = -1
 
     def record(self, stream: Any = None) -> None:
-        self.stream = stream
+        self.stream = stream if isinstance(stream, FakeStream) else _current_stream()
+        self.stream.recorded += 1
+        self.seq = self.stream.recorded
         self.tick = next(self._ticks)
 
+    def query(self) -> bool:
+        return self.stream is None or self.stream.completed >= self.seq
+
     def synchronize(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.completed = max(self.stream.completed, self.seq)
 
     def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready (fake: an event has not completed)")
         return float(end.tick - self.tick)
 
 
@@ -117,8 +158,8 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Topology:
     monkeypatch.setattr(_streams, "acquire_stream", FakeStream)
     monkeypatch.setattr(_streams, "release_stream", lambda stream: stream.synchronize())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "stream", _on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _current_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "pluggable")
     tensor_to, module_to = torch.Tensor.to, nn.Module.to

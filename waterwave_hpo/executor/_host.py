@@ -31,6 +31,7 @@ from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._backward import backward_in_this_thread
 from waterwave_hpo.executor._batch import run_batch
 from waterwave_hpo.executor._context import _CURRENT
 from waterwave_hpo.executor._context import TrialContext
@@ -249,11 +250,13 @@ def on_trial_stream(
     from waterwave_hpo.memory._internal import cupy_on_stream
 
     index = device.index if device.index is not None else 0
-    # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work.
+    # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work; and
+    # the trial's backward in this thread, not on autograd's shared device thread (issue 22 #4).
     with (
         torch.cuda.device(device),
         torch.cuda.stream(stream),
         cupy_on_stream(stream.cuda_stream, index, pool),
+        backward_in_this_thread(),
     ):
         if pool is None:
             yield

@@ -10,11 +10,15 @@
   after it, so the step changes them once.
 - **Swap** units: while the unit's forward runs, ``torch.autograd.graph.saved_tensors_hooks``
   packs every saved activation into a host copy. On CUDA the copy goes to pinned host memory on
-  a side stream, after that stream waits for the compute stream; an event marks its end and the
-  device tensor is let go once the event has completed (polled, never waited on, in forward).
+  a side stream, after that stream waits for the compute stream; an event marks its end. The
+  device tensor is let go as soon as the copy is *ordered*: its memory is recorded on the side
+  stream (``record_stream``), so the allocator reuses it only after the copy, with no host wait
+  (the host runs ahead of the GPU: waiting to see the event complete would keep it all forward).
   When the backward of the unit after it begins (a gradient hook on that unit's output), the
   unit's activations are copied back on the side stream into memory allocated on the compute
-  stream, and the unpack hook makes the compute stream wait for that copy's event on the GPU.
+  stream and recorded on the side stream (so its release follows the copy even when backward
+  raises before using it), and the unpack hook makes the compute stream wait for that copy's
+  event on the GPU.
   On the CPU the same code runs with synchronous copies (a real copy, so the path is tested).
 - **Keep** units and work outside every unit: saved as usual; the hooks only count them.
 
@@ -48,6 +52,33 @@ from waterwave_hpo.planning._rng import RandomRecord
 from waterwave_hpo.planning._units import UnitModules
 
 
+def _free_after(t: torch.Tensor, stream: Any) -> bool:
+    """Order the release of ``t``'s device memory after the work queued on ``stream`` now.
+
+    ``Tensor.record_stream`` semantics: when the last reference to the memory goes, the
+    allocator hands it out again only after ``stream``'s work queued at that time has
+    completed, and the host never waits. PyTorch's caching allocator does it; so does the
+    waterwave pool, through ``Tensor.record_stream`` when its torch shim registered the hook,
+    else through :meth:`~waterwave_hpo.memory.StreamAwarePool.record_stream`.
+
+    Returns:
+        False when it cannot be ordered (a swapped allocator that has no pool for the
+        device): the caller must keep ``t`` alive, or order its free otherwise.
+    """
+    from waterwave_hpo import memory
+
+    info = memory.allocator_info()
+    if info.swapped and not info.record_stream:
+        # A pluggable allocator drops Tensor.record_stream silently: tell the pool directly.
+        pool = memory.device_pool(t.device.index if t.device.index is not None else 0)
+        if pool is None:
+            return False
+        pool.record_stream(t.untyped_storage().data_ptr(), stream)
+        return True
+    t.record_stream(stream)
+    return True
+
+
 class _Transfer:
     """Host<->device copies: on CUDA on a side stream with events, on the CPU synchronous."""
 
@@ -61,8 +92,16 @@ class _Transfer:
             self._side[device] = stream
         return stream
 
-    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
-        """Copy ``t`` to host memory; returns (host copy, event or None, compute stream)."""
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, Any, torch.Tensor | None]:
+        """Copy ``t`` to host memory.
+
+        Returns:
+            (host copy, the copy's event or None, compute stream or None, what must be held):
+            the last is ``t`` when its memory's reuse could not be ordered after the copy, so
+            it must stay alive until the event has completed; None when ``t`` may be let go
+            now (its release is ordered after the copy on the side stream, or the copy was
+            synchronous).
+        """
         if t.is_cuda:
             compute = torch.cuda.current_stream(t.device)
             side = self._side_stream(t.device)
@@ -72,10 +111,15 @@ class _Transfer:
                 host.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(side)
-            return host, event, compute
+            # The host runs ahead of the GPU: waiting for the event to be seen complete would
+            # keep every swapped activation alive through the forward (issue 22, finding 2).
+            # Hand the device memory's lifetime to the side stream instead: freed now, reused
+            # by the allocator only after the copy (the pinned host buffer's lifetime is
+            # tracked by torch's host allocator, which records the copy's stream itself).
+            return host, event, compute, None if _free_after(t, side) else t
         host = torch.empty_like(t, device="cpu")
         host.copy_(t)
-        return host, None, None
+        return host, None, None, None
 
     def to_device(
         self, host: torch.Tensor, device: torch.device, compute: Any
@@ -90,6 +134,11 @@ class _Transfer:
                 dev.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(side)
+            # If backward raises before the unpack made the compute stream wait for this copy,
+            # ``dev`` is freed on the compute stream while the side stream may still write it
+            # (issue 22, finding 3): order its release after the copy on every path.
+            if not _free_after(dev, side):
+                compute.wait_event(event)  # GPU-side: the compute stream's free follows it
             return dev, event
         dev = torch.empty_like(host, device=device)
         dev.copy_(host)
@@ -144,13 +193,19 @@ class _Swapped:
         self.dev: torch.Tensor | None = None
         self.in_event: Any = None
         ledger.add(key, nbytes)
-        self.host, self.out_event, self.compute = transfer.to_host(t)
-        self.pending: torch.Tensor | None = t
+        self.host, self.out_event, self.compute, held = transfer.to_host(t)
+        self.pending: torch.Tensor | None = held
         self.poll()
 
     def poll(self) -> None:
-        """Let go of the device tensor once its copy to the host has completed."""
-        if self.pending is not None and (self.out_event is None or self.out_event.query()):
+        """Let go of the device tensor once nothing here needs to hold it.
+
+        At once when its release is ordered after the swap-out copy (``pending`` is None),
+        otherwise once the copy's event has completed (polled, never waited on).
+        """
+        if self.key_out is None:
+            return
+        if self.pending is None or self.out_event is None or self.out_event.query():
             self.pending = None
             self.ledger.release(self.key_out)
             self.key_out = None
