@@ -462,6 +462,11 @@ def _trial_args(template_args: Any, params: dict[str, Any], number: int) -> Any:
             continue
         old = getattr(template_args, key, None)
         values[key] = type(old)(value) if old is not None else value
+    if template_args.data_seed is None and "data_seed" not in values:
+        # The data order then follows args.seed as with transformers' own set_seed (accelerate's
+        # seedable sampler falls back to torch.initial_seed(), which set_seed sets), even where
+        # set_seed is skipped under co-hosting: the sampler has its own generator.
+        values["data_seed"] = template_args.seed
     config = template_args.accelerator_config
     config = dict(dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config or {})
     # TrainingArguments(...) otherwise resets accelerate's AcceleratorState under the
@@ -509,4 +514,47 @@ def _locked_model_init(model_init: Callable[..., Any]) -> Callable[..., Any]:
     return init1
 
 
-__all__ = ["hyperparameter_search"]
+class SharedGPULease(TrainerCallback):  # type: ignore[misc]
+    """Holds a :func:`waterwave_hpo.shared_gpu` memory lease while a ``Trainer`` trains.
+
+    transformers' Ray backend (``trainer.hyperparameter_search(backend="ray",
+    resources_per_trial=ww.shared_gpu(...))``) runs its own trainable, which
+    ``SharedGPU.wrap`` cannot wrap: without this callback its trials are packed on the GPUs but
+    take no lease, so co-placed trials' peaks are not kept apart. Add it to the ``Trainer``
+    (``trainer.add_callback(SharedGPULease(resources))``): every trial then waits for its
+    lease at ``on_train_begin`` and gives it back at ``on_train_end``. A trial that raises
+    skips ``on_train_end``; its lease expires ``lease_ttl_s`` after its process stops.
+
+    Args:
+        resources: The :class:`~waterwave_hpo.integrations.ray_tune.SharedGPU` given as
+            ``resources_per_trial``.
+        nbytes: Bytes to lease (> 0), or ``None``: the request's ``memory_per_trial_bytes``.
+    """
+
+    def __init__(self, resources: Any, nbytes: int | None = None) -> None:
+        """Keep the resource request; the lease is taken when training begins."""
+        self.resources = resources
+        self.nbytes = nbytes
+        self._held: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the held lease (Ray sends the Trainer to its workers)."""
+        state = self.__dict__.copy()
+        state["_held"] = None  # a lease belongs to the process that took it
+        return state
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Wait for the lease (see ``SharedGPU.lease``)."""
+        if self._held is None:
+            held = self.resources.lease(self.nbytes)
+            held.__enter__()
+            self._held = held
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Give the lease back."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(None, None, None)
+
+
+__all__ = ["SharedGPULease", "hyperparameter_search"]
