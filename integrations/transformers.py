@@ -18,7 +18,7 @@ process-wide is handled here (see the README section "Hugging Face Trainer"):
   ``gather_for_metrics`` read its own dataloader, not a neighbour's.
 - ``set_seed(args.seed)`` (``Trainer.__init__`` and ``train()``) reseeds Python's, NumPy's and
   torch's global generators, which the neighbours draw from: with more than one trial at a
-  time it is skipped in the trials (a one-time warning says so); ``full_determinism=True``
+  time it is skipped in the trials (each such search warns); ``full_determinism=True``
   (process-wide deterministic algorithms) is refused.
 - ``model_init`` runs one trial at a time (a lock): ``from_pretrained`` patches
   ``torch.nn.init`` and sets torch's default dtype process-wide while it loads.
@@ -73,7 +73,6 @@ _CO_HOSTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 _GUARDS_LOCK = threading.Lock()
 _MODEL_INIT_LOCK = threading.Lock()
-_WARNED_SEED = threading.Event()
 
 
 def hyperparameter_search(
@@ -196,8 +195,7 @@ def hyperparameter_search(
         )
     _check_device(executor)
     _install_guards()
-    if co_hosted and trainer.args.seed is not None and not _WARNED_SEED.is_set():
-        _WARNED_SEED.set()
+    if co_hosted:
         warnings.warn(
             "Co-hosted trials skip transformers' set_seed(args.seed): it reseeds the process's "
             "global generators (random, NumPy, torch), which the trials running beside it draw "
