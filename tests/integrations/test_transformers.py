@@ -269,3 +269,22 @@ def test_several_gpus_are_refused_with_the_alternative(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"has several GPUs.*CUDA_VISIBLE_DEVICES.*backend='ray'"):
         hyperparameter_search(make_trainer(tmp_path), n_trials=1, executor=two_gpus, study=study)
     assert study.trials == []
+
+
+def test_a_study_with_a_journal_storage_is_used_as_it_is(tmp_path: Any) -> None:
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "journal.log")))
+    study = optuna.create_study(study_name="hf", storage=storage, direction="minimize")
+    best = hyperparameter_search(
+        make_trainer(tmp_path, num_train_epochs=1),
+        hp_space,
+        n_trials=2,
+        executor=executor(2),
+        study=study,
+    )
+    reloaded = optuna.load_study(study_name="hf", storage=storage)
+    assert [t.state for t in reloaded.trials] == [TrialState.COMPLETE] * 2
+    assert best.run_id == str(reloaded.best_trial.number)
+    assert all(list(t.intermediate_values) == [4] for t in reloaded.trials)  # 64/16 steps
