@@ -288,3 +288,11 @@ def test_a_study_with_a_journal_storage_is_used_as_it_is(tmp_path: Any) -> None:
     assert [t.state for t in reloaded.trials] == [TrialState.COMPLETE] * 2
     assert best.run_id == str(reloaded.best_trial.number)
     assert all(list(t.intermediate_values) == [4] for t in reloaded.trials)  # 64/16 steps
+
+
+def test_a_device_other_than_accelerates_is_refused(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path)  # accelerate's process device: the CPU (use_cpu=True)
+    on_gpu = executor()
+    on_gpu.devices = [torch.device("cuda", 0)]
+    with pytest.raises(ValueError, match=r"is not accelerate's device for this process \(cpu\)"):
+        hyperparameter_search(trainer, n_trials=1, executor=on_gpu, study=optuna.create_study())
