@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> Any:
     import waterwave_hpo as ww
 
     if args.logical_gpus is not None:
-        ray.init(num_gpus=args.logical_gpus, include_dashboard=False, log_to_driver=False)
+        # "local": a new instance with the logical GPUs, never a cluster found on this machine.
+        ray.init(
+            address="local",
+            num_gpus=args.logical_gpus,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     resources = ww.shared_gpu(trials_per_gpu=args.per_gpu, cpus_per_trial=0.5)
     tuner = tune.Tuner(
         tune.with_resources(resources.wrap(train_fn), resources),
