@@ -156,6 +156,10 @@ def test_on_a_gpu_the_trial_gets_its_device_and_no_process_wide_cleanup(
     accelerator = kwargs["accelerator"]
     assert isinstance(accelerator, ww_lightning.CoHostedCUDAAccelerator)
     assert Path(kwargs["default_root_dir"]) == tmp_path / "tune" / "trial_5"
+    # Lightning takes them: one device, the trial's, with the co-hosted accelerator.
+    trainer = L.Trainer(**kwargs)
+    assert trainer.strategy.root_device == torch.device("cuda", 1)
+    assert trainer.accelerator is accelerator
     accelerator.setup(trainer=None)
     accelerator.teardown()
     assert calls == []
