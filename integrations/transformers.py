@@ -306,6 +306,13 @@ class _PerThreadDict:
     def __init__(self, first: dict[str, Any]) -> None:
         self._local = threading.local()
         self._local.state = first
+        self.first = first
+
+    def reset_own(self) -> None:
+        """Empty the calling thread's dict, unless it is the installing thread's own."""
+        state = self._state()
+        if state is not self.first:
+            state.clear()
 
     def _state(self) -> dict[str, Any]:
         state: dict[str, Any] | None = getattr(self._local, "state", None)
@@ -318,6 +325,12 @@ class _PerThreadDict:
 
     def __set__(self, obj: object, value: dict[str, Any]) -> None:
         self._local.state = value
+
+
+def _reset_gradient_state() -> None:
+    descriptor = vars(_accelerate_state.GradientState).get("_shared_state")
+    if isinstance(descriptor, _PerThreadDict):
+        descriptor.reset_own()
 
 
 def _install_guards() -> None:
@@ -400,7 +413,7 @@ class _TrialRun:
 
     def __call__(self, trial: optuna.trial.Trial) -> Any:
         token = _CO_HOSTED.set(self.co_hosted)
-        _accelerate_state.GradientState._reset_state()  # this thread's: none of a last trial
+        _reset_gradient_state()  # this thread's: nothing left of a previous trial
         try:
             trainer = self._trainer(trial)
             report = next(
@@ -415,7 +428,7 @@ class _TrialRun:
             trainer.model = trainer.model_wrapped = None
             return objective
         finally:
-            _accelerate_state.GradientState._reset_state()
+            _reset_gradient_state()
             _CO_HOSTED.reset(token)
 
     def _trainer(self, trial: optuna.trial.Trial) -> transformers.Trainer:

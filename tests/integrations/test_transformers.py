@@ -296,3 +296,10 @@ def test_a_device_other_than_accelerates_is_refused(tmp_path: Any) -> None:
     on_gpu.devices = [torch.device("cuda", 0)]
     with pytest.raises(ValueError, match=r"is not accelerate's device for this process \(cpu\)"):
         hyperparameter_search(trainer, n_trials=1, executor=on_gpu, study=optuna.create_study())
+
+
+def test_the_given_trainer_still_trains_and_evaluates_after_a_search(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=1)
+    hyperparameter_search(trainer, hp_space, n_trials=2, executor=executor(2))
+    assert "eval_loss" in trainer.evaluate()
+    assert trainer.train().global_step == 4
