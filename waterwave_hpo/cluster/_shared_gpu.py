@@ -25,6 +25,7 @@ def shared_gpu(
     memory_per_trial_bytes: int | None = None,
     max_trials_per_gpu: int = 8,
     lease_ttl_s: float = 10.0,
+    on_no_gpu: str = "error",
 ) -> SharedGPU:
     """Resources for Ray Tune trials that share GPUs: several trials per GPU, memory leased.
 
@@ -34,7 +35,17 @@ def shared_gpu(
     so Ray places ``trials_per_gpu`` trials on each GPU::
 
         resources = ww.shared_gpu(trials_per_gpu=4)
-        tune.run(resources.wrap(train_fn), resources_per_trial=resources, num_samples=64)
+        tuner = tune.Tuner(
+            tune.with_resources(resources.wrap(train_fn), resources),
+            tune_config=tune.TuneConfig(num_samples=64),
+        )
+        tuner.fit()
+
+    It also reads as a mapping (``resources["gpu"]``, ``resources.get("cpu")``), for callers
+    that take a ``resources_per_trial`` dict, e.g. transformers'
+    ``trainer.hyperparameter_search(backend="ray", resources_per_trial=ww.shared_gpu(4))``.
+    On a Ray cluster without GPUs, placing the first trial raises ``RuntimeError`` (instead of
+    Tune's trials PENDING forever), unless ``on_no_gpu="wait"``.
 
     Experimental on CUDA: the leases' cap on a CUDA device (``set_per_process_memory_fraction``)
     has never run on a GPU; its first use in a process emits
@@ -60,6 +71,9 @@ def shared_gpu(
             ``None``: ``budget / trials_per_gpu``, or measured with ``"auto"``.
         max_trials_per_gpu: The cap for ``trials_per_gpu="auto"`` (>= 1).
         lease_ttl_s: Seconds after which a lease its process stopped renewing expires (> 0).
+        on_no_gpu: ``"error"`` (default): placing a trial on a Ray cluster that has no GPU
+            raises ``RuntimeError`` naming the fixes; ``"wait"``: Tune's behaviour (the trials
+            stay PENDING until GPUs join, e.g. an autoscaling cluster).
 
     Returns:
         The :class:`SharedGPU` resource request.
@@ -92,6 +106,10 @@ def shared_gpu(
                 "lower memory_per_trial_bytes or raise memory_budget_bytes",
             )
     _check_number("lease_ttl_s", lease_ttl_s, allow_zero=False)
+    if on_no_gpu not in ("error", "wait"):
+        raise _checks.value_error(
+            "on_no_gpu", on_no_gpu, "is not a choice", "pass 'error' (default) or 'wait'"
+        )
     import_ray()
     from waterwave_hpo.cluster._tune import SharedGPU
 
@@ -102,6 +120,7 @@ def shared_gpu(
         memory_budget_bytes=memory_budget_bytes,
         memory_per_trial_bytes=memory_per_trial_bytes,
         lease_ttl_s=float(lease_ttl_s),
+        on_no_gpu=on_no_gpu,
     )
 
 
@@ -111,7 +130,12 @@ def with_shared_gpu(trainable: Callable[[dict[str, Any]], Any], **shared_gpu_kwa
     It is ``tune.with_resources(resources.wrap(trainable), resources)`` with
     ``resources = shared_gpu(**shared_gpu_kwargs)``::
 
-        tune.Tuner(ww.integrations.ray_tune.with_shared_gpu(train_fn, trials_per_gpu=4), ...)
+        from waterwave_hpo.integrations.ray_tune import with_shared_gpu
+
+        tune.Tuner(with_shared_gpu(train_fn, trials_per_gpu=4), ...).fit()
+
+    (``waterwave_hpo.integrations.ray_tune.with_shared_gpu`` after ``import waterwave_hpo``
+    works too.)
 
     Raises:
         Whatever :func:`shared_gpu` and :meth:`SharedGPU.wrap` raise.

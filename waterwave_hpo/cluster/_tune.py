@@ -45,8 +45,17 @@ class SharedGPU(PlacementGroupFactory):
     bundle ``{"CPU": cpus_per_trial, "GPU": 1 / trials_per_gpu}``, plus the memory lease that
     trainables take through :meth:`lease` or :meth:`wrap`.
 
-    Pass it as ``tune.run(..., resources_per_trial=...)`` or ``tune.with_resources(trainable,
-    ...)``. Build it with :func:`waterwave_hpo.shared_gpu`, which checks the arguments.
+    Pass it as ``tune.with_resources(trainable, ...)`` or ``tune.run(...,
+    resources_per_trial=...)``. Build it with :func:`waterwave_hpo.shared_gpu`, which checks
+    the arguments.
+
+    It also reads as the mapping Tune's callers take for ``resources_per_trial``:
+    ``resources["gpu"]`` is the GPU share (``1 / trials_per_gpu``), ``resources["cpu"]`` the
+    CPUs, so ``resources.get("gpu", 0)`` (transformers' Ray backend) works.
+
+    When Ray places a trial (:meth:`to_placement_group`) on a cluster that has no GPU, it
+    raises at once, instead of leaving the trials PENDING (``on_no_gpu="error"``, default);
+    ``on_no_gpu="wait"`` keeps Tune's behaviour, for an autoscaling cluster that adds GPU nodes.
 
     Attributes:
         trials_per_gpu: Trials Ray places on one GPU (the bundle asks ``1 / trials_per_gpu``).
@@ -59,6 +68,8 @@ class SharedGPU(PlacementGroupFactory):
             ``memory_budget_bytes / trials_per_gpu``, or the measured median peak with "auto".
         lease_ttl_s: A lease whose process stops renewing it (died, stopped by Tune) expires
             after this many seconds.
+        on_no_gpu: ``"error"`` or ``"wait"``: what placing a trial on a cluster without GPUs
+            does.
     """
 
     def __init__(
@@ -69,6 +80,7 @@ class SharedGPU(PlacementGroupFactory):
         memory_budget_bytes: int | None,
         memory_per_trial_bytes: int | None,
         lease_ttl_s: float,
+        on_no_gpu: str = "error",
     ) -> None:
         bundle = {"CPU": float(cpus_per_trial), "GPU": _gpu_share(trials_per_gpu)}
         super().__init__([bundle])
@@ -78,6 +90,76 @@ class SharedGPU(PlacementGroupFactory):
         self.memory_budget_bytes = memory_budget_bytes
         self.memory_per_trial_bytes = memory_per_trial_bytes
         self.lease_ttl_s = float(lease_ttl_s)
+        self.on_no_gpu = on_no_gpu
+
+    # The mapping Tune's callers read (resources_per_trial={"cpu": ..., "gpu": ...}).
+    def _as_dict(self) -> dict[str, float]:
+        bundle = self.bundles[0]
+        return {"cpu": float(bundle.get("CPU", 0.0)), "gpu": float(bundle.get("GPU", 0.0))}
+
+    def __getitem__(self, key: str) -> float:
+        """``resources["cpu"]`` / ``resources["gpu"]``: one trial's CPUs and GPU share."""
+        return self._as_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``resources.get("gpu", 0)``, as on the dict Tune's callers expect."""
+        return self._as_dict().get(key, default)
+
+    def keys(self) -> Any:
+        """``("cpu", "gpu")``."""
+        return self._as_dict().keys()
+
+    def values(self) -> Any:
+        """The CPUs and the GPU share."""
+        return self._as_dict().values()
+
+    def items(self) -> Any:
+        """``[("cpu", cpus), ("gpu", share)]``."""
+        return self._as_dict().items()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._as_dict())
+
+    def __len__(self) -> int:
+        return 2
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._as_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (Tune copies a trial's resources in the driver): refuses a GPU-less cluster."""
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._refuse_a_cluster_without_gpus()
+
+    def _refuse_a_cluster_without_gpus(self) -> None:
+        if getattr(self, "on_no_gpu", "error") != "error":
+            return
+        ray = import_ray()
+        if not ray.is_initialized():
+            return
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if not gpus:
+            raise RuntimeError(
+                "waterwave_hpo.shared_gpu(): this Ray cluster has no GPU "
+                f"(ray.cluster_resources() counts GPU={gpus}), so Tune would keep every "
+                "trial PENDING. Start Ray on a machine with GPUs (or ray.init(num_gpus=N) "
+                "for logical GPUs), use CPU resources ({'cpu': 1}) without shared_gpu(), "
+                "or pass shared_gpu(..., on_no_gpu='wait') on an autoscaling cluster that "
+                "adds GPU nodes."
+            )
+
+    def to_placement_group(self) -> Any:
+        """Ray's placement group for one trial; refuses a cluster without GPUs.
+
+        Tune calls this when it places a trial. With ``on_no_gpu="error"`` a cluster whose
+        resources count no GPU raises here, within seconds of the start, instead of leaving
+        every trial PENDING.
+
+        Raises:
+            RuntimeError: If the cluster has no GPU and ``on_no_gpu="error"``.
+        """
+        self._refuse_a_cluster_without_gpus()
+        return super().to_placement_group()  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         return (
