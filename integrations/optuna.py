@@ -212,12 +212,26 @@ def load_study(
         Whatever ``optuna.load_study`` raises for the same arguments (``KeyError`` if no study
         of that name exists).
     """
-    study = optuna.load_study(
-        study_name=study_name,
-        storage=open_storage(storage),  # type: ignore[arg-type]
-        sampler=sampler,
-        pruner=pruner,
-    )
+    opened = open_storage(storage)
+    try:
+        study = optuna.load_study(
+            study_name=study_name,
+            storage=opened,  # type: ignore[arg-type]
+            sampler=sampler,
+            pruner=pruner,
+        )
+    except KeyError as error:  # Optuna's "No such study ..." / "Record does not exist."
+        assert opened is not None
+        names = sorted(s.study_name for s in opened.get_all_studies())
+        raise KeyError(
+            _checks.message(
+                "study_name",
+                study_name,
+                f"no such study in storage {storage!r} (it holds {names or 'no study'})",
+                "pass one of those names, or create it with waterwave_hpo.create_study("
+                "study_name=..., storage=...)",
+            )
+        ) from error
     return wrap_study(study)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
+from dataclasses import dataclass
 import hashlib
 from pathlib import Path
+import re
 import shutil
 import subprocess
 
@@ -55,3 +58,42 @@ def make_mutable(path: Path) -> None:
     chattr = shutil.which("chattr")
     if chattr is not None:
         subprocess.run([chattr, "-i", str(path)], capture_output=True, check=False)
+
+
+_FIX_WORDS = re.compile(
+    r"(?i)\b(pass|use|set|call|install|drop|start|create|run|give|check|raise|make|declare|"
+    r"open|keep|define|mark|wrap|resume|restore|delete|fix|free|lower|shrink|return|choose|"
+    r"leave|remove|omit|register|move|enter|ask|group|build)\b"
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the call, the error a user must see, and what its message must name.
+
+    ``argument`` and ``shown`` (how the value appears, e.g. ``"-1"`` or ``"'x'"``) must both
+    appear in the message, and a fix after them (a verb such as "pass" or "use").
+    """
+
+    id: str
+    call: Callable[[], object]
+    error: type[BaseException]
+    argument: str
+    shown: str
+    klass: str  # the class of bad input: type, range, absurd, path, storage, objective, order
+
+    def check(self) -> BaseException:
+        """Run the call; assert the error, its argument, value and fix. Returns the error."""
+        with pytest.raises(self.error) as caught:
+            self.call()
+        text = str(caught.value)
+        assert self.argument in text, f"{self.argument!r} not named in: {text}"
+        assert self.shown in text, f"value {self.shown!r} not shown in: {text}"
+        tail = text[text.index(self.argument) :]
+        assert _FIX_WORDS.search(tail), f"no fix in: {text}"
+        return caught.value
+
+
+def case_params(cases: list[Case]) -> list[object]:
+    """``pytest.param`` per case, with its id."""
+    return [pytest.param(case, id=f"{case.klass}-{case.id}") for case in cases]

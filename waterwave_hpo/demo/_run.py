@@ -153,12 +153,17 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         value = getattr(config, name)
         minimum = 0 if name == "trials" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise DemoSettingError(name, value, f"must be an int >= {minimum}.")
+            raise DemoSettingError(
+                name, value, f"must be an int >= {minimum}; pass an int >= {minimum}."
+            )
     if config.fuse is not None and (
         isinstance(config.fuse, bool) or not isinstance(config.fuse, int) or config.fuse < 1
     ):
         raise DemoSettingError(
-            "fuse", config.fuse, "must be an int >= 1 (trials per fused model), or None."
+            "fuse",
+            config.fuse,
+            "must be an int >= 1 (trials per fused model); pass e.g. 4, or None to train one "
+            "model per trial.",
         )
     try:
         executor = WaterwaveExecutor(
