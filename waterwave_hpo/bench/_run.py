@@ -110,6 +110,13 @@ class BenchConfig:
                 "capacity_bytes", self.capacity_bytes, "must be > 0", "pass bytes, or None"
             )
         resolve_device(self.device)  # a device that does not exist fails here, not mid-run
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise _checks.value_error(
+                "out",
+                str(self.out),
+                "is a file",
+                "pass a directory for the results (created if missing)",
+            )
         if not self.workloads or not self.settings or not self.methods:
             raise ValueError(
                 "workloads, settings and methods must each name at least one; got "
