@@ -96,7 +96,7 @@ def test_directory_of_an_sqlite_file_made_immutable(tmp_path: Path) -> None:
     # SQLite needs to create its rollback journal beside the file: the directory refuses.
     directory = tmp_path / "db"
     directory.mkdir()
-    path, make = _sqlite(directory)
+    _, make = _sqlite(directory)
     study = optuna.create_study(storage=make(), study_name="s")
     before = file_hashes(directory)
     with immutable(directory):
