@@ -235,7 +235,7 @@ class Sharing:
             )
         if isinstance(self.policy, str) and self.policy not in ("waterwave", "fifo"):
             raise ValueError(
-                f"Sharing policy={self.policy!r} is not a policy; pass 'waterwave', 'fifo' or a "
+                f"Sharing policy={self.policy!r} is not a known policy; pass 'waterwave', 'fifo' or a "
                 "waterwave_hpo.scheduler.Policy."
             )
         c = self.concurrency
