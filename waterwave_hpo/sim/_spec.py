@@ -235,8 +235,8 @@ class Sharing:
             )
         if isinstance(self.policy, str) and self.policy not in ("waterwave", "fifo"):
             raise ValueError(
-                f"Sharing policy={self.policy!r} is not a known policy; pass 'waterwave', 'fifo' or a "
-                "waterwave_hpo.scheduler.Policy."
+                f"Sharing policy={self.policy!r} is not a known policy; pass 'waterwave', "
+                "'fifo' or a waterwave_hpo.scheduler.Policy."
             )
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
