@@ -11,6 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import optuna
 import pytest
 
@@ -502,3 +505,25 @@ def test_ray_optimize_refuses_each_bad_argument_before_ray(tmp_path: Path) -> No
     assert not ray.is_initialized()
     assert_none_running(study)
     assert study.trials == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    value=st.one_of(
+        st.integers(min_value=-(2**40), max_value=2**40),
+        st.floats(allow_nan=True),
+        st.text(max_size=4),
+        st.none(),
+        st.booleans(),
+    )
+)
+def test_trials_per_device_accepted_exactly_in_range_else_named(value: object) -> None:
+    """Any trials_per_device: an int in [1, 1024] (or 'auto') is kept; all else is refused."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024:
+        assert ww.WaterwaveExecutor("cpu", value).trials_per_device == value
+        return
+    if value == "auto":
+        return
+    with pytest.raises((TypeError, ValueError), match=r"^trials_per_device=") as caught:
+        ww.WaterwaveExecutor("cpu", value)  # type: ignore[arg-type]
+    assert repr(value) in str(caught.value) and "pass" in str(caught.value)
