@@ -117,6 +117,53 @@ def wrap_study(study: optuna.Study) -> Study:
     return study  # type: ignore[return-value]
 
 
+def open_storage(
+    storage: str | optuna.storages.BaseStorage | None,
+) -> optuna.storages.BaseStorage | None:
+    """``storage`` opened as ``optuna.create_study`` would, with errors naming ``storage``.
+
+    A path where a URL is wanted (``"/runs/study.log"``) and a URL SQLAlchemy cannot open
+    (unknown dialect, a directory that does not exist, a read-only file) raise an error that
+    names the argument, the value and the fix; the storage's own error is its ``__cause__``.
+
+    Raises:
+        TypeError: ``storage`` is neither ``None``, a URL string nor an Optuna storage.
+        ValueError: ``storage`` is not a database URL, or the database cannot be opened.
+    """
+    if storage is None or isinstance(storage, optuna.storages.BaseStorage):
+        return storage
+    if not isinstance(storage, str):
+        raise _checks.type_error(
+            "storage",
+            storage,
+            "a database URL, an optuna storage or None",
+            "pass e.g. storage='sqlite:///study.db', or an optuna.storages.JournalStorage",
+        )
+    if "://" not in storage:
+        raise _checks.value_error(
+            "storage",
+            storage,
+            "is not a database URL (a string storage is an SQLAlchemy URL such as "
+            "'sqlite:///study.db')",
+            "for a journal file pass optuna.storages.JournalStorage("
+            f"optuna.storages.journal.JournalFileBackend({storage!r})); for SQLite pass "
+            f"'sqlite:///{storage}'",
+        )
+    try:
+        return optuna.storages.get_storage(storage)
+    except Exception as error:
+        if isinstance(error, ImportError):
+            raise
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise _checks.value_error(
+            "storage",
+            storage,
+            f"could not be opened ({type(error).__name__}: {first})",
+            "check the URL's dialect and that its database (or the directory of an SQLite "
+            "file) exists and is writable, e.g. storage='sqlite:///study.db'",
+        ) from error
+
+
 def create_study(
     *,
     storage: str | optuna.storages.BaseStorage | None = None,
@@ -133,10 +180,12 @@ def create_study(
         A :class:`Study` whose ``optimize`` also takes ``executor=``.
 
     Raises:
+        TypeError, ValueError: If ``storage`` is not a URL or storage, or cannot be opened
+            (see :func:`open_storage`); the storage's own error is the ``__cause__``.
         Whatever ``optuna.create_study`` raises for the same arguments.
     """
     study = optuna.create_study(
-        storage=storage,
+        storage=open_storage(storage),
         sampler=sampler,
         pruner=pruner,
         study_name=study_name,
@@ -163,9 +212,26 @@ def load_study(
         Whatever ``optuna.load_study`` raises for the same arguments (``KeyError`` if no study
         of that name exists).
     """
-    study = optuna.load_study(
-        study_name=study_name, storage=storage, sampler=sampler, pruner=pruner
-    )
+    opened = open_storage(storage)
+    try:
+        study = optuna.load_study(
+            study_name=study_name,
+            storage=opened,  # type: ignore[arg-type]
+            sampler=sampler,
+            pruner=pruner,
+        )
+    except KeyError as error:  # Optuna's "No such study ..." / "Record does not exist."
+        assert opened is not None
+        names = sorted(s.study_name for s in opened.get_all_studies())
+        raise KeyError(
+            _checks.message(
+                "study_name",
+                study_name,
+                f"no such study in storage {storage!r} (it holds {names or 'no study'})",
+                "pass one of those names, or create it with waterwave_hpo.create_study("
+                "study_name=..., storage=...)",
+            )
+        ) from error
     return wrap_study(study)
 
 

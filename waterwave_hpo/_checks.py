@@ -11,8 +11,10 @@ should not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterable
 import enum
+import inspect
 from typing import Any
 from typing import TypeVar
 
@@ -223,3 +225,56 @@ def check_callables(name: str, value: object, what: str) -> list[Any]:
                 f"{name}[{index}]", item, f"a callable taking {what}", "pass functions or methods"
             )
     return result
+
+
+def check_at_most(name: str, value: int, maximum: int, why: str, fix: str) -> int:
+    """``value`` if it is ``<= maximum`` (an absurd value is refused before it allocates anything).
+
+    Args:
+        name: The argument's name.
+        value: The value passed (already checked to be an int).
+        maximum: The largest allowed value.
+        why: Why there is a limit.
+        fix: What to pass instead.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: ``value > maximum``.
+
+    >>> check_at_most("k", 5000, 1024, "each is a thread", "pass k <= 1024")
+    Traceback (most recent call last):
+    ...
+    ValueError: k=5000: must be <= 1024 (each is a thread); pass k <= 1024.
+    """
+    if value > maximum:
+        raise value_error(name, value, f"must be <= {maximum} ({why})", fix)
+    return value
+
+
+def check_takes_one_argument(name: str, func: Callable[..., Any], what: str, fix: str) -> None:
+    """Refuse a callable that cannot be called with one positional argument.
+
+    Found up front rather than at the first call, where a trial would already have started.
+    Callables whose signature Python cannot read (some builtins) are let through.
+
+    Args:
+        name: The argument's name.
+        func: The callable.
+        what: What the one argument is, e.g. ``"a trial"``.
+        fix: What to pass instead.
+
+    Raises:
+        TypeError: ``func`` cannot take exactly one positional argument.
+    """
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(object())
+    except TypeError as error:
+        raise TypeError(
+            message(name, func, f"cannot be called with one argument, {what} ({error})", fix)
+        ) from None

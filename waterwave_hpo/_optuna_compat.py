@@ -129,14 +129,25 @@ def tell_as_optimize(
     """
     from optuna.study._tell import _tell_with_warning
 
-    _, _, warning_message = _tell_with_warning(
-        study=study,
-        trial=trial,
-        value_or_values=values,  # type: ignore[arg-type]
-        state=state,
-        skip_if_finished=True,
-        suppress_warning=True,
-    )
+    try:
+        _, _, warning_message = _tell_with_warning(
+            study=study,
+            trial=trial,
+            value_or_values=values,  # type: ignore[arg-type]
+            state=state,
+            skip_if_finished=True,
+            suppress_warning=True,
+        )
+    except TypeError as error:
+        if state is not None:
+            raise
+        # A value float() takes but Optuna's check does not (the string "0": Optuna's own
+        # optimize then fails with "Should not reach"): the trial's failure, as any invalid value.
+        warning_message = (
+            f"The objective returned {values!r} ({type(values).__name__}), which Optuna cannot "
+            f"check ({error}); return a float."
+        )
+        study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     return study._storage.get_trial(trial_id(trial)), warning_message
 
 

@@ -121,7 +121,7 @@ def test_cli_runs_and_rejects_bad_flags(tmp_path: Path, capsys: pytest.CaptureFi
     table = pd.read_csv(tmp_path / "results.csv")
     assert list(table["method"]) == ["temporal", "waterwave"]
     assert main(["bench", "--device", "cpu", "--k", "0"]) == 2
-    assert "k=0: must be >= 1" in capsys.readouterr().err
+    assert "--k 0: must be >= 1" in capsys.readouterr().err
     assert main(["bench", "--device", "cuda:7"]) == 2
     assert "does not exist here" in capsys.readouterr().err
 

@@ -144,9 +144,9 @@ def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--concurrency", "0"], "--concurrency 0 must be >= 1"),
-        (["--trials", "-1"], "--trials -1 must be >= 0"),
-        (["--epochs", "0"], "--epochs 0 must be >= 1"),
+        (["--concurrency", "0"], "--concurrency 0: must be >= 1"),
+        (["--trials", "-1"], "--trials -1: must be >= 0"),
+        (["--epochs", "0"], "--epochs 0: must be >= 1"),
         (["--device", "cuda:99"], "--device cuda:99: "),
         (["--device", "tpu"], "--device tpu: "),
     ],

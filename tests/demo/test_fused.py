@@ -51,7 +51,7 @@ def test_cli_demo_fuse_runs_a_numbers_only_search(
 def test_cli_rejects_fuse_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--out", str(tmp_path / "x"), "--no-progress", "--fuse", "0"])
     assert code == 2
-    assert "--fuse 0 must be >= 1" in capsys.readouterr().err
+    assert "--fuse 0: must be >= 1" in capsys.readouterr().err
 
 
 def _run_fused_four(third_lr: float) -> list[optuna.trial.FrozenTrial]:

@@ -109,6 +109,14 @@ class BenchConfig:
             raise _checks.value_error(
                 "capacity_bytes", self.capacity_bytes, "must be > 0", "pass bytes, or None"
             )
+        resolve_device(self.device)  # a device that does not exist fails here, not mid-run
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise _checks.value_error(
+                "out",
+                str(self.out),
+                "is a file",
+                "pass a directory for the results (created if missing)",
+            )
         if not self.workloads or not self.settings or not self.methods:
             raise ValueError(
                 "workloads, settings and methods must each name at least one; got "
@@ -151,7 +159,9 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device={device!r} is not auto, cpu, cuda or cuda:N.") from None
+        raise ValueError(
+            f"device={device!r} is not a device; pass auto, cpu, cuda or cuda:N."
+        ) from None
     if dev.type == "cuda":
         index = dev.index or 0
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
@@ -161,7 +171,7 @@ def resolve_device(device: str) -> torch.device:
             )
         return torch.device(f"cuda:{index}")
     if dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not auto, cpu, cuda or cuda:N.")
+        raise ValueError(f"device={device!r} is not a device; pass auto, cpu, cuda or cuda:N.")
     return dev
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+import re
 import shlex
 import sys
 
@@ -222,6 +223,7 @@ def _demo(args: argparse.Namespace) -> int:
     from waterwave_hpo.demo import DemoConfig
     from waterwave_hpo.demo import DemoSettingError
     from waterwave_hpo.demo import run_demo
+    from waterwave_hpo.executor import StorageWriteError
 
     logging.basicConfig(
         format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING
@@ -230,12 +232,17 @@ def _demo(args: argparse.Namespace) -> int:
     for name, minimum in (("trials", 0), ("concurrency", 1), ("epochs", 1)):
         if getattr(args, name) < minimum:
             print(
-                f"waterwave-hpo demo: error: --{name} {getattr(args, name)} must be >= {minimum}",
+                f"waterwave-hpo demo: error: --{name} {getattr(args, name)}: must be >= "
+                f"{minimum}; pass an int >= {minimum}",
                 file=sys.stderr,
             )
             return 2
     if args.fuse is not None and args.fuse < 1:
-        print(f"waterwave-hpo demo: error: --fuse {args.fuse} must be >= 1", file=sys.stderr)
+        print(
+            f"waterwave-hpo demo: error: --fuse {args.fuse}: must be >= 1; pass the trials per "
+            "fused model, e.g. --fuse 4, or leave it out",
+            file=sys.stderr,
+        )
         return 2
     config = DemoConfig(
         trials=args.trials,
@@ -254,6 +261,16 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     except ValueError as error:  # JournalDamagedError names the file, the line and the fix
         print(f"waterwave-hpo demo: error: {error}", file=sys.stderr)
+        return 2
+    except StorageWriteError as error:  # the journal stopped taking writes mid-run
+        print(f"waterwave-hpo demo: error: --out {args.out}: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # the journal cannot be opened or written
+        print(
+            f"waterwave-hpo demo: error: --out {args.out}: cannot use its study.log ({error}); "
+            "pass a directory you can write to.",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # outside the trials (opening the study, writing the files)
         print(
@@ -313,9 +330,25 @@ def _bench(args: argparse.Namespace) -> int:
         )
         run_bench(config)
     except ValueError as error:
-        print(f"waterwave-hpo bench: error: {error}", file=sys.stderr)
+        print(f"waterwave-hpo bench: error: {_as_flags(str(error))}", file=sys.stderr)
+        return 2
+    except OSError as error:  # --out cannot be created or written
+        print(
+            f"waterwave-hpo bench: error: --out {args.out}: cannot write there ({error}); pass a "
+            "directory you can write to.",
+            file=sys.stderr,
+        )
         return 2
     return 0
+
+
+def _as_flags(text: str) -> str:
+    """A library message (``budget_s=-1.0: ...``) in the command line's terms (``--budget-s``)."""
+    match = re.match(r"(\w+)=('[^']*'|[^\s:]+):?", text)
+    if match is None:
+        return text
+    flag = "--" + match.group(1).replace("_", "-")
+    return f"{flag} {match.group(2).strip(chr(39))}:{text[match.end() :]}"
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -324,13 +357,28 @@ def _doctor(args: argparse.Namespace) -> int:
     from waterwave_hpo.doctor import run_doctor
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.json.is_dir():  # found before the checks run, not after
+        print(
+            f"waterwave-hpo doctor: error: --json {args.json}: is a directory; pass a file "
+            f"path, e.g. --json {args.json / 'waterwave-doctor.json'}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = run_doctor(args.device)
     except ValueError as error:
         print(f"waterwave-hpo doctor: error: {error}", file=sys.stderr)
         return 2
-    report.write(args.json)
     print(report.text())
+    try:
+        report.write(args.json)
+    except OSError as error:
+        print(
+            f"waterwave-hpo doctor: error: --json {args.json}: cannot write the report "
+            f"({error}); pass a path you can write to (the checks above ran).",
+            file=sys.stderr,
+        )
+        return 2
     print(f"wrote {args.json}")
     return report.exit_code
 

@@ -19,6 +19,7 @@ from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import HostSpec
 from waterwave_hpo.cluster._fleet import HostFleet
 from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._imports import start_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
 from waterwave_hpo.executor import BatchedObjective
@@ -243,15 +244,11 @@ class RayExecutor(WaterwaveExecutor):
                 "WaterwaveExecutor(devices=..., fuse=K) on one machine, or pass an objective "
                 "taking one trial."
             )
-        if not isinstance(study, optuna.Study):
-            raise _checks.type_error(
-                "study",
-                study,
-                "an optuna.Study",
-                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
-            )
-        if not ray.is_initialized():
-            ray.init()
+        # Every argument is checked before Ray starts (a local Ray takes seconds to start and
+        # outlives the call).
+        self._check_optimize_arguments(study, func, n_trials, timeout, catch, callbacks)
+        assert isinstance(study, optuna.Study)
+        start_ray(ray, "RayExecutor.optimize")
         n_hosts = self._resolve_n_hosts(ray)
         # One driver thread per trial that may call the storage at once, within reason.
         threads = min(64, max(8, max(n_hosts, self.max_devices or 0) * self.trials_per_device))
@@ -301,6 +298,12 @@ class RayExecutor(WaterwaveExecutor):
                 )
             return n_hosts
         n_hosts = int(self.n_hosts)
+        if n_hosts * self.num_gpus_per_host > gpus and int(gpus) < 1:
+            raise RuntimeError(
+                f"n_hosts={n_hosts} host actors with num_gpus_per_host=1 need {n_hosts} GPU(s), "
+                "but the Ray cluster has none. Pass num_gpus_per_host=0 for CPU hosts, or start "
+                "Ray on GPU nodes (or declare logical GPUs: ray.init(num_gpus=N))."
+            )
         if n_hosts * self.num_gpus_per_host > gpus:
             raise RuntimeError(
                 f"n_hosts={n_hosts} host actors need {n_hosts * self.num_gpus_per_host} GPU(s), "

@@ -20,3 +20,27 @@ def import_ray() -> ModuleType:
             f"waterwave_hpo.cluster needs Ray, which is not installed. {_HINT}"
         ) from error
     return ray
+
+
+def start_ray(ray: ModuleType, caller: str) -> None:
+    """Start a local Ray (``ray.init()``) unless Ray is initialized already.
+
+    Args:
+        ray: The ``ray`` module.
+        caller: Who starts it, named in the error, e.g. ``"RayExecutor.optimize"``.
+
+    Raises:
+        RuntimeError: Ray could not start; the message says how to start it yourself, and
+            Ray's own error is the ``__cause__``.
+    """
+    if ray.is_initialized():
+        return
+    try:
+        ray.init()
+    except Exception as error:
+        raise RuntimeError(
+            f"{caller} found Ray not initialized and could not start a local Ray "
+            f"({type(error).__name__}: {error}). Start or join a cluster yourself first: "
+            "ray.init() for a local one, ray.init(address='auto') to join a running cluster "
+            "(`ray start --head` on its head node)."
+        ) from error

@@ -26,6 +26,7 @@ from waterwave_hpo.cluster._hosted import HostStats
 from waterwave_hpo.cluster._hosted import pack_directory
 from waterwave_hpo.cluster._hosted import unpack_directory
 from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.cluster._imports import start_ray
 from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
@@ -183,12 +184,18 @@ class TuneHosts:
 
     def __enter__(self) -> TuneHosts:
         ray = import_ray()
-        if not ray.is_initialized():
-            ray.init()
+        start_ray(ray, "tune_hosts()")
         nodes = alive_nodes(ray)
         self._initial_nodes = {node.node_id for node in nodes}
         places = interleave([[node] * _gpus(node) for node in nodes])
         if self._wanted_hosts is not None:
+            if not places:
+                raise RuntimeError(
+                    f"tune_hosts(n_hosts={self._wanted_hosts}) starts one host actor per GPU, "
+                    "but the Ray cluster's alive nodes have no GPU. Start Ray on GPU nodes, or "
+                    "declare logical GPUs with ray.init(num_gpus=N) before entering tune_hosts(); "
+                    "without GPUs use ww.shared_gpu() or plain Tune resources."
+                )
             if self._wanted_hosts > len(places):
                 raise RuntimeError(
                     f"tune_hosts(n_hosts={self._wanted_hosts}) needs {self._wanted_hosts} "
@@ -200,7 +207,7 @@ class TuneHosts:
             raise RuntimeError(
                 "tune_hosts() found no GPU in the Ray cluster (ray.cluster_resources() has no "
                 "'GPU'); start Ray on a machine with GPUs, or declare them with "
-                "ray.init(num_gpus=N), or pass n_hosts=N."
+                "ray.init(num_gpus=N) before entering tune_hosts()."
             )
         self._prefix = f"waterwave-tune-host/{uuid.uuid4().hex[:8]}/"
         self._stop.clear()

@@ -54,6 +54,7 @@ def check_journal(path: Path) -> str | None:
         JournalDamagedError: If any other line is not a JSON journal record, naming the file, the
             line and the fix.
     """
+    path = Path(path)
     if not path.exists():
         return None
     data = path.read_bytes()
@@ -111,6 +112,11 @@ def open_journal(path: str | os.PathLike[str], grace_period_s: float = 30.0) -> 
         JournalDamagedError: If the journal is damaged beyond a cut last line.
     """
     journal = Path(path).absolute()
+    if journal.is_dir():
+        raise IsADirectoryError(
+            f"path={str(path)!r}: is a directory, not a journal file; pass a file inside it, "
+            f"e.g. {str(journal / 'study.log')!r}"
+        )
     lock = HolderNamingJournalFileLock(journal, grace_period_s=grace_period_s)
     _remove_cut_staging_files(journal)
     lock.acquire()

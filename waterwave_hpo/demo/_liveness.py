@@ -31,6 +31,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
@@ -57,6 +58,20 @@ class LivenessRule:
 
     heartbeat_interval_s: float = 10.0
     grace_period_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _checks.check_number(
+            "heartbeat_interval_s", self.heartbeat_interval_s, fix="pass seconds, e.g. 10.0"
+        )
+        _checks.check_number("grace_period_s", self.grace_period_s, fix="pass seconds, e.g. 60.0")
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise _checks.value_error(
+                "grace_period_s",
+                self.grace_period_s,
+                f"must exceed heartbeat_interval_s={self.heartbeat_interval_s!r}, or live "
+                "processes look dead between two heartbeats",
+                "pass a grace period of several heartbeat intervals, e.g. 6x",
+            )
 
 
 class Heartbeat:

@@ -45,6 +45,7 @@ from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import batched
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
 from waterwave_hpo.integrations.optuna import create_study
+from waterwave_hpo.integrations.optuna import load_study
 from waterwave_hpo.report import max_concurrent_trials
 from waterwave_hpo.report import plot_timeline
 from waterwave_hpo.report import trials_table
@@ -152,12 +153,17 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         value = getattr(config, name)
         minimum = 0 if name == "trials" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise DemoSettingError(name, value, f"must be an int >= {minimum}.")
+            raise DemoSettingError(
+                name, value, f"must be an int >= {minimum}; pass an int >= {minimum}."
+            )
     if config.fuse is not None and (
         isinstance(config.fuse, bool) or not isinstance(config.fuse, int) or config.fuse < 1
     ):
         raise DemoSettingError(
-            "fuse", config.fuse, "must be an int >= 1 (trials per fused model), or None."
+            "fuse",
+            config.fuse,
+            "must be an int >= 1 (trials per fused model); pass e.g. 4, or None to train one "
+            "model per trial.",
         )
     try:
         executor = WaterwaveExecutor(
@@ -167,9 +173,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
             fuse=config.fuse,
         )
     except (TypeError, ValueError) as error:
-        raise DemoSettingError(
-            "device", config.device, str(error), _device_flags(str(error))
-        ) from error
+        raise _setting_error(config, error) from error
     out = _writable_directory(config.out)
     rule = liveness or LivenessRule()
 
@@ -177,14 +181,22 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         # Co-hosted trials share the cores; one intra-op pool per trial would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.concurrency))
 
-    study = create_study(
-        storage=open_journal(out / "study.log", grace_period_s=rule.grace_period_s),
-        study_name=STUDY_NAME,
-        direction="maximize",
-        load_if_exists=True,
-        sampler=optuna.samplers.TPESampler(seed=config.seed, constant_liar=True),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
-    )
+    storage = open_journal(out / "study.log", grace_period_s=rule.grace_period_s)
+    sampler = optuna.samplers.TPESampler(seed=config.seed, constant_liar=True)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1)
+    if _holds_demo_study(storage, config.out, out / "study.log"):
+        # Resume without create_study: its create-study record would be appended (a duplicate)
+        # even when the resume is refused below.
+        study = load_study(study_name=STUDY_NAME, storage=storage, sampler=sampler, pruner=pruner)
+    else:
+        study = create_study(
+            storage=storage,
+            study_name=STUDY_NAME,
+            direction="maximize",
+            load_if_exists=True,  # another demo process may create it at the same moment
+            sampler=sampler,
+            pruner=pruner,
+        )
     _check_objective_settings(study, config, out)
     me = this_process()
     objective = _OwnedObjective(
@@ -356,6 +368,26 @@ def _writable_directory(out: Path) -> Path:
     return path
 
 
+def _holds_demo_study(storage: optuna.storages.BaseStorage, out_flag: Path, path: Path) -> bool:
+    """Whether the journal holds the demo's study; refuse one holding other studies.
+
+    Raises:
+        DemoSettingError: The journal holds another study (another project's journal): the demo
+            would append its own study into it.
+    """
+    names = {summary.study_name for summary in storage.get_all_studies()}
+    others = sorted(names - {STUDY_NAME})
+    if others:
+        raise DemoSettingError(
+            "out",
+            out_flag,
+            f"{path} is an Optuna journal of other studies ({', '.join(map(repr, others))}), not "
+            "the demo's; the demo writes nothing into it. Pass a new directory, or the "
+            "directory of an earlier demo run to resume it.",
+        )
+    return STUDY_NAME in names
+
+
 def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path) -> None:
     # Trials trained for other epochs or from another seed are not comparable: refuse to mix.
     ours = {name: getattr(config, name) for name in _OBJECTIVE_SETTINGS}
@@ -378,9 +410,23 @@ def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path
             )
 
 
+_EXECUTOR_SETTINGS = {"devices": "device", "trials_per_device": "concurrency", "fuse": "fuse"}
+
+
+def _setting_error(config: DemoConfig, error: Exception) -> DemoSettingError:
+    """The executor's refusal of a demo setting, naming the setting (and its flag) once."""
+    text = str(error)
+    # The executor's messages read "devices entry='cuda:9': problem; fix."
+    match = re.match(r"(\w+)(?: entry)?=.*?: (.*)$", text, flags=re.DOTALL)
+    argument, problem = (match.group(1), match.group(2)) if match else ("devices", text)
+    setting = _EXECUTOR_SETTINGS.get(argument, "device")
+    return DemoSettingError(setting, getattr(config, setting), problem, _device_flags(problem))
+
+
 def _device_flags(text: str) -> str:
     # The executor's messages name its argument (devices='cuda:9'); the CLI's user typed --device.
-    return re.sub(r"devices(?: entry)?='([^']*)'", r"--device \1", text)
+    text = re.sub(r"devices(?: entry)?='([^']*)'", r"--device \1", text)
+    return re.sub(r"(?<![-\w])devices='?(\w+)'?", r"--device \1", text)
 
 
 def _summary(

@@ -14,6 +14,7 @@ from waterwave_hpo.distributed._hook import laysa_hook
 from waterwave_hpo.distributed._mirror import MirrorWeightUpdate
 from waterwave_hpo.distributed._state import LaySAState
 from waterwave_hpo.distributed._state import check_density
+from waterwave_hpo.distributed._state import register_comm_hook
 
 
 @dataclass
@@ -109,6 +110,6 @@ def laysa(
         )
     state = LaySAState(process_group, density, warmup_steps)
     state.params = params
-    ddp_model.register_comm_hook(state, laysa_hook)
+    register_comm_hook(ddp_model, state, laysa_hook, "LaySA")
     mirror = MirrorWeightUpdate(state, optimizer, params)
     return LaySA(state, mirror)

@@ -32,6 +32,7 @@ from waterwave_hpo.distributed._collectives import all_reduce_mean
 from waterwave_hpo.distributed._ledger import CommMemoryLedger
 from waterwave_hpo.distributed._state import check_backend
 from waterwave_hpo.distributed._state import check_density
+from waterwave_hpo.distributed._state import register_comm_hook
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -200,10 +201,10 @@ def attach_baseline(
         )
     group = process_group if process_group is not None else dist.group.WORLD
     if baseline is Baseline.DENSE:
-        ddp_model.register_comm_hook(group, default_hooks.allreduce_hook)
+        register_comm_hook(ddp_model, group, default_hooks.allreduce_hook, "dense")
         return None
     if baseline is Baseline.FP16:
-        ddp_model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        register_comm_hook(ddp_model, group, default_hooks.fp16_compress_hook, "FP16")
         return None
     if baseline is Baseline.POWERSGD:
         state = powerSGD_hook.PowerSGDState(
@@ -212,10 +213,10 @@ def attach_baseline(
             start_powerSGD_iter=max(2, warmup_steps),
             min_compression_rate=1,
         )
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        register_comm_hook(ddp_model, state, powerSGD_hook.powerSGD_hook, "PowerSGD")
         return state
     naive = NaiveTopKState(group, density, warmup_steps)
-    ddp_model.register_comm_hook(naive, naive_topk_hook)
+    register_comm_hook(ddp_model, naive, naive_topk_hook, "naive top-k")
     return naive
 
 

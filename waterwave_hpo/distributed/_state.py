@@ -224,3 +224,38 @@ class LaySAState:
         self.iteration = state["iteration"]
         self.bytes_sent_total = state["bytes_sent_total"]
         self.restored_state_dict: dict[str, Any] | None = state
+
+
+def register_comm_hook(ddp_model: object, state: object, hook: Any, what: str) -> None:
+    """``ddp_model.register_comm_hook(state, hook)``, with DDP's refusals naming ``ddp_model``.
+
+    Args:
+        ddp_model: The model the caller was given.
+        state: The hook's state.
+        hook: The communication hook.
+        what: The hook's name for the message, e.g. ``"LaySA"``.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        ValueError: DDP refused the hook (it allows one per model); DDP's error is the cause.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise _checks.type_error(
+            "ddp_model",
+            ddp_model,
+            "a torch.nn.parallel.DistributedDataParallel",
+            "wrap the model: DistributedDataParallel(model)",
+        )
+    try:
+        ddp_model.register_comm_hook(state, hook)
+    except RuntimeError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise _checks.value_error(
+            "ddp_model",
+            f"<DistributedDataParallel of {type(ddp_model.module).__name__}>",
+            f"refused the {what} communication hook ({first})",
+            "DDP takes one communication hook per model for its whole life: wrap the model "
+            "in a new DistributedDataParallel(model) for each hook",
+        ) from error

@@ -68,7 +68,7 @@ def _gpu(device: str) -> torch.device | None:
     except RuntimeError:
         dev = None
     if dev is None or dev.type != "cuda":
-        raise ValueError(f"--device {device!r} must be auto, cpu, cuda or cuda:N.")
+        raise ValueError(f"--device {device!r} is not a device; pass auto, cpu, cuda or cuda:N.")
     index = dev.index or 0
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         raise ValueError(

@@ -18,6 +18,7 @@ from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import NoPlanFitsError
 from waterwave_hpo.executor._planning import fit_trial_memory
+from waterwave_hpo.executor._storage_errors import StorageWriteError
 
 __all__ = [
     "BatchedObjective",
@@ -26,6 +27,7 @@ __all__ = [
     "NoPlanFitsError",
     "NotInTrialError",
     "OnOOM",
+    "StorageWriteError",
     "TrialContext",
     "TrialInterrupted",
     "WaterwaveExecutor",

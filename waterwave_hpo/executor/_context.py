@@ -108,7 +108,8 @@ def current() -> TrialContext:
             "waterwave_hpo.current() was called outside a trial run by WaterwaveExecutor. "
             "Call it inside the objective passed to WaterwaveExecutor().optimize(...) or "
             "study.optimize(..., executor=WaterwaveExecutor()); outside a trial use "
-            "waterwave_hpo.current_or_none(), which returns None."
+            "waterwave_hpo.current_or_none(), which returns None. A thread the objective "
+            "starts does not see its trial: read ww.current() in the objective and pass it on."
         )
     return context
 

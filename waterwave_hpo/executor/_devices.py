@@ -71,6 +71,13 @@ def _resolve_one(spec: DeviceSpec) -> list[torch.device]:
             "devices entry", spec, "cannot be mixed with other devices in a list", "pass it alone"
         )
     if isinstance(spec, int):
+        if spec < 0:
+            raise _checks.value_error(
+                "devices",
+                spec,
+                "is a negative CUDA device index",
+                "pass an index >= 0 (cuda:0 is the first visible GPU), 'auto' or 'cpu'",
+            )
         device = torch.device("cuda", spec)
     else:
         try:

@@ -32,6 +32,7 @@ from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import check_memory_planner
+from waterwave_hpo.executor._storage_errors import check_storage_writable
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -235,8 +236,9 @@ class WaterwaveExecutor:
                 "does not combine with fuse (a fused batch's model is planned as one)",
                 "pass memory_plan='off' with fuse, or fuse=None with memory_plan='home'",
             )
-        self.max_trials_per_device = _check_positive_int(
-            "max_trials_per_device", max_trials_per_device, 1
+        self.max_trials_per_device = _check_slots(
+            "max_trials_per_device",
+            _check_positive_int("max_trials_per_device", max_trials_per_device, 1),
         )
         self.auto_trials = trials_per_device == "auto"
         if isinstance(trials_per_device, str) and not self.auto_trials:
@@ -246,7 +248,10 @@ class WaterwaveExecutor:
         self.trials_per_device = (
             self.max_trials_per_device
             if self.auto_trials
-            else _check_positive_int("trials_per_device", trials_per_device, 1)
+            else _check_slots(
+                "trials_per_device",
+                _check_positive_int("trials_per_device", trials_per_device, 1),
+            )
         )
         self.on_oom = _check_on_oom(on_oom)
         self.max_oom_retries = _check_positive_int("max_oom_retries", max_oom_retries, 0)
@@ -375,36 +380,11 @@ class WaterwaveExecutor:
                 the other running trials have finished and been told.
             KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
         """
-        if not isinstance(study, optuna.Study):
-            raise _checks.type_error(
-                "study",
-                study,
-                "an optuna.Study",
-                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
-            )
-        if not callable(func):
-            raise _checks.type_error(
-                "func", func, "callable", "pass the objective, a function taking a trial"
-            )
-        _check_fuse_matches(func, self.fuse)
+        catch_tuple, callback_list = self._check_optimize_arguments(
+            study, func, n_trials, timeout, catch, callbacks
+        )
         if n_trials is not None:
-            n_trials = _check_positive_int("n_trials", n_trials, 0)
-        if timeout is not None:
-            _checks.check_number(
-                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
-            )
-        catch_tuple = _check_catch(catch)
-        callback_list = _check_callbacks(callbacks)
-        if _optuna_compat.in_optimize_loop(study):
-            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
-        memory_url = _optuna_compat.in_memory_sqlite_url(study)
-        if memory_url is not None:
-            raise ValueError(
-                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
-                "keeps per connection: trials told from the executor's threads would be lost "
-                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
-                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
-            )
+            n_trials = int(n_trials)
 
         run = OptimizeRun(
             executor=self,
@@ -434,6 +414,78 @@ class WaterwaveExecutor:
             if isinstance(memory := host.memory, DeviceMemory)
         }
         run.execute()
+
+    def _check_optimize_arguments(
+        self,
+        study: object,
+        func: object,
+        n_trials: object,
+        timeout: object,
+        catch: object,
+        callbacks: object,
+    ) -> tuple[tuple[type[Exception], ...], list[Callback]]:
+        """Check :meth:`optimize`'s arguments before anything starts (no trial, no Ray).
+
+        Returns:
+            ``catch`` as a tuple and ``callbacks`` as a list.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: As :meth:`optimize`.
+        """
+        if not isinstance(study, optuna.Study):
+            raise _checks.type_error(
+                "study",
+                study,
+                "an optuna.Study",
+                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
+            )
+        if not callable(func):
+            raise _checks.type_error(
+                "func", func, "callable", "pass the objective, a function taking a trial"
+            )
+        _check_fuse_matches(func, self.fuse)
+        _checks.check_takes_one_argument(
+            "func",
+            func,
+            "a list of trials" if is_batched(func) else "a trial",
+            "define the objective as def objective(trial): ... and return its value",
+        )
+        if n_trials is not None:
+            _check_positive_int("n_trials", n_trials, 0)
+        if timeout is not None:
+            _checks.check_number(
+                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
+            )
+        catch_tuple = _check_catch(catch)
+        callback_list = _check_callbacks(callbacks)
+        if _optuna_compat.in_optimize_loop(study):
+            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
+        memory_url = _optuna_compat.in_memory_sqlite_url(study)
+        if memory_url is not None:
+            raise ValueError(
+                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
+                "keeps per connection: trials told from the executor's threads would be lost "
+                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
+                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
+            )
+        check_storage_writable(study)
+        return catch_tuple, callback_list
+
+
+MAX_TRIALS_PER_DEVICE = 1024
+"""The most slots a device may have: each is an OS thread (with a CUDA stream on a GPU),
+created up front; far more trials than that cannot make progress on one device."""
+
+
+def _check_slots(name: str, value: int) -> int:
+    return _checks.check_at_most(
+        name,
+        value,
+        MAX_TRIALS_PER_DEVICE,
+        "each trial slot is a thread, with a CUDA stream on a GPU, made before the first trial",
+        "pass the number of trials one device should run at once, e.g. 4, or "
+        "trials_per_device='auto' with max_trials_per_device",
+    )
 
 
 def _check_positive_int(name: str, value: object, minimum: int) -> int:

@@ -339,6 +339,8 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
         with contextlib.suppress(Exception):
             _set_attr(settings, trial, ATTR_PEAK_BYTES, peak_bytes)
     fail_message: str | None = None
+    if error is None and not pruned:
+        error = _told_by_objective(settings.study, trial, value)
     if pruned:
         frozen, _ = _tell(settings.study, trial, state=TrialState.PRUNED)
         kind = OutcomeKind.PRUNED
@@ -362,6 +364,26 @@ def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     if settings.gc_after_trial:
         gc.collect()
     return TrialOutcome(job, kind, frozen, error, neighbours, fail_message, value)
+
+
+def _told_by_objective(
+    study: optuna.Study, trial: optuna.trial.Trial, value: Any
+) -> BaseException | None:
+    """The error for an objective that told its own trial and then returned ``value``, or None.
+
+    ``Study.optimize`` raises then (Optuna cannot tell a finished trial); without this the
+    executor's ``tell(skip_if_finished=True)`` would drop the returned value without a word.
+    """
+    frozen = _optuna_compat.storage_of(study).get_trial(_optuna_compat.trial_id(trial))
+    if not frozen.state.is_finished():
+        return None
+    return optuna.exceptions.UpdateFinishedTrialError(
+        f"func returned {value!r} for trial {trial.number}, which was already finished "
+        f"({frozen.state.name}, values {frozen.values}): the returned value is not recorded. "
+        "An objective run by an executor must not tell its own trial "
+        "(trial.study.tell(trial, ...)): return the value, or raise optuna.TrialPruned, and "
+        "the executor tells the study."
+    )
 
 
 def _classify(

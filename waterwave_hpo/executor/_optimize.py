@@ -40,6 +40,9 @@ from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.executor._storage_errors import is_storage_error
+from waterwave_hpo.executor._storage_errors import refused_write_error
+from waterwave_hpo.executor._storage_errors import running_trials
 
 if TYPE_CHECKING:
     from waterwave_hpo.executor._executor import WaterwaveExecutor
@@ -106,6 +109,11 @@ class OptimizeRun:
         # A fused batch's slot is free once every member's outcome is handled: id(batch job)
         # -> the numbers of its trials whose outcome has not been handled yet.
         self.batch_pending: dict[int, set[int]] = {}
+        self.asked_numbers: set[int] = set()  # every trial this run asked for
+        self.told_numbers: set[int] = set()  # those whose end the storage recorded
+        # The storage's error when it refused to record a trial's end (the trial stays RUNNING):
+        # no new trial is asked for after it, and optimize raises a StorageWriteError.
+        self.storage_refusal: BaseException | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -118,6 +126,14 @@ class OptimizeRun:
             self._loop()
         except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
             self._abort(interrupt)
+            if isinstance(interrupt, Exception) and is_storage_error(interrupt):
+                # study.ask() (or the bookkeeping around it) could not write to the storage.
+                raise refused_write_error(
+                    study,
+                    interrupt,
+                    running_trials(study, self.asked_numbers - self.told_numbers),
+                    what="create or record a new trial (study.ask())",
+                ) from interrupt
             raise
         finally:
             self.progress.close()
@@ -130,6 +146,13 @@ class OptimizeRun:
             for trial in self.aborted:
                 _fail_quietly(self.settings, trial, "optimize() was interrupted")
             _optuna_compat.set_in_optimize_loop(study, False)
+        if self.storage_refusal is not None:
+            raise refused_write_error(
+                study,
+                self.storage_refusal,
+                running_trials(study, self.asked_numbers - self.told_numbers),
+                what="record a trial's end",
+            ) from self.storage_refusal
         if self.error is not None:
             raise self.error
 
@@ -208,6 +231,7 @@ class OptimizeRun:
         """
         trial = self.study.ask()
         self.asked.append(trial)
+        self.asked_numbers.add(trial.number)
         beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
         beat.start()
         self.heartbeats[trial.number] = beat
@@ -285,6 +309,8 @@ class OptimizeRun:
         frozen = outcome.frozen_trial
         kind = outcome.kind
         number = outcome.job.trial.number
+        if frozen is not None and frozen.state.is_finished():
+            self.told_numbers.add(number)
         self._stop_heartbeat(number)
         if kind is OutcomeKind.INTERRUPTED:
             return
@@ -337,6 +363,15 @@ class OptimizeRun:
             self._log(outcome)
         if kind is OutcomeKind.FATAL and self.error is None:
             self.error = outcome.error
+        if (
+            kind is OutcomeKind.FATAL
+            and frozen is None
+            and outcome.error is not None
+            and is_storage_error(outcome.error)
+            and self.storage_refusal is None
+        ):
+            # Not even FAIL could be written: the trial stays RUNNING in the storage.
+            self.storage_refusal = outcome.error
         if frozen is not None and kind is not OutcomeKind.FATAL:
             # Optuna's rule: no callback for a trial whose exception propagates.
             for callback in self.callbacks:

@@ -28,6 +28,11 @@ class PerModelDropout(nn.Module):
 
     def __init__(self, p: float) -> None:
         super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(
+                f"p={p!r}: must be a dropout rate in [0, 1]; pass e.g. p=0.1 (p=0 keeps "
+                "every element)"
+            )
         # float64, so the rate reads back exactly as the float the user gave.
         self.register_buffer("p", torch.tensor(float(p), dtype=torch.float64))
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
 
+from waterwave_hpo import _checks
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
@@ -410,4 +411,8 @@ def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
     >>> fused.stacked[0].weight.shape
     torch.Size([3, 8, 4])
     """
+    if not isinstance(kernels, bool):
+        raise _checks.type_error(
+            "kernels", kernels, "a bool", "pass True (fused kernels) or False (vmap only)"
+        )
     return FusedModule(_check_models(models), kernels=kernels)

@@ -86,7 +86,17 @@ def per_model_loss(
     targets = target.unbind(0) if target_stacked else [target] * k
     losses = []
     for output, model_target in zip(outputs.unbind(0), targets, strict=True):
-        loss = loss_fn(output, model_target)
+        try:
+            loss = loss_fn(output, model_target)
+        except (RuntimeError, ValueError) as error:  # torch's shape errors name no argument
+            raise value_error(
+                "target.shape",
+                tuple(target.shape),
+                f"does not fit outputs of shape {tuple(outputs.shape)} (K={k}) in loss_fn "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                "pass one target per model, (K, B, ...), or a shared one, (B, ...), of the "
+                "shape loss_fn takes for one model's (B, ...) outputs",
+            ) from error
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else loss
             raise value_error(

@@ -183,7 +183,10 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
     cuda_rng = {index: torch.cuda.get_rng_state(index) for index in _cuda_devices(model, args)}
     try:
         with torch.enable_grad():
-            out = model(*args)
+            try:
+                out = model(*args)
+            except Exception as error:  # the model refused the batch: name the argument
+                raise example_input_error(example_input, model, error) from error
             losses = [
                 t.float().sum()
                 for t in iter_tensors(out)
@@ -205,6 +208,32 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
         torch.random.set_rng_state(cpu_rng)
         for index, state in cuda_rng.items():
             torch.cuda.set_rng_state(state, index)
+
+
+def describe_input(example_input: Any) -> str:
+    """A short description of a batch: shapes, dtypes and devices, not the values."""
+    if isinstance(example_input, torch.Tensor):
+        shape = tuple(example_input.shape)
+        return f"tensor of shape {shape}, {example_input.dtype}, on {example_input.device}"
+    if isinstance(example_input, tuple):
+        return "(" + ", ".join(describe_input(item) for item in example_input) + ")"
+    text = repr(example_input)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def example_input_error(example_input: Any, model: nn.Module, error: Exception) -> ValueError:
+    """``model(*example_input)`` raised ``error`` while profiling: an error naming the argument.
+
+    The model's own error (torch's ``mat1 and mat2 shapes cannot be multiplied``) names neither
+    the argument nor the fix; this one does, and keeps it as ``__cause__`` when raised from it.
+    """
+    first = str(error).splitlines()[0] if str(error) else ""
+    return ValueError(
+        f"example_input={describe_input(example_input)}: {type(model).__name__}(example_input) "
+        f"raised {type(error).__name__}: {first}; pass a batch the model trains on (a tensor, "
+        "or a tuple of its forward's positional arguments, with the shape and dtype it takes, "
+        "on its device)."
+    )
 
 
 def _cuda_devices(model: nn.Module, args: tuple[Any, ...]) -> list[int]:

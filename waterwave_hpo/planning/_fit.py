@@ -110,19 +110,33 @@ def fit_memory(
             "reserve the profiled (unplanned) saved bytes, and a recompute re-runs module "
             "forwards inside backward, where the gates would fire again. Use one or the other."
         )
+    if example_input is None:
+        raise _checks.type_error(
+            "example_input",
+            example_input,
+            "a tensor or a tuple of positional arguments",
+            "pass a batch of the size the model trains on, e.g. example_input=x_batch",
+        )
     old = _INSTALLED.pop(model, None)
     if old is not None:
-        old.hooks.remove()
-    profile, modules = profile_units(model, example_input, optimizer)
-    install_plan(
-        model,
-        profile,
-        modules,
-        budget_bytes,
-        planner=planner,
-        seed=seed,
-        bandwidth_bytes_per_s=float(bandwidth_bytes_per_s),
-    )
+        old.hooks.remove()  # profile the bare model
+    try:
+        profile, modules = profile_units(model, example_input, optimizer)
+        install_plan(
+            model,
+            profile,
+            modules,
+            budget_bytes,
+            planner=planner,
+            seed=seed,
+            bandwidth_bytes_per_s=float(bandwidth_bytes_per_s),
+        )
+    except BaseException:
+        # A refused re-plan leaves the working plan in place, not a bare model.
+        if old is not None and model not in _INSTALLED:
+            old.hooks.install()
+            _INSTALLED[model] = old
+        raise
     return model
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
+from waterwave_hpo import _checks
 from waterwave_hpo.executor import trial_attr
 from waterwave_hpo.executor import trial_memory_plan
 from waterwave_hpo.executor._internal import ATTR_DEVICE
@@ -56,6 +57,10 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     ``param_<name>`` column per parameter. Multi-objective studies get
     ``value_0``, ``value_1``, ... instead of ``value``.
     """
+    if not isinstance(study, optuna.Study):
+        raise _checks.type_error(
+            "study", study, "an optuna.Study", "pass the study, e.g. optuna.load_study(...)"
+        )
     rows: list[dict[str, Any]] = []
     n_objectives = len(study.directions)
     param_names: list[str] = []

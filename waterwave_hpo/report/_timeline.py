@@ -8,9 +8,11 @@ from pathlib import Path
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
+from waterwave_hpo import _checks
 from waterwave_hpo.executor import trial_attr
 from waterwave_hpo.executor._internal import ATTR_DEVICE
 from waterwave_hpo.executor._internal import ATTR_SLOT
+from waterwave_hpo.report._concurrency import check_trials
 
 _COLOURS = {
     TrialState.COMPLETE: "#2e7d32",
@@ -36,6 +38,8 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     Returns:
         The path written.
     """
+    out = _check_output(path)
+    trials = check_trials("trials", trials)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -91,9 +95,34 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
         fontsize=8,
         frameon=False,
     )
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    return path
+    figure.savefig(out, dpi=120)
+    return out
+
+
+def _check_output(path: object) -> Path:
+    """``path`` as a PNG file path whose directory exists (checked before drawing)."""
+    if not isinstance(path, (str, Path)):
+        raise _checks.type_error("path", path, "a str or Path", "pass e.g. 'timeline.png'")
+    out = Path(path)
+    if out.is_dir():
+        raise IsADirectoryError(
+            _checks.message(
+                "path",
+                str(path),
+                "is a directory",
+                f"pass a file in it, e.g. {str(out / 'timeline.png')!r}",
+            )
+        )
+    if not out.parent.is_dir():
+        raise FileNotFoundError(
+            _checks.message(
+                "path",
+                str(path),
+                f"its directory {str(out.parent)!r} does not exist",
+                "create it first, or pass a path in an existing directory",
+            )
+        )
+    return out
 
 
 def _row(trial: FrozenTrial) -> tuple[str, int | None]:

@@ -149,7 +149,12 @@ class PipelineScheduler:
         self._resolutions: list[DeadlockResolution] = []
         self._profiles_seen: list[TrialProfile] = []
         self._promise: dict[int, float] = {}
-        self._promise_refresh_s = promise_refresh_s
+        self._promise_refresh_s = _checks.check_number(
+            "promise_refresh_s",
+            promise_refresh_s,
+            allow_zero=True,
+            fix="pass seconds >= 0 between refreshes of the trials' promise, e.g. 1.0",
+        )
         self._promise_at = -float("inf")
         self._deferred: collections.deque[Reservation] = collections.deque()
 

@@ -233,6 +233,11 @@ class Sharing:
             raise ValueError(
                 f"Sharing process_start_s={self.process_start_s!r} must be >= 0 seconds."
             )
+        if isinstance(self.policy, str) and self.policy not in ("waterwave", "fifo"):
+            raise ValueError(
+                f"Sharing policy={self.policy!r} is not a known policy; pass 'waterwave', "
+                "'fifo' or a waterwave_hpo.scheduler.Policy."
+            )
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"Sharing concurrency={c!r} must be an int >= 1 or 'auto'.")
