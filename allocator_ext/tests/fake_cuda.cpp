@@ -33,6 +33,7 @@ void* const kPrimary = &g_primary_ctx_storage;
 std::atomic<bool> g_initialized{false};
 std::atomic<long> g_calls_without_context{0};
 std::atomic<long> g_stream_waits{0};
+std::atomic<long> g_event_records{0};
 std::atomic<std::uint64_t> g_mem_used{0};
 constexpr std::uint64_t kDeviceBytes = 256ull << 20;
 
@@ -141,6 +142,7 @@ __attribute__((visibility("default"))) int cuEventDestroy_v2(void* ev) {
 }
 __attribute__((visibility("default"))) int cuEventRecord(void* ev, void*) {
   if (int r = need_context()) return r;
+  g_event_records += 1;
   auto* e = static_cast<FakeEvent*>(ev);
   e->recorded = true;
   e->queries_until_ready = 1;
@@ -181,6 +183,7 @@ __attribute__((visibility("default"))) long fake_cuda_calls_without_context() {
   return g_calls_without_context.load();
 }
 __attribute__((visibility("default"))) long fake_cuda_stream_waits() { return g_stream_waits.load(); }
+__attribute__((visibility("default"))) long fake_cuda_event_records() { return g_event_records.load(); }
 __attribute__((visibility("default"))) std::uint64_t fake_cuda_mem_used() { return g_mem_used.load(); }
 // where: 1 = cuMemAlloc, 2 = cuEventQuery; code 0 clears the fault.
 __attribute__((visibility("default"))) void fake_cuda_set_fault(int where, int code) {

@@ -373,3 +373,40 @@ def test_a_device_keeps_no_cuda_context_until_the_study_allocates_on_it(
     assert status == 5  # WW_BACKEND_ERROR: never an OOM, retrying beside fewer trials cannot help
     assert "cannot retain the primary context of CUDA device 2" in message
     assert "busy or unavailable" in message and OOM_MARKER not in message
+
+
+EVENTS_SCRIPT = r"""
+import ctypes, json
+import waterwave_hpo.memory as wm
+
+fake = ctypes.CDLL("libcuda.so.1")
+pool = wm.StreamAwarePool(backend="cuda")
+for _ in range(1000):  # a trial's step: its stream reuses its own blocks
+    p = pool.allocate(4096, 1)
+    pool.free(p, 1)
+out = {"records": fake.fake_cuda_event_records()}
+p = pool.allocate(4096, 1)
+pool.free(p, 1)
+q, source = pool.allocate_with_source(4096, 2)  # another stream takes it: one more event
+out.update(
+    records_after_steal=fake.fake_cuda_event_records(),
+    source=source.name,
+    waits=fake.fake_cuda_stream_waits(),
+)
+pool.free(q, 2)
+pool.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_frees_record_one_cuda_event_per_epoch_not_one_per_free(tmp_path: Path) -> None:
+    """Issue 22, finding 7, through the CUDA backend: 1000 frees of one stream call
+    cuEventRecord at most once per 64 frees; a block another stream takes is covered by an
+    event recorded after its free, completed or waited for on the GPU."""
+    out = run_against_fake_driver(tmp_path, EVENTS_SCRIPT)
+    assert out["records"] <= 1000 // 64
+    # The search closed stream 1's open epoch (one event for its last frees) and took a block
+    # whose event completed, or waited for it on the GPU: never a block with no event.
+    assert out["records_after_steal"] == out["records"] + 1
+    assert (out["source"], out["waits"]) in (("COMPLETED_EVENT", 0), ("STREAM_WAIT", 1))

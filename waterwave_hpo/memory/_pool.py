@@ -509,10 +509,12 @@ class StreamAwarePool:
         self._lib.ww_pool_reset_peaks(self._handle())
 
     def lock_stats(self) -> LockStats:
-        """How often the pool's mutex was contended, and for how long (see :class:`LockStats`)."""
+        """Contention of the pool's mutex, and the events recorded under it (:class:`LockStats`)."""
         out = (ctypes.c_uint64 * 6)()
         self._lib.ww_pool_lock_stats(self._handle(), out)
-        return LockStats(*(int(x) for x in out))
+        events = (ctypes.c_uint64 * 2)()
+        self._lib.ww_pool_event_stats(self._handle(), events)
+        return LockStats(*(int(x) for x in out), *(int(x) for x in events))
 
     def snapshot(self) -> list[BlockInfo]:
         """Every block of every segment, in address order (what PyTorch's snapshot gives back)."""
