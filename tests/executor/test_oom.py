@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from fakes import fake_cupy
 import optuna
@@ -86,6 +87,11 @@ def test_cupy_out_of_memory_in_a_trial_is_rerun_not_fatal(monkeypatch: pytest.Mo
             inside.wait()  # the failure happens beside a neighbour, so it is re-run
         if trial.number == 0:
             raise _cupy_oom_from_the_pool(cupy)
+        if trial.number == 1:  # stay until trial 0 is told FAIL: it fails beside a neighbour
+            deadline = time.monotonic() + 60
+            while trial.study.trials[0].state is not TrialState.FAIL:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
         return x
 
     study = optuna.create_study()
