@@ -197,6 +197,13 @@ void Pool::close_epoch_locked(SyncPoint* sp) {
   unref_sync_locked(sp);  // the stream's open slot; the epoch's blocks keep theirs
 }
 
+void Pool::close_stream_epoch_locked(Stream s) {
+  // The stream's owner (a trial) is done with it while it is alive: record its epoch's event
+  // now, not later on a stream the owner may destroy.
+  auto it = open_sync_.find(s);
+  if (it != open_sync_.end()) close_epoch_locked(it->second);
+}
+
 void Pool::unref_sync_locked(SyncPoint* sp) {
   if (sp == nullptr || --sp->refs != 0) return;
   put_event_locked(sp->event);  // a pending event may be recorded again: it is overwritten
@@ -800,7 +807,10 @@ int Pool::account_close(std::int64_t id) {
     set_last_error("account " + std::to_string(id) + " is not open");
     return WW_INVALID;
   }
-  for (Stream s : it->second.streams) stream_to_account_.erase(s);
+  for (Stream s : it->second.streams) {
+    stream_to_account_.erase(s);
+    close_stream_epoch_locked(s);
+  }
   accounts_.erase(it);
   return WW_OK;
 }
@@ -835,6 +845,7 @@ int Pool::account_unbind(std::int64_t id, Stream s) {
   }
   stream_to_account_.erase(it);
   a->streams.erase(std::remove(a->streams.begin(), a->streams.end(), s), a->streams.end());
+  close_stream_epoch_locked(s);
   return WW_OK;
 }
 

@@ -37,7 +37,8 @@ struct Segment;
 // stream complete in order and it is recorded after them. So a stream that reuses its own blocks
 // (the common case) records one event per kEpochFrees frees instead of one per free, inside the
 // pool's mutex (issue 22, finding 7). The stream must stay alive while an epoch of its is open:
-// PyTorch's streams (pooled, never destroyed) and the null stream do.
+// PyTorch's streams (pooled, never destroyed) and the null stream do, and closing or unbinding a
+// stream's account (a trial's end) closes its epoch while the stream is still the trial's.
 struct SyncPoint {
   Stream stream = 0;
   Event event = 0;          // recorded on `stream` when the epoch closed; 0 while open
@@ -150,6 +151,7 @@ class Pool {
   // (its one event recorded) only with `close_open`; otherwise it counts as pending.
   bool sync_done_locked(Block* b, bool close_open);
   void close_epoch_locked(SyncPoint* sp);
+  void close_stream_epoch_locked(Stream s);  // its open epoch, if any (account close/unbind)
   void unref_sync_locked(SyncPoint* sp);
   // The newer of two epochs of one stream (the later one covers both).
   static SyncPoint* newer_sync(SyncPoint* a, SyncPoint* b);

@@ -428,3 +428,23 @@ def test_frees_of_one_epoch_share_one_event_and_another_stream_still_waits_for_t
     pool.sim.finish_all()
     s, src = pool.allocate_with_source(SEG, C)
     assert s in ptrs and src is AllocationSource.COMPLETED_EVENT
+
+
+def test_closing_an_account_closes_its_streams_epoch_while_the_stream_is_alive() -> None:
+    """A trial's end records the one event of its stream's open epoch then, not later on a
+    stream its owner may have destroyed; the blocks then count as freed on that stream."""
+    pool = make_pool()
+    account = pool.open_account("trial 0", streams=(A,))
+    ptrs = [pool.allocate(100 * KiB, A) for _ in range(3)]
+    pool.sim.submit(A)
+    for p in ptrs:
+        pool.free(p, A)
+    assert pool.lock_stats().events_recorded == 0
+    account.close()
+    assert pool.lock_stats().events_recorded == 1
+    pool.sim.finish_all()
+    q, src = pool.allocate_with_source(100 * KiB, B)
+    assert q in ptrs
+    assert src is AllocationSource.COMPLETED_EVENT
+    assert pool.lock_stats().events_recorded == 1  # B's search met a closed epoch
+    check(pool)
