@@ -184,6 +184,10 @@ void Pool::close_epoch_locked(SyncPoint* sp) {
   if (!sp->open) return;
   sp->open = false;
   open_sync_.erase(sp->stream);
+  if (sp->refs == 1) {  // every block of the epoch was reused by its stream: nothing to cover
+    unref_sync_locked(sp);
+    return;
+  }
   Event ev = get_event_locked();
   if (ev != 0 && upstream_->record_event(ev, sp->stream)) {
     sp->event = ev;

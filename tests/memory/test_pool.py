@@ -448,3 +448,16 @@ def test_closing_an_account_closes_its_streams_epoch_while_the_stream_is_alive()
     assert src is AllocationSource.COMPLETED_EVENT
     assert pool.lock_stats().events_recorded == 1  # B's search met a closed epoch
     check(pool)
+
+
+def test_an_epoch_whose_blocks_were_all_reused_records_no_event() -> None:
+    pool = make_pool()
+    account = pool.open_account("trial 0", streams=(A,))
+    for _ in range(10):
+        p = pool.allocate(100 * KiB, A)
+        pool.sim.submit(A)
+        pool.free(p, A)
+    pool.allocate(100 * KiB, A)  # the last freed block is taken again by its own stream
+    account.close()
+    assert pool.lock_stats().events_recorded == 0
+    check(pool)
