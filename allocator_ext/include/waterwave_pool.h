@@ -151,6 +151,10 @@ WW_API void ww_pool_reset_peaks(void* pool);
  * frees of waterwave_torch_free queued because the mutex was held, waterwave_torch_free calls that
  * waited for it (only with the knob below), ns they waited}. */
 WW_API void ww_pool_lock_stats(void* pool, uint64_t* out6);
+/* Events the pool recorded for frees, and frees, since it was made: out2 = {events, frees}. Frees
+ * of one stream share one event per epoch (at most 64 frees), recorded only when another stream,
+ * a segment release or a snapshot needs it (issue 22, finding 7). */
+WW_API void ww_pool_event_stats(void* pool, uint64_t* out2);
 /* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the behaviour before issue 14),
  * 0 (default) queues the free when the mutex is held. */
 WW_API void ww_pool_set_torch_free_blocking(void* pool, int blocking);

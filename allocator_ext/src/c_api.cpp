@@ -142,6 +142,8 @@ void ww_pool_reset_peaks(void* pool) { as_pool(pool)->reset_peaks(); }
 
 void ww_pool_lock_stats(void* pool, uint64_t* out6) { as_pool(pool)->lock_stats(out6); }
 
+void ww_pool_event_stats(void* pool, uint64_t* out2) { as_pool(pool)->event_stats(out2); }
+
 void ww_pool_set_torch_free_blocking(void* pool, int blocking) {
   as_pool(pool)->set_blocking_torch_free(blocking != 0);
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <set>
 #include <string>
 
 #include "format_bytes.hpp"
@@ -18,6 +19,9 @@ void set_last_error(const std::string& msg);  // c_api.cpp
 namespace {
 
 constexpr std::size_t kEventCacheMax = 4096;
+// Frees of one stream that share one event at most (see SyncPoint in pool.hpp): bounds how much
+// later work of the freeing stream a cross-stream reuse may wait for.
+constexpr std::uint32_t kEpochFrees = 64;
 constexpr int kCrossStreamProbe = 8;  // candidates examined per other stream
 
 std::size_t next_pow2(std::size_t n) {
@@ -84,6 +88,17 @@ Pool::Pool(std::unique_ptr<Upstream> upstream, std::unique_ptr<Trace> trace, std
 Pool::~Pool() {
   std::lock_guard<std::mutex> g(mu_);
   drain_pending_locked();
+  std::set<SyncPoint*> syncs;
+  for (auto& kv : open_sync_) syncs.insert(kv.second);
+  for (auto& kv : segments_) {
+    for (Block* b = kv.second->first; b != nullptr; b = b->next) {
+      if (b->sync != nullptr) syncs.insert(b->sync);
+    }
+  }
+  for (SyncPoint* sp : syncs) {
+    if (sp->event != 0) upstream_->destroy_event(sp->event);
+    delete sp;
+  }
   for (auto& kv : segments_) {
     Segment* seg = kv.second;
     bool idle = seg->live_blocks == 0;
@@ -91,7 +106,6 @@ Pool::~Pool() {
     while (b != nullptr) {
       Block* n = b->next;
       for (Event e : b->extra_events) upstream_->destroy_event(e);
-      if (b->event != 0) upstream_->destroy_event(b->event);
       delete b;
       b = n;
     }
@@ -117,6 +131,11 @@ std::unique_lock<std::mutex> Pool::acquire() {
   lock_acquisitions_.fetch_add(1, std::memory_order_relaxed);
   drain_pending_locked();
   return lk;
+}
+
+void Pool::event_stats(std::uint64_t* out) {
+  out[0] = epochs_closed_.load(std::memory_order_relaxed);
+  out[1] = frees_.load(std::memory_order_relaxed);
 }
 
 void Pool::lock_stats(std::uint64_t* out) {
@@ -161,11 +180,55 @@ void Pool::erase_free_locked(Block* b) {
   if (it != free_.end()) it->second.erase(b);
 }
 
-bool Pool::event_done_locked(Block* b) {
-  if (b->event == 0) return true;
-  if (!upstream_->event_completed(b->event)) return false;
-  put_event_locked(b->event);
-  b->event = 0;
+void Pool::close_epoch_locked(SyncPoint* sp) {
+  if (!sp->open) return;
+  sp->open = false;
+  open_sync_.erase(sp->stream);
+  if (sp->refs == 1) {  // every block of the epoch was reused by its stream: nothing to cover
+    unref_sync_locked(sp);
+    return;
+  }
+  Event ev = get_event_locked();
+  if (ev != 0 && upstream_->record_event(ev, sp->stream)) {
+    sp->event = ev;
+    epochs_closed_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    // No event could be recorded: fall back to a CPU-side wait (an error path, never taken by sim).
+    put_event_locked(ev);
+    upstream_->synchronize_stream(sp->stream);
+    sp->complete = true;
+  }
+  unref_sync_locked(sp);  // the stream's open slot; the epoch's blocks keep theirs
+}
+
+void Pool::close_stream_epoch_locked(Stream s) {
+  // The stream's owner (a trial) is done with it while it is alive: record its epoch's event
+  // now, not later on a stream the owner may destroy.
+  auto it = open_sync_.find(s);
+  if (it != open_sync_.end()) close_epoch_locked(it->second);
+}
+
+void Pool::unref_sync_locked(SyncPoint* sp) {
+  if (sp == nullptr || --sp->refs != 0) return;
+  put_event_locked(sp->event);  // a pending event may be recorded again: it is overwritten
+  delete sp;
+}
+
+SyncPoint* Pool::newer_sync(SyncPoint* a, SyncPoint* b) { return a->order >= b->order ? a : b; }
+
+bool Pool::sync_done_locked(Block* b, bool close_open) {
+  SyncPoint* sp = b->sync;
+  if (sp == nullptr) return true;
+  if (sp->open) {
+    if (!close_open) return false;
+    close_epoch_locked(sp);
+  }
+  if (!sp->complete) {
+    if (!upstream_->event_completed(sp->event)) return false;
+    sp->complete = true;
+  }
+  b->sync = nullptr;
+  unref_sync_locked(sp);
   return true;
 }
 
@@ -197,7 +260,7 @@ Block* Pool::find_free_locked(std::size_t size, Stream stream, int* source) {
          ++it, ++k) {
       Block* b = *it;
       if (done != nullptr && b->size >= done->size) break;
-      if (event_done_locked(b)) {
+      if (sync_done_locked(b, true)) {
         done = b;
         break;
       }
@@ -209,7 +272,8 @@ Block* Pool::find_free_locked(std::size_t size, Stream stream, int* source) {
     return done;
   }
   if (pending != nullptr) {
-    if (upstream_->stream_wait_event(stream, pending->event)) {
+    // sync_done_locked closed its epoch: it has an event, pending.
+    if (upstream_->stream_wait_event(stream, pending->sync->event)) {
       *source = WW_SOURCE_STREAM_WAIT;
       return pending;
     }
@@ -229,15 +293,15 @@ Block* Pool::take_locked(Block* b, std::size_t size, Stream stream, int source,
     r->next = b->next;
     if (b->next != nullptr) b->next->prev = r;
     b->next = r;
-    r->stream = b->stream;  // the remainder keeps the freeing stream and its pending event
-    r->event = b->event;
+    r->stream = b->stream;  // the remainder keeps the freeing stream and its pending epoch
+    r->sync = b->sync;
     r->free_order = b->free_order;
-    b->event = 0;
+    b->sync = nullptr;
     b->size = size;
     insert_free_locked(r);
   } else {
-    put_event_locked(b->event);
-    b->event = 0;
+    unref_sync_locked(b->sync);
+    b->sync = nullptr;
   }
   b->allocated = true;
   b->stream = stream;
@@ -404,26 +468,27 @@ int Pool::allocate(std::size_t nbytes, Stream stream, std::uintptr_t* out, int* 
   return status;
 }
 
-bool Pool::try_merge_locked(Block* left, Block* right) {
+bool Pool::try_merge_locked(Block* left, Block* right, bool close_open) {
   if (left->allocated || right->allocated || left->deferred || right->deferred) return false;
   Stream st;
-  Event ev;
+  SyncPoint* sync;
   std::uint64_t order;
-  Event drop = 0;
+  SyncPoint* drop = nullptr;
   Block* newer = left->free_order >= right->free_order ? left : right;
-  Block* older = newer == left ? right : left;
-  const bool ld = event_done_locked(left);
-  const bool rd = event_done_locked(right);
+  // On a free (close_open false) no epoch is closed: a free coalesces with its neighbours every
+  // time. The slow path (coalesce_all_locked) closes them to learn what completed.
+  const bool ld = sync_done_locked(left, close_open);
+  const bool rd = sync_done_locked(right, close_open);
   if (ld && rd) {
     // Both synchronized: the merged block is free for every stream.
     st = newer->stream;
-    ev = 0;
+    sync = nullptr;
     order = newer->free_order;
   } else if (!ld && !rd && left->stream == right->stream) {
-    // Both pending on one stream: events there are ordered, the later one covers both.
+    // Both pending on one stream: epochs there close in order, the later one covers both.
     st = left->stream;
-    ev = newer->event;
-    drop = older->event;
+    sync = newer_sync(left->sync, right->sync);
+    drop = sync == left->sync ? right->sync : left->sync;  // the same epoch: one reference less
     order = newer->free_order;
   } else {
     // A completed block is never tied to a pending one: it would make other streams wait on
@@ -437,9 +502,10 @@ bool Pool::try_merge_locked(Block* left, Block* right) {
   left->next = right->next;
   if (right->next != nullptr) right->next->prev = left;
   left->stream = st;
-  left->event = ev;
+  left->sync = sync;
   left->free_order = order;
-  if (drop != 0 && drop != ev) put_event_locked(drop);
+  right->sync = nullptr;
+  unref_sync_locked(drop);
   delete right;
   insert_free_locked(left);
   return true;
@@ -457,7 +523,7 @@ void Pool::coalesce_all_locked() {
   for (auto& kv : segments_) {
     Block* b = kv.second->first;
     while (b != nullptr && b->next != nullptr) {
-      if (!try_merge_locked(b, b->next)) b = b->next;
+      if (!try_merge_locked(b, b->next, true)) b = b->next;
     }
   }
 }
@@ -486,7 +552,7 @@ std::vector<Segment*> Pool::collect_releasable_locked() {
     Segment* seg = it->second;
     bool ok = seg->live_blocks == 0;
     for (Block* b = seg->first; ok && b != nullptr; b = b->next) {
-      ok = !b->deferred && event_done_locked(b);
+      ok = !b->deferred && sync_done_locked(b, true);
     }
     if (!ok) {
       ++it;
@@ -620,26 +686,31 @@ int Pool::free_locked(std::uintptr_t ptr, Stream stream, bool has_stream) {
   const std::int64_t account = b->account;
   b->account = -1;
   b->requested = 0;
-  Event ev = get_event_locked();
-  if (ev != 0 && upstream_->record_event(ev, s)) {
-    b->event = ev;
-  } else {
-    // No event could be recorded: fall back to a CPU-side wait (an error path, never taken by sim).
-    put_event_locked(ev);
-    upstream_->synchronize_stream(s);
-    b->event = 0;
+  // The block joins its stream's open epoch; no event is recorded now (see SyncPoint).
+  SyncPoint*& slot = open_sync_[s];
+  if (slot == nullptr) {
+    slot = new SyncPoint;
+    slot->stream = s;
+    slot->refs = 1;  // the open slot's reference
+    slot->order = ++sync_order_;
   }
+  SyncPoint* sp = slot;
+  sp->refs += 1;
+  sp->frees += 1;
+  b->sync = sp;
   b->stream = s;
   b->free_order = ++free_counter_;
+  frees_.fetch_add(1, std::memory_order_relaxed);
   upstream_->note_use(b->addr, b->size, s);
   ww_trace_entry t{};
   t.kind = WW_TRACE_FREE;
   t.ptr = b->addr;
   t.size = b->size;
   t.stream = s;
-  t.seq = b->event != 0 ? upstream_->event_seq(b->event) : 0;
+  t.seq = upstream_->stream_position(s);  // the work the free covers (sim; 0 on a device)
   t.account = account;
   trace_->add(t);
+  if (sp->frees >= kEpochFrees) close_epoch_locked(sp);
   if (!b->extra_streams.empty()) {
     for (Stream x : b->extra_streams) {
       if (x == s) continue;
@@ -718,7 +789,7 @@ std::uint64_t Pool::snapshot(ww_block_info* out, std::uint64_t max) {
         i.requested = b->requested;
         i.account = b->allocated ? b->account : -1;
         i.allocated = b->allocated ? 1 : 0;
-        i.event_pending = (!b->allocated && (b->deferred || !event_done_locked(b))) ? 1 : 0;
+        i.event_pending = (!b->allocated && (b->deferred || !sync_done_locked(b, true))) ? 1 : 0;
       }
       ++n;
     }
@@ -740,7 +811,10 @@ int Pool::account_close(std::int64_t id) {
     set_last_error("account " + std::to_string(id) + " is not open");
     return WW_INVALID;
   }
-  for (Stream s : it->second.streams) stream_to_account_.erase(s);
+  for (Stream s : it->second.streams) {
+    stream_to_account_.erase(s);
+    close_stream_epoch_locked(s);
+  }
   accounts_.erase(it);
   return WW_OK;
 }
@@ -775,6 +849,7 @@ int Pool::account_unbind(std::int64_t id, Stream s) {
   }
   stream_to_account_.erase(it);
   a->streams.erase(std::remove(a->streams.begin(), a->streams.end(), s), a->streams.end());
+  close_stream_epoch_locked(s);
   return WW_OK;
 }
 

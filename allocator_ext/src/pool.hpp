@@ -29,6 +29,26 @@ std::size_t round_size(std::size_t nbytes);
 
 struct Segment;
 
+// The work a stream had queued when blocks were freed on it: one event, shared by every block
+// freed there in one "epoch" (RMM's stream_ordered_memory_resource keeps one event per stream for
+// the same reason). An epoch is open (no event yet) until someone needs to know whether its frees
+// are complete: a cross-stream search, a segment release, a snapshot, or its kEpochFrees-th free.
+// Then one event is recorded on the stream; it covers every free of the epoch, since events on a
+// stream complete in order and it is recorded after them. So a stream that reuses its own blocks
+// (the common case) records one event per kEpochFrees frees instead of one per free, inside the
+// pool's mutex (issue 22, finding 7). The stream must stay alive while an epoch of its is open:
+// PyTorch's streams (pooled, never destroyed) and the null stream do, and closing or unbinding a
+// stream's account (a trial's end) closes its epoch while the stream is still the trial's.
+struct SyncPoint {
+  Stream stream = 0;
+  Event event = 0;          // recorded on `stream` when the epoch closed; 0 while open
+  bool open = true;         // frees still join it; no event recorded yet
+  bool complete = false;    // its event completed (or the stream was synchronized)
+  std::uint32_t refs = 0;   // blocks pointing at it, +1 while it is its stream's open epoch
+  std::uint32_t frees = 0;  // frees it covers
+  std::uint64_t order = 0;  // creation order (epochs of one stream close in this order)
+};
+
 struct Block {
   std::uintptr_t addr = 0;
   std::size_t size = 0;
@@ -38,7 +58,7 @@ struct Block {
   bool allocated = false;
   bool deferred = false;  // freed, waiting for record_stream events before it can be reused
   Stream stream = 0;      // live: allocating stream; free: the stream that freed it
-  Event event = 0;        // free: event recorded on `stream` at free; 0 = known complete
+  SyncPoint* sync = nullptr;  // free: covers `stream`'s work at the free; nullptr = known complete
   std::uint64_t free_order = 0;
   std::int64_t account = -1;
   std::size_t requested = 0;
@@ -106,6 +126,8 @@ class Pool {
                   std::uint64_t* deferred_frees);
   // out[6]: the four above, then PyTorch-path frees that waited for the mutex and their ns.
   void lock_stats(std::uint64_t* out);
+  // out[2]: events recorded for frees (epochs closed) and frees, since the pool was made.
+  void event_stats(std::uint64_t* out);
   // Benchmark knob: make free_nonblocking wait for the mutex as before issue 14.
   void set_blocking_torch_free(bool on) { blocking_torch_free_.store(on); }
 
@@ -125,9 +147,16 @@ class Pool {
                      std::int64_t account);
   void insert_free_locked(Block* b);
   void erase_free_locked(Block* b);
-  bool event_done_locked(Block* b);  // queries and drops the event when complete
+  // Whether b's frees are complete; drops b's epoch when they are. An open epoch is closed
+  // (its one event recorded) only with `close_open`; otherwise it counts as pending.
+  bool sync_done_locked(Block* b, bool close_open);
+  void close_epoch_locked(SyncPoint* sp);
+  void close_stream_epoch_locked(Stream s);  // its open epoch, if any (account close/unbind)
+  void unref_sync_locked(SyncPoint* sp);
+  // The newer of two epochs of one stream (the later one covers both).
+  static SyncPoint* newer_sync(SyncPoint* a, SyncPoint* b);
   Block* coalesce_locked(Block* b);
-  bool try_merge_locked(Block* left, Block* right);
+  bool try_merge_locked(Block* left, Block* right, bool close_open = false);
   void coalesce_all_locked();
   void process_deferred_locked();
   std::vector<Segment*> collect_releasable_locked();
@@ -165,6 +194,10 @@ class Pool {
   std::map<std::uintptr_t, Segment*> segments_;
   std::vector<Block*> deferred_;
   std::vector<Event> event_cache_;
+  std::unordered_map<Stream, SyncPoint*> open_sync_;  // each stream's open epoch
+  std::uint64_t sync_order_ = 0;                      // numbers epochs in creation order
+  std::atomic<std::uint64_t> epochs_closed_{0};
+  std::atomic<std::uint64_t> frees_{0};
   Counters total_;
   std::map<Stream, Counters> streams_;
   std::map<std::int64_t, Account> accounts_;

@@ -81,6 +81,9 @@ class Upstream {
   // The sim's sequence number of an event (for the trace); 0 for real devices.
   virtual std::uint64_t event_seq(Event) { return 0; }
   virtual Stream event_stream(Event) { return 0; }
+  // The sim's count of work submitted on `stream` so far (the trace's position of a free); 0 for
+  // real devices.
+  virtual std::uint64_t stream_position(Stream) { return 0; }
   virtual bool is_sim() const { return false; }
   // A driver error that poisons the device context (e.g. CUDA_ERROR_ILLEGAL_ADDRESS from an event
   // query): once set, the pool serves no allocation and reports WW_BACKEND_ERROR with it. Empty

@@ -5,8 +5,13 @@
 //
 // Every driver call runs with the device's primary context current (the one the CUDA runtime, and
 // so PyTorch and CuPy, use): if the calling thread has another or none, it is pushed and popped.
+// The primary context is retained at the first call that needs it, not when the upstream is made:
+// a pass-through pool exists for every visible device (memory/_torch.py), and retaining a context
+// costs about 0.3-0.5 GiB of device memory and fails on an exclusive-process GPU another process
+// holds. So a device the study never allocates on keeps no context of ours (issue 22, finding 5).
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -129,20 +134,22 @@ class CudaUpstream final : public Upstream {
       throw std::runtime_error("no CUDA device " + std::to_string(device) + ": " +
                                error_string(d_, r));
     }
-    r = d_.cuDevicePrimaryCtxRetain(&ctx_, device_);
-    if (r != kSuccess) {
-      throw std::runtime_error("cannot retain the primary context of device " +
-                               std::to_string(device) + ": " + error_string(d_, r));
-    }
   }
 
-  ~CudaUpstream() override { d_.cuDevicePrimaryCtxRelease(device_); }
+  ~CudaUpstream() override {
+    if (ctx_.load() != nullptr) d_.cuDevicePrimaryCtxRelease(device_);
+  }
 
   void* alloc_segment(std::size_t nbytes, Stream stream) override {
     if (seg_alloc_ != nullptr) {
       return reinterpret_cast<void*>(static_cast<std::uintptr_t>(seg_alloc_(cb_ctx_, nbytes, stream)));
     }
-    ContextGuard g(d_, ctx_);
+    CUcontext ctx = context();
+    if (ctx == nullptr) {
+      set_upstream_error(retain_error());
+      return nullptr;
+    }
+    ContextGuard g(d_, ctx);
     CUdeviceptr p = 0;
     CUresult r = d_.cuMemAlloc(&p, nbytes);
     if (r == kSuccess) return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
@@ -166,30 +173,34 @@ class CudaUpstream final : public Upstream {
       seg_free_(cb_ctx_, reinterpret_cast<std::uintptr_t>(ptr), nbytes);
       return;
     }
-    ContextGuard g(d_, ctx_);
+    CUcontext ctx = context();  // retained: the segment came from cuMemAlloc in it
+    if (ctx == nullptr) return;
+    ContextGuard g(d_, ctx);
     d_.cuMemFree(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr)));
   }
 
   Event create_event() override {
-    ContextGuard g(d_, ctx_);
+    CUcontext ctx = context();
+    if (ctx == nullptr) return 0;
+    ContextGuard g(d_, ctx);
     CUevent e = nullptr;
     if (d_.cuEventCreate(&e, kEventDisableTiming) != kSuccess) return 0;
     return reinterpret_cast<Event>(e);
   }
 
   void destroy_event(Event ev) override {
-    ContextGuard g(d_, ctx_);
+    ContextGuard g(d_, context());  // an event exists only once the context was retained
     d_.cuEventDestroy(reinterpret_cast<CUevent>(ev));
   }
 
   bool record_event(Event ev, Stream stream) override {
-    ContextGuard g(d_, ctx_);
+    ContextGuard g(d_, context());
     return check("cuEventRecord", d_.cuEventRecord(reinterpret_cast<CUevent>(ev),
                                                    reinterpret_cast<CUstream>(stream)));
   }
 
   bool event_completed(Event ev) override {
-    ContextGuard g(d_, ctx_);
+    ContextGuard g(d_, context());
     CUresult r = d_.cuEventQuery(reinterpret_cast<CUevent>(ev));
     if (r == kSuccess) return true;
     // NOT_READY: pending. Any other error (e.g. CUDA_ERROR_ILLEGAL_ADDRESS: the context is
@@ -199,13 +210,15 @@ class CudaUpstream final : public Upstream {
   }
 
   bool stream_wait_event(Stream waiter, Event ev) override {
-    ContextGuard g(d_, ctx_);
+    ContextGuard g(d_, context());
     return check("cuStreamWaitEvent", d_.cuStreamWaitEvent(reinterpret_cast<CUstream>(waiter),
                                                            reinterpret_cast<CUevent>(ev), 0));
   }
 
   bool synchronize_stream(Stream stream) override {
-    ContextGuard g(d_, ctx_);
+    CUcontext ctx = context();
+    if (ctx == nullptr) return false;
+    ContextGuard g(d_, ctx);
     return check("cuStreamSynchronize",
                  d_.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
   }
@@ -222,15 +235,42 @@ class CudaUpstream final : public Upstream {
     return false;
   }
 
+  // The device's primary context, retained at the first call that needs it (see the file's
+  // head); nullptr while not retained, or when retaining failed (retain_error() says why, and
+  // the next call tries again: an exclusive-process GPU may be let go by its holder).
+  CUcontext context() {
+    CUcontext ctx = ctx_.load(std::memory_order_acquire);
+    if (ctx != nullptr) return ctx;
+    std::lock_guard<std::mutex> g(ctx_mu_);
+    ctx = ctx_.load(std::memory_order_relaxed);
+    if (ctx != nullptr) return ctx;
+    CUresult r = d_.cuDevicePrimaryCtxRetain(&ctx, device_);
+    if (r != kSuccess || ctx == nullptr) {
+      retain_error_ = "cannot retain the primary context of CUDA device " +
+                      std::to_string(ordinal_) + ": " + error_string(d_, r) +
+                      " (an exclusive-process GPU held by another process refuses it)";
+      return nullptr;
+    }
+    ctx_.store(ctx, std::memory_order_release);
+    return ctx;
+  }
+
+  std::string retain_error() {
+    std::lock_guard<std::mutex> g(ctx_mu_);
+    return retain_error_;
+  }
+
   Driver& d_;
   int ordinal_ = 0;
+  std::mutex ctx_mu_;
+  std::string retain_error_;  // under ctx_mu_
   std::mutex sticky_mu_;
   std::string sticky_;
   SegmentAllocFn seg_alloc_;
   SegmentFreeFn seg_free_;
   void* cb_ctx_;
   CUdevice device_ = 0;
-  CUcontext ctx_ = nullptr;
+  std::atomic<CUcontext> ctx_{nullptr};
 };
 
 

@@ -179,6 +179,11 @@ class SimUpstream final : public Upstream {
     return it == events_.end() ? 0 : it->second.stream;
   }
 
+  std::uint64_t stream_position(Stream stream) override {
+    std::lock_guard<std::mutex> g(mu_);
+    return streams_[stream].submitted;
+  }
+
   bool is_sim() const override { return true; }
 
   // The stream-hazard checker (issue 14, section 2): every use of a range by a stream is kept

@@ -24,12 +24,16 @@ constexpr int kOutOfMemory = 2;
 constexpr int kNotInitialized = 3;
 constexpr int kInvalidContext = 201;
 constexpr int kNotReady = 600;
+constexpr int kDevicesUnavailable = 46;
+constexpr int kMaxFakeDevices = 8;
+std::atomic<long> g_retains[kMaxFakeDevices];  // primary-context retains held, per device
 
 int g_primary_ctx_storage = 0;
 void* const kPrimary = &g_primary_ctx_storage;
 std::atomic<bool> g_initialized{false};
 std::atomic<long> g_calls_without_context{0};
 std::atomic<long> g_stream_waits{0};
+std::atomic<long> g_event_records{0};
 std::atomic<std::uint64_t> g_mem_used{0};
 constexpr std::uint64_t kDeviceBytes = 256ull << 20;
 
@@ -72,11 +76,22 @@ __attribute__((visibility("default"))) int cuDeviceGet(int* dev, int ordinal) {
   *dev = ordinal;
   return kSuccess;
 }
-__attribute__((visibility("default"))) int cuDevicePrimaryCtxRetain(void** ctx, int) {
+// Retains per device (fake_cuda_retains). A device listed in $FAKE_CUDA_EXCLUSIVE_BUSY (one digit
+// per device, e.g. "2") is an exclusive-process GPU held by another process: retaining its primary
+// context fails with CUDA_ERROR_DEVICES_UNAVAILABLE (46), as on such a GPU.
+__attribute__((visibility("default"))) int cuDevicePrimaryCtxRetain(void** ctx, int dev) {
+  const char* busy = std::getenv("FAKE_CUDA_EXCLUSIVE_BUSY");
+  for (const char* c = busy; c != nullptr && *c != 0; ++c) {
+    if (*c - '0' == dev) return kDevicesUnavailable;
+  }
+  if (dev >= 0 && dev < kMaxFakeDevices) g_retains[dev] += 1;
   *ctx = kPrimary;
   return kSuccess;
 }
-__attribute__((visibility("default"))) int cuDevicePrimaryCtxRelease_v2(int) { return kSuccess; }
+__attribute__((visibility("default"))) int cuDevicePrimaryCtxRelease_v2(int dev) {
+  if (dev >= 0 && dev < kMaxFakeDevices) g_retains[dev] -= 1;
+  return kSuccess;
+}
 __attribute__((visibility("default"))) int cuCtxGetCurrent(void** ctx) {
   if (!g_initialized) return kNotInitialized;
   *ctx = t_ctx_stack.empty() ? nullptr : t_ctx_stack.back();
@@ -127,6 +142,7 @@ __attribute__((visibility("default"))) int cuEventDestroy_v2(void* ev) {
 }
 __attribute__((visibility("default"))) int cuEventRecord(void* ev, void*) {
   if (int r = need_context()) return r;
+  g_event_records += 1;
   auto* e = static_cast<FakeEvent*>(ev);
   e->recorded = true;
   e->queries_until_ready = 1;
@@ -152,6 +168,7 @@ __attribute__((visibility("default"))) int cuGetErrorString(int code, const char
   switch (code) {
     case kOutOfMemory: *s = "out of memory"; break;
     case 700: *s = "an illegal memory access was encountered"; break;
+    case kDevicesUnavailable: *s = "all CUDA-capable devices are busy or unavailable"; break;
     case 710: *s = "device-side assert triggered"; break;
     default: *s = "fake CUDA error"; break;
   }
@@ -159,10 +176,14 @@ __attribute__((visibility("default"))) int cuGetErrorString(int code, const char
 }
 
 // Test hooks.
+__attribute__((visibility("default"))) long fake_cuda_retains(int dev) {
+  return dev >= 0 && dev < kMaxFakeDevices ? g_retains[dev].load() : -1;
+}
 __attribute__((visibility("default"))) long fake_cuda_calls_without_context() {
   return g_calls_without_context.load();
 }
 __attribute__((visibility("default"))) long fake_cuda_stream_waits() { return g_stream_waits.load(); }
+__attribute__((visibility("default"))) long fake_cuda_event_records() { return g_event_records.load(); }
 __attribute__((visibility("default"))) std::uint64_t fake_cuda_mem_used() { return g_mem_used.load(); }
 // where: 1 = cuMemAlloc, 2 = cuEventQuery; code 0 clears the fault.
 __attribute__((visibility("default"))) void fake_cuda_set_fault(int where, int code) {

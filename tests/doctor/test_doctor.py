@@ -15,6 +15,7 @@ from waterwave_hpo.cli import main
 from waterwave_hpo.doctor import CheckResult
 from waterwave_hpo.doctor import CheckStatus
 from waterwave_hpo.doctor import _checks
+from waterwave_hpo.doctor import _features
 
 CHECKS = [
     "pool_library",
@@ -25,6 +26,12 @@ CHECKS = [
     "cudnn_conv",
     "cohosted_study",
     "cupy_stream",
+    "home_plans",
+    "oom_in_backward",
+    "cupy_oom",
+    "laysa_bf16",
+    "fused_batch",
+    "every_gpu",
 ]
 
 
@@ -62,6 +69,7 @@ def test_a_failed_check_fails_the_command_and_is_in_the_report(
     monkeypatch.setattr(_checks, "check_canary_sim", overwritten)
     monkeypatch.setattr(_checks, "check_oom_sim", crashes)
     monkeypatch.setattr(_checks, "check_cohosted", lambda device: _skip("cohosted_study"))
+    monkeypatch.setattr(_features, "FEATURE_CHECKS", ())  # tests/doctor/test_features.py
     out = tmp_path / "r.json"
     assert main(["doctor", "--device", "cpu", "--json", str(out)]) == 1
     report = json.loads(out.read_text())
@@ -128,6 +136,9 @@ def test_on_a_gpu_nothing_initialises_cuda_before_the_pool_is_installed(
         monkeypatch.setattr(_checks, f"check_{name}_cuda", lambda d, _n=name: _skip(_n))
     monkeypatch.setattr(_checks, "check_cohosted", lambda d: _skip("cohosted_study"))
     monkeypatch.setattr(_checks, "check_cudnn", lambda d: _skip("cudnn_conv"))
+    monkeypatch.setattr(
+        _features, "FEATURE_CHECKS", tuple((n, lambda d, _n=n: _skip(_n)) for n in CHECKS[8:])
+    )
     report = run_doctor("cuda:0")
     assert report.gpu_found and report.device == "cuda:0"
     assert order == ["clean"]  # versions and device lookup did not initialise CUDA

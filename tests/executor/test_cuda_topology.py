@@ -135,3 +135,41 @@ def test_a_cuda_out_of_memory_fails_that_trial_alone_and_the_study_goes_on(
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert "out of device memory" in study.trials[0].system_attrs["waterwave:fail_reason"]
     assert topology.device_syncs == []
+
+
+def test_the_oom_retry_releases_no_segment_while_a_neighbour_runs(
+    topology: cuda_topology.Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22, finding 8: the OOM path's torch.cuda.empty_cache() would give the pool's free
+    segments back to the driver (cuMemFree synchronises the whole device, neighbours included);
+    under running trials it is deferred to the last one's end."""
+    # torch.cuda.empty_cache() acts only once CUDA is initialised (torch.cuda.memory's own name)
+    monkeypatch.setattr(torch.cuda.memory, "is_initialized", lambda: True)
+    both = threading.Barrier(2, timeout=60)
+    seen: dict[str, int] = {}
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        ctx = ww.current()
+        pool = topology.pools[0]
+        x = trial.suggest_float("x", 0, 1)
+        if trial.number < 2:
+            both.wait()
+        if trial.number == 0:
+            pool.free(pool.allocate(4 * MIB, stream=ctx.stream), stream=ctx.stream)
+            pool.sim.finish_all()  # the block's last use completed: its segment is releasable
+            seen["cached"] = pool.stats().reserved_bytes
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        if trial.number == 1:  # the neighbour, still running when trial 0 is told FAIL
+            while study.trials[0].state is not TrialState.FAIL:
+                threading.Event().wait(0.01)
+            seen["after_retry_path"] = pool.stats().reserved_bytes
+        return x
+
+    study = optuna.create_study()
+    ww.WaterwaveExecutor("cuda:0", 2, record_trial_attrs=True).optimize(
+        study, objective, n_trials=2
+    )
+    assert [t.state for t in study.trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    assert seen["cached"] > 0
+    assert seen["after_retry_path"] == seen["cached"]  # nothing released under the neighbour
+    assert topology.pools[0].stats().reserved_bytes == 0  # released once no trial runs

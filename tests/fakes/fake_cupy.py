@@ -67,6 +67,15 @@ def using_allocator(allocator: Callable[[int], Any] | None = None) -> Iterator[N
         _local.allocator = saved
 
 
+class OutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError(size, total, limit=0)``: a ``MemoryError``, as CuPy's."""
+
+    def __init__(self, size: int, total: int, limit: int = 0) -> None:
+        super().__init__(
+            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes)."
+        )
+
+
 class FakeArray:
     """What ``cupy.empty`` returns here: the stream it was made on."""
 
@@ -80,6 +89,9 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """Put the fake ``cupy`` (and ``cupy.cuda``) in ``sys.modules`` for one test."""
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
+    memory = types.ModuleType("cupy.cuda.memory")
+    memory.OutOfMemoryError = OutOfMemoryError  # type: ignore[attr-defined]
+    cuda.memory = memory  # type: ignore[attr-defined]
     cuda.ExternalStream = ExternalStream  # type: ignore[attr-defined]
     cuda.Device = Device  # type: ignore[attr-defined]
     cuda.get_current_stream = get_current_stream  # type: ignore[attr-defined]
@@ -88,4 +100,5 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     cupy.empty = lambda nbytes: FakeArray(nbytes)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.memory", memory)
     return cupy

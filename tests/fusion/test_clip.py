@@ -64,3 +64,22 @@ def test_bad_max_norm_is_refused(max_norm: object, error: type[Exception], patte
     fused, _ = _fused_and_singles([1.0, 1.0, 1.0])
     with pytest.raises(error, match=pattern):
         fusion.clip_grad_norm_(fused, max_norm)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_norm", [1.0, [1.0, 2.0, 3.0]], ids=["one limit", "per model"])
+def test_clipping_makes_no_blocking_host_to_device_copy(
+    monkeypatch: pytest.MonkeyPatch, max_norm: float | list[float]
+) -> None:
+    """Issue 22, finding 6: one limit is a scalar argument (no copy at all); per-model limits
+    reach the device by one queued copy from pinned memory, never one the host waits for."""
+    from fusion._copies import HostToDeviceCopies
+
+    grads = [nn.Parameter(torch.zeros(3, *s, device="meta")) for s in SHAPES]
+    for p in grads:
+        p.grad = torch.ones(p.shape, device="meta")  # the (stand-in) device's gradients
+    copies = HostToDeviceCopies(monkeypatch)
+    with copies:
+        norms = fusion.clip_grad_norm_(grads, max_norm)
+    assert copies.blocking == []
+    assert len(copies.copies) == (0 if isinstance(max_norm, float) else 1)
+    assert norms.shape == (3,) and norms.device.type == "meta"

@@ -407,3 +407,25 @@ def test_schedules_composed_inside_the_factory_follow_stock() -> None:
             o.step()
             s.step()
         assert opt.param_groups[0]["lr"].tolist() == [o.param_groups[0]["lr"] for o in stock]
+
+
+def test_a_scheduler_step_queues_the_new_values_without_a_blocking_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 22, finding 6: each step's (K,) values reach the device by one queued copy from
+    pinned memory per changed hyperparameter, never a copy the host waits for."""
+    from fusion._copies import HostToDeviceCopies
+
+    stacked = Stacked(make_models(3))
+    opt = fusion.optimizer(torch.optim.SGD, stacked, [{"lr": 0.1, "momentum": 0.9}] * 3)
+    sched = fusion.LambdaLR(opt, [lambda e: 1.0, lambda e: 0.5**e, lambda e: 1.0 / (1 + e)])
+    group = opt.param_groups[0]
+    for name in ("lr", "momentum", "weight_decay", "dampening"):
+        group[name] = group[name].to("meta")  # the values live on the (stand-in) device
+    copies = HostToDeviceCopies(monkeypatch)
+    with copies:
+        for _ in range(4):
+            sched.step()
+    assert copies.blocking == []
+    assert len(copies.copies) == 4  # lr, once per step; the other values did not change
+    assert group["lr"].device.type == "meta"

@@ -308,3 +308,105 @@ def test_every_visible_device_gets_a_pool_or_a_clear_no_pool_error_at_swap(
     assert "cannot use PyTorch's allocator" in out["exec2"]
     assert out["exec1_replaced"] is True
     assert not any("PyTorch's own CUDA allocator" in m for m in out["logs"]), out["logs"]
+
+
+LAZY_CONTEXT_SCRIPT = r"""
+import ctypes, json
+import torch
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory._lib import load_library, last_error
+
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_retains.restype = ctypes.c_long
+class FakePluggable:
+    def __init__(self, path, alloc, free):
+        pass
+torch.cuda.is_initialized = lambda: False
+torch.cuda.device_count = lambda: 3
+torch.cuda.memory.CUDAPluggableAllocator = FakePluggable
+torch.cuda.memory.change_current_allocator = lambda a: None
+lib = load_library()
+try_malloc = lib.waterwave_torch_try_malloc
+try_malloc.restype = ctypes.c_int
+VP = ctypes.c_void_p
+try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, VP, ctypes.POINTER(VP)]
+free = lib.waterwave_torch_free
+free.argtypes = [VP, ctypes.c_size_t, ctypes.c_int, VP]
+retains = lambda: [fake.fake_cuda_retains(d) for d in range(3)]
+out = {}
+pool0 = wm.StreamAwarePool(backend="cuda", device=0)
+out["after_pool0"] = retains()
+wm.use_pool(pool0)
+info = wm.allocator_info()
+out["passthrough"] = list(info.passthrough_devices)
+out["unavailable"] = sorted(info.unavailable_devices)
+out["after_swap"] = retains()
+ptr = VP()
+out["alloc0"] = try_malloc(4096, 0, 0, ctypes.byref(ptr))
+free(ptr, 4096, 0, None)
+out["after_use0"] = retains()
+out["alloc1"] = try_malloc(4096, 1, 0, ctypes.byref(ptr))
+free(ptr, 4096, 1, None)
+out["after_use1"] = retains()
+out["alloc2"] = [try_malloc(4096, 2, 0, ctypes.byref(ptr)), last_error()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_device_keeps_no_cuda_context_until_the_study_allocates_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22, finding 5: a pass-through pool retains its device's primary context (0.3-0.5 GiB
+    of device memory) only at that device's first allocation; an exclusive-process GPU held by
+    another process fails only if the study allocates on it, and then not as an OOM."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
+    monkeypatch.setenv("FAKE_CUDA_EXCLUSIVE_BUSY", "2")
+    monkeypatch.setenv("WATERWAVE_HPO_CACHE", str(tmp_path / "cache"))
+    out = run_against_fake_driver(tmp_path, LAZY_CONTEXT_SCRIPT)
+    assert out["after_pool0"] == [0, 0, 0]  # making a pool touches no context
+    assert out["passthrough"] == [1, 2] and out["unavailable"] == []
+    assert out["after_swap"] == [0, 0, 0]  # nor does the swap, on any device
+    assert out["alloc0"] == 0 and out["after_use0"] == [1, 0, 0]
+    assert out["alloc1"] == 0 and out["after_use1"] == [1, 1, 0]
+    status, message = out["alloc2"]
+    assert status == 5  # WW_BACKEND_ERROR: never an OOM, retrying beside fewer trials cannot help
+    assert "cannot retain the primary context of CUDA device 2" in message
+    assert "busy or unavailable" in message and OOM_MARKER not in message
+
+
+EVENTS_SCRIPT = r"""
+import ctypes, json
+import waterwave_hpo.memory as wm
+
+fake = ctypes.CDLL("libcuda.so.1")
+pool = wm.StreamAwarePool(backend="cuda")
+for _ in range(1000):  # a trial's step: its stream reuses its own blocks
+    p = pool.allocate(4096, 1)
+    pool.free(p, 1)
+out = {"records": fake.fake_cuda_event_records()}
+p = pool.allocate(4096, 1)
+pool.free(p, 1)
+q, source = pool.allocate_with_source(4096, 2)  # another stream takes it: one more event
+out.update(
+    records_after_steal=fake.fake_cuda_event_records(),
+    source=source.name,
+    waits=fake.fake_cuda_stream_waits(),
+)
+pool.free(q, 2)
+pool.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_frees_record_one_cuda_event_per_epoch_not_one_per_free(tmp_path: Path) -> None:
+    """Issue 22, finding 7, through the CUDA backend: 1000 frees of one stream call
+    cuEventRecord at most once per 64 frees; a block another stream takes is covered by an
+    event recorded after its free, completed or waited for on the GPU."""
+    out = run_against_fake_driver(tmp_path, EVENTS_SCRIPT)
+    assert out["records"] <= 1000 // 64
+    # The search closed stream 1's open epoch (one event for its last frees) and took a block
+    # whose event completed, or waited for it on the GPU: never a block with no event.
+    assert out["records_after_steal"] == out["records"] + 1
+    assert (out["source"], out["waits"]) in (("COMPLETED_EVENT", 0), ("STREAM_WAIT", 1))

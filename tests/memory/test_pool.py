@@ -391,3 +391,73 @@ def _has_cupy() -> bool:
 def test_cupy_backend_without_cupy_names_the_install_fix() -> None:
     with pytest.raises(RuntimeError, match=r"waterwave-hpo\[cuda\]"):
         StreamAwarePool(backend="cupy")
+
+
+def test_a_stream_reusing_its_own_blocks_records_one_event_per_epoch_not_per_free() -> None:
+    """Issue 22, finding 7: 1000 frees on one stream, each block reused by that stream, record at
+    most one event per 64 frees (the epoch's cap) inside the pool's mutex, not one per free."""
+    pool = make_pool()
+    for _ in range(1000):
+        p = pool.allocate(100 * KiB, A)
+        pool.sim.submit(A)
+        pool.free(p, A)
+    stats = pool.lock_stats()
+    assert stats.frees == 1000
+    assert stats.events_recorded <= 1000 // 64
+    check(pool)
+
+
+def test_frees_of_one_epoch_share_one_event_and_another_stream_still_waits_for_them() -> None:
+    """The batched event keeps cross-stream reuse safe: stream B is handed A's blocks only after
+    a GPU-side wait on the one event recorded (lazily) after all of A's frees."""
+    pool = make_pool()
+    ptrs = [pool.allocate(SEG, A) for _ in range(4)]
+    pool.sim.submit(A)  # A's kernels that use the blocks, still queued
+    for p in ptrs:
+        pool.free(p, A)
+    assert pool.lock_stats().events_recorded == 0  # nobody needed one yet
+    q, src = pool.allocate_with_source(SEG, B)
+    assert q in ptrs and src is AllocationSource.STREAM_WAIT
+    assert pool.lock_stats().events_recorded == 1  # one event covers the four frees
+    r, src = pool.allocate_with_source(SEG, C)
+    assert r in ptrs and src is AllocationSource.STREAM_WAIT
+    assert pool.lock_stats().events_recorded == 1
+    assert pool.sim.hazards() == []
+    checker = check(pool)
+    assert checker.stream_waits == 2
+    pool.sim.finish_all()
+    s, src = pool.allocate_with_source(SEG, C)
+    assert s in ptrs and src is AllocationSource.COMPLETED_EVENT
+
+
+def test_closing_an_account_closes_its_streams_epoch_while_the_stream_is_alive() -> None:
+    """A trial's end records the one event of its stream's open epoch then, not later on a
+    stream its owner may have destroyed; the blocks then count as freed on that stream."""
+    pool = make_pool()
+    account = pool.open_account("trial 0", streams=(A,))
+    ptrs = [pool.allocate(100 * KiB, A) for _ in range(3)]
+    pool.sim.submit(A)
+    for p in ptrs:
+        pool.free(p, A)
+    assert pool.lock_stats().events_recorded == 0
+    account.close()
+    assert pool.lock_stats().events_recorded == 1
+    pool.sim.finish_all()
+    q, src = pool.allocate_with_source(100 * KiB, B)
+    assert q in ptrs
+    assert src is AllocationSource.COMPLETED_EVENT
+    assert pool.lock_stats().events_recorded == 1  # B's search met a closed epoch
+    check(pool)
+
+
+def test_an_epoch_whose_blocks_were_all_reused_records_no_event() -> None:
+    pool = make_pool()
+    account = pool.open_account("trial 0", streams=(A,))
+    for _ in range(10):
+        p = pool.allocate(100 * KiB, A)
+        pool.sim.submit(A)
+        pool.free(p, A)
+    pool.allocate(100 * KiB, A)  # the last freed block is taken again by its own stream
+    account.close()
+    assert pool.lock_stats().events_recorded == 0
+    check(pool)

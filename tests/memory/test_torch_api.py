@@ -7,6 +7,7 @@ make ``torch.cuda`` report an initialized device 0; what they call is torch's ow
 from __future__ import annotations
 
 from collections.abc import Iterator
+import os
 import warnings
 
 import pytest
@@ -95,3 +96,43 @@ def test_guards_come_off_cleanly() -> None:
     torch.backends.cudnn.benchmark = True
     assert torch.backends.cudnn.benchmark is True
     torch.backends.cudnn.benchmark = False
+
+
+def test_empty_cache_waits_for_the_running_trials_before_releasing(pool: StreamAwarePool) -> None:
+    """Issue 22, finding 8: cuMemFree synchronises the whole device, so torch.cuda.empty_cache()
+    (the OOM retry calls it) releases nothing while trials run on the pool; the release happens
+    when the last running trial's account closes."""
+    first = pool.open_account("0", streams=(1,))
+    second = pool.open_account("1", streams=(2,))
+    p = pool.allocate(1 << 20, stream=1)
+    pool.free(p, stream=1)
+    pool.sim.finish_all()
+    reserved = pool.stats().reserved_bytes
+    assert reserved > 0
+    torch.cuda.empty_cache()  # from inside trial 0, say, beside trial 1
+    assert pool.stats().reserved_bytes == reserved
+    first.close()
+    assert pool.stats().reserved_bytes == reserved  # trial 1 still runs
+    second.close()
+    assert pool.stats().reserved_bytes == 0
+
+
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_cudnn_heuristic_mode_b_replaces_benchmark_mode_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, user_value: str | None
+) -> None:
+    """Issue 22, finding 8: with benchmark mode off under the pool, cuDNN picks plans with its
+    heuristic mode B (TORCH_CUDNN_USE_HEURISTIC_MODE_B, read by torch at the first cuDNN
+    convolution); a value the user set is kept."""
+    from waterwave_hpo.memory._torch_api import HEURISTIC_MODE_B
+
+    if user_value is None:
+        monkeypatch.delenv(HEURISTIC_MODE_B, raising=False)
+    else:
+        monkeypatch.setenv(HEURISTIC_MODE_B, user_value)
+    install_guards(lambda index: None)
+    try:
+        assert os.environ[HEURISTIC_MODE_B] == (user_value or "1")
+    finally:
+        remove_guards()
+    assert os.environ.get(HEURISTIC_MODE_B) == user_value

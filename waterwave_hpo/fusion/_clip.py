@@ -20,6 +20,7 @@ from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
 from waterwave_hpo.fusion._optim import _is_number
 from waterwave_hpo.fusion._optim import _named_parameters
+from waterwave_hpo.fusion._optim import host_to_device
 
 
 def _max_norms(max_norm: object, num_models: int) -> list[float]:
@@ -81,8 +82,11 @@ def clip_grad_norm_(
     ord_ = float(norm_type)
     per_param = [torch.linalg.vector_norm(g.flatten(1), ord_, dim=1).to(device) for g in grads]
     norms: torch.Tensor = torch.linalg.vector_norm(torch.stack(per_param), ord_, dim=0)  # (K,)
-    limit = torch.tensor(limits, dtype=norms.dtype, device=device)
-    coefficient = torch.clamp(limit / (norms + 1e-6), max=1.0)
+    if all(m == limits[0] for m in limits):  # one limit: a scalar argument, no copy at all
+        coefficient = torch.clamp(float(limits[0]) / (norms + 1e-6), max=1.0)
+    else:  # per-model limits: queued from pinned memory, never a blocking copy per step
+        limit = host_to_device(torch.tensor(limits, dtype=norms.dtype), device)
+        coefficient = torch.clamp(limit / (norms + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coefficient.to(g.dtype).reshape((k,) + (1,) * (g.dim() - 1)))
     return norms

@@ -312,6 +312,34 @@ def _check_leading_dim(name: str, p: torch.Tensor, num_models: int) -> None:
         )
 
 
+def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` (a small host tensor) on ``device``, with no blocking host-to-device copy.
+
+    On the CPU: ``values`` itself. Elsewhere the copy is queued on the current stream from pinned
+    memory with ``non_blocking=True``: it is ordered before every kernel queued on that stream
+    later (the step's kernels that read the result), and the host goes on at once. A copy from
+    pageable memory (``torch.tensor(..., device=cuda)``, ``.to(cuda)``) is synchronous instead:
+    the host waits for the stream each time (issue 22, finding 6). The pinned source may be
+    dropped here: PyTorch's caching host allocator, which ``pin_memory()`` draws from, records an
+    event on the copy's stream and reuses the block only once the copy has completed
+    (``ATen/cuda/CachingHostAllocator.h``).
+
+    Args:
+        values: A host (CPU) tensor.
+        device: Where it is needed.
+
+    Returns:
+        A tensor on ``device`` holding ``values`` once the copy has run (in stream order).
+    """
+    if device.type == "cpu":
+        return values
+    try:
+        values = values.pin_memory()
+    except RuntimeError:  # no pinned memory for this device type: still not a blocking call
+        pass
+    return values.to(device, non_blocking=True)
+
+
 def _stack_hparams(
     kind: OptimizerKind, resolved: list[dict[str, Any]], device: torch.device
 ) -> dict[str, torch.Tensor]:
@@ -501,8 +529,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"must have shape {tuple(target.shape)} (one value per model)",
                 f"pass {self._num_models} values",
             )
-        # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values
-        self.param_groups[0][name] = new.to(target.device)
+        # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values;
+        # queued, not waited for: schedulers call this every step
+        self.param_groups[0][name] = host_to_device(new, target.device)
         self.hparam_version += 1
         # read from the host copy: no device sync
         if name == "momentum":

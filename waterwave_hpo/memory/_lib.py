@@ -112,6 +112,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_pool_stream_stats": (None, [_P, _U64, ctypes.POINTER(Counters)]),
     "ww_pool_reset_peaks": (None, [_P]),
     "ww_pool_lock_stats": (None, [_P, ctypes.POINTER(_U64)]),
+    "ww_pool_event_stats": (None, [_P, ctypes.POINTER(_U64)]),
     "ww_pool_set_torch_free_blocking": (None, [_P, _INT]),
     "ww_pool_snapshot": (_U64, [_P, ctypes.POINTER(BlockInfoStruct), _U64]),
     "ww_account_open": (_I64, [_P]),

@@ -12,11 +12,19 @@ memory a CUDA graph captured is not private and a neighbour trial may be handed 
   A trial's own figures: :func:`waterwave_hpo.trial_memory_stats`.
 * ``torch.cuda.reset_peak_memory_stats`` / ``reset_accumulated_memory_stats``: a one-time
   warning, nothing reset (resetting the device's peaks would erase co-hosted trials' peaks).
-* ``torch.cuda.empty_cache``: releases the pool's wholly free segments
-  (:meth:`StreamAwarePool.release_cached`).
+* ``torch.cuda.empty_cache``: releases the pool's wholly free segments, at once when no trial
+  runs on the pool, else when the last running trial's account closes
+  (:meth:`StreamAwarePool.release_cached_when_idle`): ``cuMemFree`` synchronises the whole
+  device, so releasing inside a running study (the OOM retry calls it) would wait for every
+  neighbour's stream (issue 22, finding 8).
 * ``torch.backends.cudnn.benchmark = True``: cuDNN's benchmark mode asks the allocator for
   ``cacheInfo``, so every convolution would fail; a one-time warning and benchmark mode stays
-  off (convolutions use cuDNN's heuristics).
+  off. Convolutions then use cuDNN's heuristics: the guards set
+  ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` (unless the user set it), which torch reads once, at
+  the first cuDNN convolution (``ATen/native/ConvUtils.h``, torch 2.13), and which makes cuDNN's
+  v8 API pick plans with its heuristic mode B (a per-GPU model, slower to query once per shape,
+  then cached) instead of the instant mode: closer to what benchmark mode picks for the
+  grouped convolutions of fused trials (issue 22, finding 8).
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``):
   ``RuntimeError`` naming the fix.
 
@@ -27,6 +35,7 @@ time, so ``from torch.cuda import memory_allocated`` done earlier is covered too
 from __future__ import annotations
 
 from collections.abc import Callable
+import os
 import threading
 from typing import TYPE_CHECKING
 from typing import Any
@@ -40,6 +49,8 @@ PoolLookup = Callable[[int], "StreamAwarePool | None"]
 
 _lock = threading.Lock()
 _guarded = False
+#: Read by torch at the first cuDNN convolution of the process (ATen/native/ConvUtils.h).
+HEURISTIC_MODE_B = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
 _warned: set[str] = set()
 _originals: dict[str, Any] = {}
 _MISSING = object()
@@ -163,7 +174,7 @@ def install_guards(lookup: PoolLookup) -> None:
         for index in range(max(torch.cuda.device_count(), 1)):
             pool = lookup(index)
             if pool is not None:
-                pool.release_cached()
+                pool.release_cached_when_idle()  # no device-wide sync under running trials
 
     def set_benchmark(flag: bool) -> None:
         setter = _originals["_set_cudnn_benchmark"]
@@ -173,13 +184,16 @@ def install_guards(lookup: PoolLookup) -> None:
                 "torch.backends.cudnn.benchmark = True is ignored while waterwave's pool is "
                 "PyTorch's allocator: cuDNN's benchmark mode asks the allocator for cacheInfo, "
                 "which PyTorch's pluggable allocator does not support, and every convolution "
-                "would fail. Convolutions run with cuDNN's heuristics instead.",
+                "would fail. Convolutions run with cuDNN's heuristics instead (mode B: "
+                f"{HEURISTIC_MODE_B}={os.environ.get(HEURISTIC_MODE_B, '')}).",
             )
             flag = False
         setter(flag)
 
     for name in _PATCHED:
         _originals[name] = getattr(c, name, _MISSING)
+    _originals[HEURISTIC_MODE_B] = os.environ.get(HEURISTIC_MODE_B)
+    os.environ.setdefault(HEURISTIC_MODE_B, "1")  # the user's own choice wins
     c._cuda_memoryStats = memory_stats
     c._cuda_resetPeakMemoryStats = reset_stats
     c._cuda_resetAccumulatedMemoryStats = reset_stats
@@ -222,4 +236,9 @@ def remove_guards() -> None:
     if prop is not None and hasattr(prop, "setter"):
         prop.setter = _originals["_set_cudnn_benchmark"]
     torch.cuda.graphs.CUDAGraph.capture_begin = _originals["capture_begin"]  # type: ignore[method-assign]
+    mode_b = _originals.get(HEURISTIC_MODE_B)
+    if mode_b is None:
+        os.environ.pop(HEURISTIC_MODE_B, None)
+    else:
+        os.environ[HEURISTIC_MODE_B] = mode_b
     _originals.clear()
