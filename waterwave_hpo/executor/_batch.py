@@ -31,12 +31,12 @@ from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.trial import TrialContext
+from waterwave_hpo.trial._internal import CURRENT_CONTEXT as _CURRENT
 
 if TYPE_CHECKING:
     import torch

@@ -32,8 +32,6 @@ from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_SLOT
 from waterwave_hpo.executor._batch import run_batch
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
@@ -44,6 +42,8 @@ from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import find_no_plan_fits
 from waterwave_hpo.sim import PLAN_SHRINK
+from waterwave_hpo.trial import TrialContext
+from waterwave_hpo.trial._internal import CURRENT_CONTEXT as _CURRENT
 
 _REASON_MAX_CHARS = 500
 

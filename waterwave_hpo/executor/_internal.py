@@ -15,8 +15,6 @@ from waterwave_hpo.executor._attrs import ATTR_MEMORY_PLAN
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._context import _CURRENT as CURRENT_CONTEXT
-from waterwave_hpo.executor._context import NoOptunaTrial
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
@@ -30,6 +28,8 @@ from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._streams import acquire_stream
 from waterwave_hpo.executor._streams import release_stream
+from waterwave_hpo.trial import NoOptunaTrial
+from waterwave_hpo.trial._internal import CURRENT_CONTEXT
 
 __all__ = [
     "ATTR_DEVICE",

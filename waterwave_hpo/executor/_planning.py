@@ -39,6 +39,7 @@ from waterwave_hpo.planning._internal import profile_units
 from waterwave_hpo.scheduler import Phase
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import SimPlan
+from waterwave_hpo.trial import current_or_none
 
 _logger = logging.getLogger("waterwave_hpo")
 
@@ -218,13 +219,12 @@ def fit_trial_memory(
         waterwave_hpo.scheduler.BudgetExceededError: If the scheduler evicts the trial while it
             waits for its footprint (the executor re-runs it with a smaller plan).
     """
-    from waterwave_hpo.executor._context import current_or_none
     from waterwave_hpo.nodegroup._internal import has_pipeline
 
     if not isinstance(model, nn.Module):
         raise _checks.type_error("model", model, "a torch.nn.Module", "pass the trial's model")
     context = current_or_none()
-    planning = None if context is None else context.planning
+    planning: TrialPlanning | None = None if context is None else context.planning
     if context is None or planning is None or planning.settings.mode is MemoryPlanMode.OFF:
         return model
     if has_pipeline(model):
