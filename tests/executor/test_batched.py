@@ -236,9 +236,3 @@ def test_the_sampler_sees_the_batch_mates_running(storage: optuna.storages.BaseS
     study = optuna.create_study(storage=storage)
     _cpu(4).optimize(study, objective, n_trials=8)
     assert running_seen == [4, 4]  # asked together: each sampler call saw the earlier ones
-
-
-def test_fuse_with_memory_plans_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match=r"memory_plan='home': does not combine with fuse.*"):
-        ww.WaterwaveExecutor("cpu", fuse=4, memory_plan="home")
-    assert ww.WaterwaveExecutor("cpu", fuse=4).fuse == 4

@@ -11,7 +11,7 @@ from fakes import fake_cupy
 import pytest
 import torch
 
-from waterwave_hpo.executor._host import on_trial_stream
+from waterwave_hpo.executor._run import on_trial_stream
 
 
 class _Stream:

@@ -134,8 +134,9 @@ class WaterwaveExecutor:
             ``trials_per_device=N``, up to N batches run side by side on each device. A fused
             batch that runs out of device memory fails its trials and, with
             ``on_oom="retry"``, re-queues each one's parameters to run alone (a batch of one).
-            Not supported yet by :class:`waterwave_hpo.RayExecutor`, nor together with
-            ``memory_plan="home"``.
+            With ``memory_plan="home"`` the batch is one attempt: the model it registers with
+            :func:`waterwave_hpo.fit_trial_memory` (the fused model) is planned as one, and
+            the plan is recorded on each of its trials.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -228,13 +229,6 @@ class WaterwaveExecutor:
             fix="pass the number of trials a batched objective runs at once, e.g. fuse=8, "
             "or None to run one trial per call",
         )
-        if self.fuse is not None and self.memory_plan.mode is not MemoryPlanMode.OFF:
-            raise _checks.value_error(
-                "memory_plan",
-                memory_plan,
-                "does not combine with fuse (a fused batch's model is planned as one)",
-                "pass memory_plan='off' with fuse, or fuse=None with memory_plan='home'",
-            )
         self.max_trials_per_device = _check_positive_int(
             "max_trials_per_device", max_trials_per_device, 1
         )

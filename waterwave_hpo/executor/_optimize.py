@@ -33,13 +33,13 @@ from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host import planned_rerun_cap
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.executor._run import planned_rerun_cap
 
 if TYPE_CHECKING:
     from waterwave_hpo.executor._executor import WaterwaveExecutor
@@ -196,7 +196,14 @@ class OptimizeRun:
                 and self._may_start()
             ):
                 jobs.append(self._ask_job())
-            job = TrialJob(jobs[0].trial, jobs[0].attempt, jobs[0].retry_of, batch=tuple(jobs))
+            # The batch is one attempt: its trials share one memory planning (a fused
+            # model registered with fit_trial_memory is planned as one).
+            planning = jobs[0].planning
+            for member in jobs:
+                member.planning = planning
+            job = TrialJob(
+                jobs[0].trial, jobs[0].attempt, jobs[0].retry_of, planning, batch=tuple(jobs)
+            )
             self.batch_pending[id(job)] = {member.trial.number for member in jobs}
         host.submit(slot, job)
         self.asked.clear()

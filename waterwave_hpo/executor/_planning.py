@@ -265,7 +265,8 @@ def fit_trial_memory(
     planning.plan = plan
     planning.footprint_bytes = footprint
     if plan is not None:
-        _record_plan(context.trial, plan)
+        for trial in context.batch or (context.trial,):  # a fused batch: each of its trials
+            _record_plan(trial, plan)
         _logger.info(
             "Trial %d: its plain step needs %s, more than the %s it may use; it runs with a "
             "%r memory plan (predicted peak %s, %.2fx the plain step's time).",

@@ -73,6 +73,8 @@ class TrialContext:
             which :func:`waterwave_hpo.fit_trial_memory` reads and fills; ``None`` without.
             Typed ``Any`` here: its type belongs to the executor, which this package lies
             below.
+        batch: A fused batch's trials (``WaterwaveExecutor(fuse=K)``), ``trial`` first; empty
+            for one trial.
     """
 
     trial: optuna.trial.Trial | NoOptunaTrial
@@ -84,6 +86,7 @@ class TrialContext:
     scheduler: Any = None
     retry_of: int | None = None
     planning: Any = None
+    batch: tuple[Any, ...] = ()
 
 
 _CURRENT: ContextVar[TrialContext | None] = ContextVar("waterwave_hpo_current_trial", default=None)
