@@ -211,8 +211,12 @@ class OptimizeRun:
     def _ask_job(self) -> TrialJob:
         """Ask the study for one trial, start its heartbeat and count it.
 
-        The trial stays in ``self.asked`` until the caller hands it to a slot.
+        The trial stays in ``self.asked`` until the caller hands it to a slot. With several
+        trials at once (more than one slot, or fused batches), the sampler's RNG is reseeded
+        before each ask, as ``Study.optimize`` does for each trial of ``n_jobs != 1``.
         """
+        if self._concurrent():
+            self.study.sampler.reseed_rng()
         trial = self.study.ask()
         self.asked.append(trial)
         beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
@@ -240,6 +244,10 @@ class OptimizeRun:
                     self.retries.remove(request)
         retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
         return TrialJob(trial, attempt, retry_number, planning)
+
+    def _concurrent(self) -> bool:
+        """Whether trials may run at once: more than one slot in all, or fused batches."""
+        return (self.fuse or 1) > 1 or sum(len(host.slots) for host in self.hosts) > 1
 
     def _enqueue(self, request: _RetryRequest) -> bool:
         """Put ``request``'s parameters in the study's queue, once.
