@@ -328,3 +328,29 @@ def test_a_fused_batch_that_does_not_fit_runs_its_model_with_one_plan_for_all_it
     assert study.trials[0].system_attrs["waterwave:batch"] == [0, 1]
     stats = executor.schedulers["cpu"].stats()
     assert stats.used_bytes == 0 and stats.evictions == 0
+
+
+def test_a_model_with_pipeline_gates_runs_under_its_gates_when_plans_are_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # memory_plan="home" with ww.pipeline gates (issue 24): the executor picks the gates, which
+    # reserve the model's memory per NodeGroup; the trial is not failed and gets no plan.
+    def objective(trial: optuna.trial.Trial) -> float:
+        model = _register(ww.pipeline(_mlp()))
+        return _train(model, 2)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=1,
+        memory_budget_bytes=4 * PLAIN_BYTES,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    with caplog.at_level("INFO", logger="waterwave_hpo"):
+        executor.optimize(study, objective, n_trials=1)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE]
+    assert trial_memory_plan(study.trials[0]) is None
+    assert any("ww.pipeline gates, which govern its memory" in r.message for r in caplog.records)
+    stats = executor.schedulers["cpu"].stats()
+    assert stats.peak_bytes > 0 and stats.used_bytes == 0  # the gates reserved, then released

@@ -207,13 +207,16 @@ def fit_trial_memory(
             positional arguments).
         optimizer: The optimizer whose state counts towards the footprint, or ``None``.
 
+    A model with ``ww.pipeline`` gates is returned unplanned: the executor picks the gates,
+    which reserve its memory per NodeGroup (Waterwave, Sec. 4) and do not combine with a plan's
+    recomputes (see :func:`waterwave_hpo.fit_memory`).
+
     Returns:
         ``model`` (the same object), with a plan installed if it needed one.
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
-        ValueError: If the model has ``ww.pipeline`` gates (the two do not combine: see
-            :func:`waterwave_hpo.fit_memory`), or as :func:`waterwave_hpo.fit_memory`.
+        ValueError: As :func:`waterwave_hpo.fit_memory`.
         NoPlanFitsError: If even the smallest plan exceeds the device's budget (the trial ends
             FAIL with this reason, naming the floor in bytes).
         waterwave_hpo.scheduler.BudgetExceededError: If the scheduler evicts the trial while it
@@ -228,11 +231,17 @@ def fit_trial_memory(
     if context is None or planning is None or planning.settings.mode is MemoryPlanMode.OFF:
         return model
     if has_pipeline(model):
-        raise ValueError(
-            "model has ww.pipeline gates; fit_trial_memory does not combine with them: the "
-            "gates reserve the unplanned saved bytes per NodeGroup, and a recompute re-runs "
-            "module forwards inside backward. Register the model with one or the other."
+        # The executor picks the gates: they already reserve the model's memory NodeGroup by
+        # NodeGroup (the scheduler orders, evicts and re-runs), while a plan would hold one
+        # static footprint beside them, and its recomputes re-run module forwards inside
+        # backward, where the gates would fire again (see waterwave_hpo.fit_memory).
+        _logger.info(
+            "Trial %d: its model has ww.pipeline gates, which govern its memory; "
+            "memory_plan=%r leaves it unplanned.",
+            context.trial_number,
+            planning.settings.mode.value,
         )
+        return model
     settings = planning.settings
     bandwidth = settings.bandwidth_bytes_per_s
     profile, modules = profile_units(model, example_input, optimizer)
