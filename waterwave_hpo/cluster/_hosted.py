@@ -37,9 +37,12 @@ from waterwave_hpo.cluster import _ray_compat
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import is_out_of_memory
+from waterwave_hpo.executor._internal import MemoryPlanMode
 from waterwave_hpo.executor._internal import NoOptunaTrial
+from waterwave_hpo.executor._internal import TrialPlanning
 from waterwave_hpo.executor._internal import acquire_stream
 from waterwave_hpo.executor._internal import make_device_memory
+from waterwave_hpo.executor._internal import plan_settings
 from waterwave_hpo.executor._internal import release_stream
 from waterwave_hpo.executor._internal import run_attempt
 
@@ -129,6 +132,8 @@ class TrialHost:
             scheduler on the CPU.
         memory_pool: ``"auto"``, ``"on"`` or ``"off"``, as the executor's.
         heartbeat_ttl_s: A trial whose Tune process has not polled for this long is stopped.
+        memory_plan, memory_planner: As for ``WaterwaveExecutor``: each hosted trial's
+            attempt gets its own memory planning, which ``fit_trial_memory`` reads.
     """
 
     def __init__(
@@ -141,6 +146,8 @@ class TrialHost:
         memory_budget_bytes: int | None = None,
         memory_pool: str = "auto",
         heartbeat_ttl_s: float = 30.0,
+        memory_plan: str = "off",
+        memory_planner: str = "pso",
     ) -> None:
         self.device = device
         self.trials_per_device = trials_per_device
@@ -152,7 +159,9 @@ class TrialHost:
             memory_budget_bytes,
             policy,
             max_trials=trials_per_device,
+            plans=memory_plan != "off",
         )
+        self.plan_settings = plan_settings(memory_plan, memory_planner)
         self._cond = threading.Condition()
         self._trials: dict[str, _Hosted] = {}
         self._numbers = itertools.count()
@@ -325,6 +334,9 @@ class TrialHost:
             if hosted.checkpoint is not None:
                 checkpoint_dir = unpack_directory(hosted.checkpoint)
                 hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(checkpoint_dir)
+            planning = None
+            if self.plan_settings.mode is not MemoryPlanMode.OFF:
+                planning = TrialPlanning(self.plan_settings, device_plans=self.memory.plans)
             context = TrialContext(
                 trial=NoOptunaTrial("tune_hosts()"),
                 trial_number=hosted.number,
@@ -332,6 +344,7 @@ class TrialHost:
                 stream=stream,
                 slot=0,
                 scheduler=self.memory.scheduler,
+                planning=planning,
             )
             self._local.hosted = hosted
             try:

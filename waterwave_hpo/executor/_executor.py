@@ -30,8 +30,7 @@ from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._optimize import OptimizeRun
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._planning import check_memory_planner
+from waterwave_hpo.executor._planning import plan_settings
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -211,17 +210,7 @@ class WaterwaveExecutor:
                 "record_trial_attrs", record_trial_attrs, "a bool", "pass True or False"
             )
         self.record_trial_attrs = record_trial_attrs
-        if not isinstance(memory_plan, str):
-            raise _checks.type_error("memory_plan", memory_plan, "a str", "pass 'home' or 'off'")
-        self.memory_plan = PlanSettings(
-            mode=_checks.check_choice(
-                "memory_plan",
-                memory_plan,
-                MemoryPlanMode,
-                "pass 'home' to plan trials that do not fit, or 'off'",
-            ),
-            planner=check_memory_planner(memory_planner),
-        )
+        self.memory_plan = plan_settings(memory_plan, memory_planner)
         self.fuse = _checks.check_optional_int(
             "fuse",
             fuse,

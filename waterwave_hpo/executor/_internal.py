@@ -29,6 +29,7 @@ from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.executor._planning import plan_settings
 from waterwave_hpo.executor._run import on_trial_stream
 from waterwave_hpo.executor._run import run_attempt
 from waterwave_hpo.executor._streams import acquire_stream
@@ -60,6 +61,7 @@ __all__ = [
     "acquire_stream",
     "make_device_memory",
     "on_trial_stream",
+    "plan_settings",
     "release_stream",
     "resolve_devices",
     "run_attempt",

@@ -351,6 +351,27 @@ def _record_plan(trial: Any, plan: MemoryPlan) -> None:
     )
 
 
+def plan_settings(memory_plan: object, memory_planner: object) -> PlanSettings:
+    """Check ``memory_plan=`` and ``memory_planner=`` (every executor's and ``tune_hosts()``'s).
+
+    Raises:
+        TypeError: If ``memory_plan`` is not a str, or as :func:`check_memory_planner`.
+        ValueError: If ``memory_plan`` is not ``"home"`` or ``"off"``, or as
+            :func:`check_memory_planner`.
+    """
+    if not isinstance(memory_plan, str):
+        raise _checks.type_error("memory_plan", memory_plan, "a str", "pass 'home' or 'off'")
+    return PlanSettings(
+        mode=_checks.check_choice(
+            "memory_plan",
+            memory_plan,
+            MemoryPlanMode,
+            "pass 'home' to plan trials that do not fit, or 'off'",
+        ),
+        planner=check_memory_planner(memory_planner),
+    )
+
+
 def check_memory_planner(value: object) -> str:
     """Check ``memory_planner=`` of the executor: a budget-aware planner's name.
 
