@@ -398,3 +398,29 @@ def test_fused_batches_with_memory_plans_run_on_ray_hosts() -> None:
         assert plans[0] is not None and plans[0] == plans[1]  # one plan for the batch
         assert plans[0].predicted_peak_bytes <= budget
     assert len({t.system_attrs[ATTR_HOST] for t in trials}) == 2
+
+
+def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be_placed() -> None:
+    # Two logical GPUs but CPUs for one host of 2 CPUs (issue 24, item 3): the study must run on
+    # the host that is up, not wait startup_timeout_s (here 600 s) for the other. The bound
+    # below is a liveness check with a wide margin, not a speed figure.
+    import threading
+
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=2, trials_per_device=2, num_cpus_per_host=2.0, startup_timeout_s=600.0
+    )
+    run = threading.Thread(
+        target=executor.optimize,
+        args=(study, _objective, 10),
+        kwargs={"catch": (ValueError,)},
+        daemon=True,
+    )
+    run.start()
+    run.join(timeout=240.0)
+    assert not run.is_alive(), "optimize waited for the host that cannot be placed"
+    assert set(_states(study)) <= {TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}
+    assert len(study.trials) == 10
+    assert len({t.system_attrs[ATTR_HOST] for t in study.trials}) == 1
+    stats = executor.cluster_stats
+    assert stats is not None and stats.hosts_started == 1
