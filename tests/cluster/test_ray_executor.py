@@ -92,9 +92,24 @@ def _slow(trial: optuna.trial.Trial) -> float:
     return float(trial.number)
 
 
-def test_packs_trials_onto_the_host_with_the_most_room() -> None:
+def _meets_three_others(directory: str) -> Any:
+    """An objective whose trials wait (up to 60 s) until four trials have started: the study
+    starts on the first host up, so four run at once only once the second has joined."""
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        Path(directory, str(trial.number)).touch()
+        deadline = time.monotonic() + 60.0
+        while len(os.listdir(directory)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        return float(trial.number)
+
+    return objective
+
+
+def test_packs_trials_onto_the_host_with_the_most_room(tmp_path: Path) -> None:
     study = optuna.create_study()
-    RayExecutor(trials_per_device=2).optimize(study, _slow, n_trials=4)
+    RayExecutor(trials_per_device=2).optimize(study, _meets_three_others(str(tmp_path)), n_trials=4)
     per_host = Counter(t.system_attrs[ATTR_HOST] for t in study.trials)
     assert sorted(per_host.values()) == [2, 2]
     assert max_concurrent_trials(study.trials) == 4

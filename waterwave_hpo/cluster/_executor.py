@@ -242,13 +242,8 @@ class RayExecutor(WaterwaveExecutor):
                 :meth:`WaterwaveExecutor.optimize`.
         """
         ray = import_ray()
-        if not isinstance(study, optuna.Study):
-            raise _checks.type_error(
-                "study",
-                study,
-                "an optuna.Study",
-                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
-            )
+        # WaterwaveExecutor's own checks, before Ray starts or the driver serves the storage.
+        self._check_run(study, func, n_trials, timeout, catch, callbacks)
         if not ray.is_initialized():
             ray.init()
         n_hosts = self._resolve_n_hosts(ray)

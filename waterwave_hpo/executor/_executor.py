@@ -309,6 +309,55 @@ class WaterwaveExecutor:
             f"memory_plan={self.memory_plan.mode.value!r}, fuse={self.fuse})"
         )
 
+    def _check_run(
+        self,
+        study: optuna.Study,
+        func: ObjectiveFunc,
+        n_trials: int | None,
+        timeout: float | None,
+        catch: Iterable[type[Exception]] | type[Exception],
+        callbacks: Iterable[Callback] | None,
+    ) -> tuple[int | None, tuple[type[Exception], ...], list[Callback]]:
+        """Check :meth:`optimize`'s arguments (every executor's, before it starts anything).
+
+        Returns:
+            ``n_trials``, ``catch`` as a tuple and ``callbacks`` as a list.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: As :meth:`optimize`.
+        """
+        if not isinstance(study, optuna.Study):
+            raise _checks.type_error(
+                "study",
+                study,
+                "an optuna.Study",
+                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
+            )
+        if not callable(func):
+            raise _checks.type_error(
+                "func", func, "callable", "pass the objective, a function taking a trial"
+            )
+        _check_fuse_matches(func, self.fuse)
+        if n_trials is not None:
+            n_trials = _check_positive_int("n_trials", n_trials, 0)
+        if timeout is not None:
+            _checks.check_number(
+                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
+            )
+        catch_tuple = _check_catch(catch)
+        callback_list = _check_callbacks(callbacks)
+        if _optuna_compat.in_optimize_loop(study):
+            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
+        memory_url = _optuna_compat.in_memory_sqlite_url(study)
+        if memory_url is not None:
+            raise ValueError(
+                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
+                "keeps per connection: trials told from the executor's threads would be lost "
+                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
+                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
+            )
+        return n_trials, catch_tuple, callback_list
+
     def optimize(
         self,
         study: optuna.Study,
@@ -358,36 +407,9 @@ class WaterwaveExecutor:
                 the other running trials have finished and been told.
             KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
         """
-        if not isinstance(study, optuna.Study):
-            raise _checks.type_error(
-                "study",
-                study,
-                "an optuna.Study",
-                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
-            )
-        if not callable(func):
-            raise _checks.type_error(
-                "func", func, "callable", "pass the objective, a function taking a trial"
-            )
-        _check_fuse_matches(func, self.fuse)
-        if n_trials is not None:
-            n_trials = _check_positive_int("n_trials", n_trials, 0)
-        if timeout is not None:
-            _checks.check_number(
-                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
-            )
-        catch_tuple = _check_catch(catch)
-        callback_list = _check_callbacks(callbacks)
-        if _optuna_compat.in_optimize_loop(study):
-            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
-        memory_url = _optuna_compat.in_memory_sqlite_url(study)
-        if memory_url is not None:
-            raise ValueError(
-                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
-                "keeps per connection: trials told from the executor's threads would be lost "
-                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
-                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
-            )
+        n_trials, catch_tuple, callback_list = self._check_run(
+            study, func, n_trials, timeout, catch, callbacks
+        )
 
         run = OptimizeRun(
             executor=self,
