@@ -50,9 +50,7 @@ def _first_starts(study: optuna.Study, t0: float) -> dict[str, float]:
 def unplaceable(n_trials: int) -> dict[str, object]:
     import ray
 
-    ray.init(
-        address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False
-    )
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     try:
         study = optuna.create_study()
         executor = ww.RayExecutor(trials_per_device=4)
