@@ -25,6 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
+import waterwave_hpo as ww  # noqa: E402
 from waterwave_hpo.cluster import ATTR_NODE  # noqa: E402
 from waterwave_hpo.cluster import RayExecutor  # noqa: E402
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
@@ -475,3 +476,45 @@ def test_shared_gpu_a_gpu_node_that_joins_gets_trials(nodes: Nodes, tmp_path: Pa
     )
     _assert_all_finished(analysis, 8)
     assert any(t.last_result["node"] == joined["id"] for t in analysis.trials)
+
+
+@ww.batched
+def _fused_sleeps(trials: list[optuna.trial.Trial]) -> list[float]:
+    xs = [t.suggest_float("x", -1.0, 1.0) for t in trials]
+    for step in range(4):
+        for t, x in zip(trials, xs, strict=True):
+            t.report(x * step, step)
+        time.sleep(0.1)
+    return [x * x for x in xs]
+
+
+def test_a_node_lost_mid_fused_batch_loses_no_trial(nodes: Nodes, results: dict[str, Any]) -> None:
+    # RayExecutor(fuse=2) on a cluster_utils cluster (issue 24): the node of a running fused
+    # batch is removed; each of its trials is told FAIL and re-run, nothing is left RUNNING.
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    doomed_id = nodes.node_id(doomed)
+    study = optuna.create_study()
+
+    def batch_running_on_doomed() -> bool:
+        return any(
+            t.state is TrialState.RUNNING
+            and t.system_attrs.get(ATTR_NODE) == doomed_id
+            and len(t.intermediate_values) >= 1
+            for t in study.get_trials(deepcopy=False)
+        )
+
+    def remove_mid_batch() -> None:
+        _wait_for(batch_running_on_doomed, timeout_s=60)
+        nodes.remove(doomed)
+
+    remover = _in_background(remove_mid_batch)
+    executor = RayExecutor(trials_per_device=1, fuse=2)
+    executor.optimize(study, _fused_sleeps, n_trials=10)
+    remover.join()
+    _assert_nothing_lost(study, 10)
+    _record(results, "ray_executor_node_lost_mid_fused_batch", study, 10)
+    failed = [t for t in study.trials if t.state is TrialState.FAIL]
+    assert failed and all(t.system_attrs[ATTR_NODE] == doomed_id for t in failed)
+    batches = [t.system_attrs.get("waterwave:batch") for t in study.trials]
+    assert any(b is not None and len(b) == 2 for b in batches)  # fused batches ran

@@ -208,3 +208,52 @@ def test_start_twice_is_refused(host: TrialHost) -> None:
     with pytest.raises(ValueError, match="'same' is already running or waiting"):
         host.start("same", _steps, {"steps": 1, "x": 1})
     host.stop("same")
+
+
+def _mlp(width: int = 128) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        *[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())],
+        torch.nn.Linear(width, 4),
+    )
+
+
+def test_tune_hosts_memory_plans_plan_a_registered_model_that_does_not_fit() -> None:
+    # tune_hosts(memory_plan="home") (issue 24): fit_trial_memory in a hosted Tune trial plans
+    # the model for the memory its host's scheduler leaves, as WaterwaveExecutor does.
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning import remove_memory_plan
+    from waterwave_hpo.planning import step_profile_of
+
+    x = torch.randn(1024, 128)
+    probe = _mlp()
+    ww.fit_memory(probe, 1 << 40, example_input=x, planner="none")
+    profile = step_profile_of(probe)
+    remove_memory_plan(probe)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    plain = PLANNERS["none"](profile, 0, bandwidth_bytes_per_s=bw, seed=0).prediction.peak_bytes
+    smallest = PLANNERS["swap_all"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    budget = (plain + smallest.prediction.peak_bytes) // 2
+    seen: list[Any] = []
+
+    def train(config: dict[str, Any]) -> None:
+        model = ww.fit_trial_memory(_mlp(), example_input=x)
+        model(x).sum().backward()
+        seen.append(ww.current().planning)
+        tune.report({"ok": 1})
+
+    host = TrialHost(torch.device("cpu"), 1, memory_budget_bytes=budget, memory_plan="home")
+    try:
+        host.start("p", train, {})
+        assert [e.kind for e in _collect(host, "p")] == ["result", "done"]
+        planning = seen[0]
+        assert planning is not None and planning.plan is not None
+        assert planning.footprint_bytes <= budget < plain
+        assert host.memory.scheduler is not None
+        assert host.memory.scheduler.stats().used_bytes == 0  # its footprint released at the end
+    finally:
+        host.shutdown()
+
+
+def test_tune_hosts_checks_memory_plan_as_the_executor_does() -> None:
+    with pytest.raises(ValueError, match="memory_plan"):
+        ww.tune_hosts(memory_plan="yes")

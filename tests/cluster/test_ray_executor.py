@@ -92,9 +92,24 @@ def _slow(trial: optuna.trial.Trial) -> float:
     return float(trial.number)
 
 
-def test_packs_trials_onto_the_host_with_the_most_room() -> None:
+def _meets_three_others(directory: str) -> Any:
+    """An objective whose trials wait (up to 60 s) until four trials have started: the study
+    starts on the first host up, so four run at once only once the second has joined."""
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        Path(directory, str(trial.number)).touch()
+        deadline = time.monotonic() + 60.0
+        while len(os.listdir(directory)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        return float(trial.number)
+
+    return objective
+
+
+def test_packs_trials_onto_the_host_with_the_most_room(tmp_path: Path) -> None:
     study = optuna.create_study()
-    RayExecutor(trials_per_device=2).optimize(study, _slow, n_trials=4)
+    RayExecutor(trials_per_device=2).optimize(study, _meets_three_others(str(tmp_path)), n_trials=4)
     per_host = Counter(t.system_attrs[ATTR_HOST] for t in study.trials)
     assert sorted(per_host.values()) == [2, 2]
     assert max_concurrent_trials(study.trials) == 4
@@ -322,3 +337,105 @@ def test_max_devices_asks_the_autoscaler_for_host_bundles_while_hosts_are_full(
     stats = executor.cluster_stats
     assert stats is not None and stats.autoscaler_requests == 1
     assert stats.hosts_started == 2  # n_hosts, then the cluster's other GPU, up to max_devices
+
+
+WIDTH = 128
+BATCH = 1024
+
+
+def _two_mlps() -> torch.nn.Module:
+    """Two MLPs run as one (a stand-in for a fused model): the batch's model."""
+
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            *[m for _ in range(4) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())],
+            torch.nn.Linear(WIDTH, 4),
+        )
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.models = torch.nn.ModuleList([mlp(), mlp()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([m(x) for m in self.models])
+
+    return Fused()
+
+
+def _fused_plain_and_smallest_bytes() -> tuple[int, int]:
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning import remove_memory_plan
+    from waterwave_hpo.planning import step_profile_of
+
+    model = _two_mlps()
+    ww.fit_memory(model, 1 << 40, example_input=torch.randn(BATCH, WIDTH), planner="none")
+    profile = step_profile_of(model)
+    remove_memory_plan(model)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    plain = PLANNERS["none"](profile, 0, bandwidth_bytes_per_s=bw, seed=0).prediction.peak_bytes
+    smallest = PLANNERS["swap_all"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    return plain, smallest.prediction.peak_bytes
+
+
+@ww.batched
+def _fused_planned(trials: list[optuna.trial.Trial]) -> list[float]:
+    xs = [t.suggest_float("x", -1.0, 1.0) for t in trials]
+    model = _two_mlps() if len(trials) == 2 else None
+    if model is not None:
+        model = ww.fit_trial_memory(model, example_input=torch.randn(BATCH, WIDTH))
+        model(torch.randn(BATCH, WIDTH)).sum().backward()
+    return [x * x for x in xs]
+
+
+def test_fused_batches_with_memory_plans_run_on_ray_hosts() -> None:
+    # fuse=2 and memory_plan="home" on RayExecutor (issue 24): each host runs whole batches
+    # in one call, plans the batch's model as one when it does not fit, and the driver tells
+    # each trial its own outcome.
+    from waterwave_hpo.executor import trial_memory_plan
+
+    plain, smallest = _fused_plain_and_smallest_bytes()
+    assert smallest < plain * 6 // 10
+    budget = (plain + smallest) // 2
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=2, trials_per_device=1, fuse=2, memory_plan="home", memory_budget_bytes=budget
+    )
+    executor.optimize(study, _fused_planned, n_trials=8)
+    trials = study.trials
+    assert _states(study) == {TrialState.COMPLETE: 8}
+    batches = {tuple(t.system_attrs["waterwave:batch"]) for t in trials}
+    assert all(len(b) == 2 for b in batches) and len(batches) == 4
+    for batch in batches:
+        hosts = {trials[n].system_attrs[ATTR_HOST] for n in batch}
+        assert len(hosts) == 1  # a batch runs in one slot of one host
+        plans = [trial_memory_plan(trials[n]) for n in batch]
+        assert plans[0] is not None and plans[0] == plans[1]  # one plan for the batch
+        assert plans[0].predicted_peak_bytes <= budget
+    assert len({t.system_attrs[ATTR_HOST] for t in trials}) == 2
+
+
+def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be_placed() -> None:
+    # Two logical GPUs but CPUs for one host of 2 CPUs (issue 24, item 3): the study must run on
+    # the host that is up, not wait startup_timeout_s (here 600 s) for the other. The bound
+    # below is a liveness check with a wide margin, not a speed figure.
+    import threading
+
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=2, trials_per_device=2, num_cpus_per_host=2.0, startup_timeout_s=600.0
+    )
+    run = threading.Thread(
+        target=executor.optimize,
+        args=(study, _objective, 10),
+        kwargs={"catch": (ValueError,)},
+        daemon=True,
+    )
+    run.start()
+    run.join(timeout=240.0)
+    assert not run.is_alive(), "optimize waited for the host that cannot be placed"
+    assert set(_states(study)) <= {TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}
+    assert len(study.trials) == 10
+    assert len({t.system_attrs[ATTR_HOST] for t in study.trials}) == 1
+    stats = executor.cluster_stats
+    assert stats is not None and stats.hosts_started == 1

@@ -206,11 +206,19 @@ def test_bad_arguments_are_named() -> None:
     assert study.trials == []
 
 
-def test_ray_executor_refuses_a_batched_objective() -> None:
-    pytest.importorskip("ray")
-    executor = ww.RayExecutor(n_hosts=1, num_gpus_per_host=0)
-    with pytest.raises(NotImplementedError, match="does not run fused batches yet"):
-        executor.optimize(optuna.create_study(), _squares, n_trials=1)
+def test_ray_executor_checks_fuse_against_the_objective_before_starting_ray() -> None:
+    # RayExecutor runs fused batches (issue 24) with WaterwaveExecutor's own checks, made
+    # before Ray is started: a batched objective needs fuse=K, fuse=K needs a batched one.
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    fused = ww.RayExecutor(n_hosts=1, num_gpus_per_host=0, fuse=2)
+    with pytest.raises(TypeError, match="fuse"):
+        fused.optimize(optuna.create_study(), lambda trial: 0.0, n_trials=1)
+    with pytest.raises(ValueError, match="fuse"):
+        ww.RayExecutor(n_hosts=1, num_gpus_per_host=0).optimize(
+            optuna.create_study(), _squares, n_trials=1
+        )
+    assert not ray.is_initialized()
 
 
 def test_study_stop_in_the_objective_asks_no_more_batches() -> None:
@@ -236,9 +244,3 @@ def test_the_sampler_sees_the_batch_mates_running(storage: optuna.storages.BaseS
     study = optuna.create_study(storage=storage)
     _cpu(4).optimize(study, objective, n_trials=8)
     assert running_seen == [4, 4]  # asked together: each sampler call saw the earlier ones
-
-
-def test_fuse_with_memory_plans_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match=r"memory_plan='home': does not combine with fuse.*"):
-        ww.WaterwaveExecutor("cpu", fuse=4, memory_plan="home")
-    assert ww.WaterwaveExecutor("cpu", fuse=4).fuse == 4

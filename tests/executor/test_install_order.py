@@ -47,10 +47,13 @@ def test_tune_trial_hosts_install_the_pool_before_cuda_initialises(cuda: FakeCud
     from waterwave_hpo.cluster._hosted import TrialHost
 
     host = TrialHost(torch.device("cuda", 1), 2)
-    assert cuda.events[0] == "pool 1", cuda.events
-    assert host.memory.pool is cuda.pools[1]
-    assert host.memory.budget_bytes is not None
-    assert host.memory.budget_bytes < cuda.total_memory  # the reserve outside the pool
+    try:
+        assert cuda.events[0] == "pool 1", cuda.events
+        assert host.memory.pool is cuda.pools[1]
+        assert host.memory.budget_bytes is not None
+        assert host.memory.budget_bytes < cuda.total_memory  # the reserve outside the pool
+    finally:
+        host.shutdown()  # its Tune session hook must not outlive the test
 
 
 def test_the_fake_refuses_a_pool_after_cuda_initialised(cuda: FakeCuda) -> None:

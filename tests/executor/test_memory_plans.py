@@ -277,3 +277,80 @@ def test_outside_a_planning_executor_the_model_is_returned_untouched() -> None:
         ww.plan_of(model)
     with pytest.raises(TypeError, match="model="):
         ww.fit_trial_memory("model", example_input=_batch()[0])  # type: ignore[arg-type]
+
+
+class _Fused(nn.Module):
+    """K models run as one on the same batch (a stand-in for ``ww.fusion.fuse``'s model)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.models = nn.ModuleList(_mlp() for _ in range(k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([m(x) for m in self.models])
+
+
+def test_a_fused_batch_that_does_not_fit_runs_its_model_with_one_plan_for_all_its_trials() -> None:
+    # fuse=2 with memory_plan="home": the batch's fused model is planned as one (issue 24).
+    fused_plain = 2 * PLAIN_BYTES  # two MLPs' activations at once, roughly
+    budget = fused_plain * 6 // 10
+    seen: list[int] = []
+
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        seen.append(len(trials))
+        model = ww.fit_trial_memory(_Fused(len(trials)), example_input=_batch()[0])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = _batch()
+        optimizer.zero_grad()
+        out = model(x)
+        losses = [nn.functional.cross_entropy(out[i], y) for i in range(len(trials))]
+        torch.stack(losses).sum().backward()
+        optimizer.step()
+        return [float(loss.detach()) for loss in losses]
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=1,
+        fuse=2,
+        memory_budget_bytes=budget,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    executor.optimize(study, objective, n_trials=2)
+    assert seen == [2]  # one call: one fused batch
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    plans = [trial_memory_plan(t) for t in study.trials]
+    assert plans[0] is not None and plans[0] == plans[1]  # one plan, recorded on each trial
+    assert plans[0].predicted_peak_bytes <= budget
+    assert set(plans[0].choices.values()) != {"keep"}
+    assert study.trials[0].system_attrs["waterwave:batch"] == [0, 1]
+    stats = executor.schedulers["cpu"].stats()
+    assert stats.used_bytes == 0 and stats.evictions == 0
+
+
+def test_a_model_with_pipeline_gates_runs_under_its_gates_when_plans_are_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # memory_plan="home" with ww.pipeline gates (issue 24): the executor picks the gates, which
+    # reserve the model's memory per NodeGroup; the trial is not failed and gets no plan.
+    def objective(trial: optuna.trial.Trial) -> float:
+        model = _register(ww.pipeline(_mlp()))
+        return _train(model, 2)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=1,
+        memory_budget_bytes=4 * PLAIN_BYTES,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    with caplog.at_level("INFO", logger="waterwave_hpo"):
+        executor.optimize(study, objective, n_trials=1)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE]
+    assert trial_memory_plan(study.trials[0]) is None
+    assert any("ww.pipeline gates, which govern its memory" in r.message for r in caplog.records)
+    stats = executor.schedulers["cpu"].stats()
+    assert stats.peak_bytes > 0 and stats.used_bytes == 0  # the gates reserved, then released

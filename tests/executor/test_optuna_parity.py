@@ -151,3 +151,40 @@ def test_every_co_hosted_trial_records_heartbeats(tmp_path: Path) -> None:
     _cpu(2).optimize(study, objective, n_trials=2)
     assert beating == {0: True, 1: True}
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+
+
+class _CountingSampler(optuna.samplers.RandomSampler):
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.reseeds = 0
+
+    def reseed_rng(self) -> None:
+        self.reseeds += 1
+        super().reseed_rng()
+
+
+@pytest.mark.parametrize(
+    ("executor", "reseeds"),
+    [
+        (ww.WaterwaveExecutor(devices="cpu", trials_per_device=1), 0),
+        (ww.WaterwaveExecutor(devices="cpu", trials_per_device=3), 5),
+        (ww.WaterwaveExecutor(devices="cpu", trials_per_device=1, fuse=2), 5),
+    ],
+    ids=["one-at-a-time", "three-slots", "fused"],
+)
+def test_the_sampler_is_reseeded_per_trial_when_trials_run_at_once(
+    executor: ww.WaterwaveExecutor, reseeds: int
+) -> None:
+    # Study.optimize reseeds the sampler's RNG before each trial when n_jobs != 1, so that
+    # threads do not share a random sequence; one trial at a time (n_jobs=1) it does not.
+    sampler = _CountingSampler()
+    study = optuna.create_study(sampler=sampler)
+    objective = (lambda t: t.suggest_float("x", 0, 1)) if executor.fuse is None else None
+    if objective is None:
+        executor.optimize(
+            study, ww.batched(lambda ts: [t.suggest_float("x", 0, 1) for t in ts]), n_trials=5
+        )
+    else:
+        executor.optimize(study, objective, n_trials=5)
+    assert len(study.trials) == 5
+    assert sampler.reseeds == reseeds

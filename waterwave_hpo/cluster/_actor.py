@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from dataclasses import field
 import os
 import queue
 import threading
@@ -24,10 +25,13 @@ from waterwave_hpo.cluster._storage import StorageChannel
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor._internal import DeviceHost
+from waterwave_hpo.executor._internal import MemoryPlanMode
 from waterwave_hpo.executor._internal import OutcomeKind
+from waterwave_hpo.executor._internal import PlanSettings
 from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.executor._internal import TrialJob
 from waterwave_hpo.executor._internal import TrialOutcome
+from waterwave_hpo.executor._internal import TrialPlanning
 from waterwave_hpo.executor._internal import make_device_memory
 from waterwave_hpo.executor._internal import resolve_devices
 
@@ -55,6 +59,8 @@ class HostSpec:
     memory_pool: MemoryPoolMode
     memory_budget_bytes: int | None
     policy: Any
+    memory_plan: PlanSettings = field(default_factory=PlanSettings)
+    """``memory_plan=`` of the executor: each attempt's planning is made on the host."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class TrialRecord:
             (the driver's ``study.tell`` then fails the trial, as Optuna does).
         error: The exception (or a ``RuntimeError`` describing it when it cannot be pickled).
         neighbours: Trials running beside it on the host when it ended.
+        footprint_bytes: With ``memory_plan="home"``: the footprint its registered model ran
+            with (the driver plans a re-run from it), else ``None``.
+        smallest_peak_bytes: The registered model's smallest planned peak, else ``None``.
     """
 
     slot: int
@@ -89,6 +98,8 @@ class TrialRecord:
     values: float | list[float] | str | None
     error: BaseException | None
     neighbours: int
+    footprint_bytes: int | None = None
+    smallest_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,18 +175,22 @@ class HostActor:
             max_oom_retries=spec.max_oom_retries,
             gc_after_trial=spec.gc_after_trial,
             outcomes=queue.SimpleQueue(),
+            memory_plan=spec.memory_plan,
         )
+        self._memory_plan = spec.memory_plan
         memory = make_device_memory(
             device,
             spec.memory_pool,
             spec.memory_budget_bytes,
             spec.policy,
             max_trials=spec.n_slots,
+            plans=spec.memory_plan.mode is not MemoryPlanMode.OFF,
         )
         self._host = DeviceHost(
             device, spec.n_slots, settings, memory=memory, admit_by_memory=spec.admit_by_memory
         )
         self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}  # id(job) -> members not recorded yet
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._info = HostInfo(
             label=f"{node_ip}/pid{os.getpid()}/{device}",
@@ -188,16 +203,45 @@ class HostActor:
         """Where this host runs (also: the actor is up and its study is open)."""
         return self._info
 
-    def submit(self, slot: int, trial_id: int, attempt: int, retry_of: int | None) -> None:
-        """Run the study's trial ``trial_id`` (asked by the driver) in slot ``slot``.
+    def submit(
+        self,
+        slot: int,
+        members: list[tuple[int, int, int | None]],
+        fused: bool = False,
+        plan_cap_bytes: int | None = None,
+    ) -> None:
+        """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
-        Precondition: the driver only submits to a slot whose previous trial it has seen end.
+        The job goes the executor's one run path (``executor/_run.py``), as on one machine.
+
+        Args:
+            slot: The slot's index.
+            members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
+            fused: A fused batch (``fuse=K``): the objective takes the list of trials.
+            plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
+
+        Precondition: the driver only submits to a slot whose previous job it has seen end.
         """
-        trial = optuna.trial.Trial(self._study, trial_id)
-        _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
-        _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
+        planning = (
+            None
+            if self._memory_plan.mode is MemoryPlanMode.OFF
+            else TrialPlanning(self._memory_plan, cap_bytes=plan_cap_bytes)
+        )
+        jobs = []
+        for trial_id, attempt, retry_of in members:
+            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
+            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
+            trial = optuna.trial.Trial(self._study, trial_id)
+            jobs.append(TrialJob(trial, attempt, retry_of, planning))
+        first = jobs[0]
+        job = (
+            TrialJob(first.trial, first.attempt, first.retry_of, planning, batch=tuple(jobs))
+            if fused
+            else first
+        )
         with self._lock:
-            self._host.submit(self._host.slots[slot], TrialJob(trial, attempt, retry_of))
+            self._pending[id(job)] = len(jobs)
+            self._host.submit(self._host.slots[slot], job)
 
     def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
         """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""
@@ -228,12 +272,16 @@ class HostActor:
         number = outcome.job.trial.number
         slot_index = -1
         for slot in self._host.slots:
-            if slot.job is outcome.job:
-                slot.job = None
+            if slot.job is not None and any(m is outcome.job for m in slot.job.members()):
                 slot_index = slot.index
+                self._pending[id(slot.job)] -= 1
+                if not self._pending[id(slot.job)]:  # every trial of its job recorded
+                    del self._pending[id(slot.job)]
+                    slot.job = None
         self._host.memory.trial_ended(number)
         with self._study._told_lock:
             state, values = self._study._told.pop(number, (TrialState.FAIL, None))
+        planning = outcome.job.planning
         return TrialRecord(
             slot=slot_index,
             number=number,
@@ -242,6 +290,8 @@ class HostActor:
             values=_plain_values(values) if state is None else None,
             error=_picklable(outcome.error),
             neighbours=outcome.neighbours,
+            footprint_bytes=None if planning is None else planning.footprint_bytes,
+            smallest_peak_bytes=None if planning is None else planning.smallest_peak_bytes,
         )
 
 

@@ -22,7 +22,6 @@ from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._imports import start_ray
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
-from waterwave_hpo.executor import BatchedObjective
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
@@ -96,7 +95,9 @@ class RayExecutor(WaterwaveExecutor):
         startup_timeout_s: Seconds a host actor may take to be placed and open the study
             (> 0); the study starts once every first host is up or failed, or this long.
         on_oom, max_oom_retries, memory_budget_bytes, policy, memory_pool,
-            max_trials_per_device: As for :class:`WaterwaveExecutor`, applied on every host.
+            max_trials_per_device, memory_plan, memory_planner, fuse: As for
+            :class:`WaterwaveExecutor`, applied on every host: a fused batch (``fuse=K``) runs
+            in one slot of one host, and each attempt's memory plan is made on its host.
 
     Attributes:
         devices: Always empty: the driver runs no trial; each host actor resolves its own
@@ -135,6 +136,9 @@ class RayExecutor(WaterwaveExecutor):
         policy: str | PolicyName | Policy = PolicyName.WATERWAVE,
         memory_pool: MemoryPoolMode | str = MemoryPoolMode.AUTO,
         max_trials_per_device: int = 16,
+        memory_plan: str = "off",
+        memory_planner: str = "pso",
+        fuse: int | None = None,
     ) -> None:
         import_ray()
         # Not WaterwaveExecutor.__init__: the driver resolves no device; each host actor
@@ -147,6 +151,9 @@ class RayExecutor(WaterwaveExecutor):
             policy=policy,
             memory_pool=memory_pool,
             max_trials_per_device=max_trials_per_device,
+            memory_plan=memory_plan,
+            memory_planner=memory_planner,
+            fuse=fuse,
             # Hosts always record where a trial ran (waterwave:host, :node, :device, :slot,
             # :fail_reason) as system attributes: on a cluster that is how a lost node is traced.
             record_trial_attrs=True,
@@ -195,7 +202,8 @@ class RayExecutor(WaterwaveExecutor):
             f"{'auto' if self.auto_trials else self.trials_per_device}, "
             f"num_gpus_per_host={self.num_gpus_per_host}, "
             f"num_cpus_per_host={self.num_cpus_per_host}, max_devices={self.max_devices}, "
-            f"on_oom={self.on_oom.value!r})"
+            f"on_oom={self.on_oom.value!r}, memory_plan={self.memory_plan.mode.value!r}, "
+            f"fuse={self.fuse})"
         )
 
     @property
@@ -231,23 +239,13 @@ class RayExecutor(WaterwaveExecutor):
                 cannot start.
             AllHostsLostError: If every host actor died and none could replace them; their
                 trials were told FAIL.
-            NotImplementedError: If ``func`` is a batched objective (``fuse`` is not supported
-                on Ray hosts yet).
             TypeError, ValueError, Exception, KeyboardInterrupt: As
                 :meth:`WaterwaveExecutor.optimize`.
         """
         ray = import_ray()
-        if isinstance(func, BatchedObjective):
-            raise NotImplementedError(
-                f"func={func!r} is a batched objective (waterwave_hpo.batched): RayExecutor "
-                "does not run fused batches yet. Run it with "
-                "WaterwaveExecutor(devices=..., fuse=K) on one machine, or pass an objective "
-                "taking one trial."
-            )
-        # Every argument is checked before Ray starts (a local Ray takes seconds to start and
-        # outlives the call).
-        self._check_optimize_arguments(study, func, n_trials, timeout, catch, callbacks)
-        assert isinstance(study, optuna.Study)
+        # WaterwaveExecutor's own checks, before Ray starts (a local Ray takes seconds to start
+        # and outlives the call) or the driver serves the storage.
+        n_trials, _, _ = self._check_run(study, func, n_trials, timeout, catch, callbacks)
         start_ray(ray, "RayExecutor.optimize")
         n_hosts = self._resolve_n_hosts(ray)
         # One driver thread per trial that may call the storage at once, within reason.
@@ -331,6 +329,7 @@ class RayExecutor(WaterwaveExecutor):
             memory_pool=self.memory_pool,
             memory_budget_bytes=self.memory_budget_bytes,
             policy=self.policy,
+            memory_plan=self.memory_plan,
         )
         actor_options = {
             "num_gpus": self.num_gpus_per_host,

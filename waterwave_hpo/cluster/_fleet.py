@@ -127,11 +127,13 @@ class HostFleet:
     # -- start and stop -------------------------------------------------------------------
 
     def start(self) -> list[RemoteHost]:
-        """Start the first hosts and return them once they are up.
+        """Start the first hosts and return as soon as one is up.
 
-        Start the first hosts; return :attr:`hosts` once every one has come up or failed,
-        or ``startup_timeout_s`` passed with at least one up (the others keep coming up in the
-        background and join when ready); then start watching.
+        Start the first hosts; return :attr:`hosts` as soon as one has come up (the study
+        starts on it), or every one failed. The others keep coming up in the background and
+        join when ready, each within ``startup_timeout_s`` of its start (a host that cannot
+        be placed, e.g. more hosts than the cluster has CPUs for, never delays the study);
+        then start watching.
 
         Raises:
             RuntimeError: If no host came up; the message says why, per node.
@@ -151,8 +153,10 @@ class HostFleet:
                     self._start_actor(node.node_id, node.label)
         deadline = time.monotonic() + self._startup_timeout_s
         failures: list[str] = []
-        while self._pending and time.monotonic() < deadline:
-            failures += self._adopt(timeout_s=min(0.5, max(0.0, deadline - time.monotonic())))
+        while self._pending and not self.hosts and time.monotonic() < deadline:
+            failures += self._adopt(
+                timeout_s=min(0.5, max(0.0, deadline - time.monotonic())), first=True
+            )
         failures += self._adopt(timeout_s=0.0)
         if not self.hosts:
             waited = [
@@ -168,12 +172,13 @@ class HostFleet:
                 f"cluster has {self._ray.available_resources()} available. Lower n_hosts or "
                 "num_cpus_per_host, or raise startup_timeout_s."
             )
-        for pending in self._pending.values():
-            pending.since_s = time.monotonic()  # one more startup_timeout_s, in the background
-            _logger.warning(
-                "The device host on %s is not up after startup_timeout_s=%g; the study starts "
-                "without it, and it joins if it comes up within as long again.",
-                pending.where,
+        if self._pending:
+            _logger.info(
+                "The study starts on %d device host(s); %d more are starting (%s) and join "
+                "when up, each within startup_timeout_s=%g.",
+                len(self.hosts),
+                len(self._pending),
+                ", ".join(entry.where for entry in self._pending.values()),
                 self._startup_timeout_s,
             )
         _logger.info("Device hosts: %s", ", ".join(host.info.label for host in self.hosts))
@@ -193,6 +198,7 @@ class HostFleet:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=timeout_s)
         with self._lock:
+            self._name_failed_pending()
             pending, self._pending = list(self._pending.values()), {}
             if self._requested:
                 self._request_devices(0)
@@ -352,12 +358,35 @@ class HostFleet:
         )
         self._pending[actor.info.remote()] = _Pending(actor, where, node_id, time.monotonic())
 
-    def _adopt(self, timeout_s: float) -> list[str]:
-        """Make hosts of the actors that came up; drop (and name) those that failed."""
+    def _name_failed_pending(self) -> None:
+        """Warn about hosts still starting whose start has failed (the study may end first)."""
+        if not self._pending:
+            return
+        with contextlib.suppress(Exception):
+            refs = list(self._pending)
+            ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                try:
+                    self._ray.get(ref)
+                except Exception as error:
+                    _logger.warning(
+                        "The device host on %s did not start: %s",
+                        self._pending[ref].where,
+                        describe_error(error),
+                    )
+
+    def _adopt(self, timeout_s: float, first: bool = False) -> list[str]:
+        """Make hosts of the actors that came up; drop (and name) those that failed.
+
+        ``first``: return as soon as one actor answered (up or failed), not after
+        ``timeout_s`` for all.
+        """
         if not self._pending:
             return []
         ready, _ = self._ray.wait(
-            list(self._pending), num_returns=len(self._pending), timeout=timeout_s
+            list(self._pending),
+            num_returns=1 if first else len(self._pending),
+            timeout=timeout_s,
         )
         failures = []
         for ref in ready:

@@ -37,12 +37,14 @@ from waterwave_hpo.cluster import _ray_compat
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import is_out_of_memory
-from waterwave_hpo.executor._internal import CURRENT_CONTEXT
+from waterwave_hpo.executor._internal import MemoryPlanMode
 from waterwave_hpo.executor._internal import NoOptunaTrial
+from waterwave_hpo.executor._internal import TrialPlanning
 from waterwave_hpo.executor._internal import acquire_stream
 from waterwave_hpo.executor._internal import make_device_memory
-from waterwave_hpo.executor._internal import on_trial_stream
+from waterwave_hpo.executor._internal import plan_settings
 from waterwave_hpo.executor._internal import release_stream
+from waterwave_hpo.executor._internal import run_attempt
 
 _WAIT_S = 0.05
 _ERROR_MAX_CHARS = 8000
@@ -130,6 +132,8 @@ class TrialHost:
             scheduler on the CPU.
         memory_pool: ``"auto"``, ``"on"`` or ``"off"``, as the executor's.
         heartbeat_ttl_s: A trial whose Tune process has not polled for this long is stopped.
+        memory_plan, memory_planner: As for ``WaterwaveExecutor``: each hosted trial's
+            attempt gets its own memory planning, which ``fit_trial_memory`` reads.
     """
 
     def __init__(
@@ -142,6 +146,8 @@ class TrialHost:
         memory_budget_bytes: int | None = None,
         memory_pool: str = "auto",
         heartbeat_ttl_s: float = 30.0,
+        memory_plan: str = "off",
+        memory_planner: str = "pso",
     ) -> None:
         self.device = device
         self.trials_per_device = trials_per_device
@@ -153,7 +159,9 @@ class TrialHost:
             memory_budget_bytes,
             policy,
             max_trials=trials_per_device,
+            plans=memory_plan != "off",
         )
+        self.plan_settings = plan_settings(memory_plan, memory_planner)
         self._cond = threading.Condition()
         self._trials: dict[str, _Hosted] = {}
         self._numbers = itertools.count()
@@ -313,10 +321,11 @@ class TrialHost:
                 self._cond.wait(_WAIT_S)
 
     def _run(self, hosted: _Hosted) -> None:
+        # The executor's one run path (executor/_run.py): context, pool account, stream, and
+        # the scheduler's share ended however the trial ends; only the reporting is Tune's.
         device = self.device
         stream = None
-        account = None
-        event: HostedEvent
+        event = HostedEvent("done")
         checkpoint_dir: str | None = None
         try:
             if device.type == "cuda":
@@ -325,7 +334,9 @@ class TrialHost:
             if hosted.checkpoint is not None:
                 checkpoint_dir = unpack_directory(hosted.checkpoint)
                 hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(checkpoint_dir)
-            account = self.memory.open_account(hosted.number, stream)
+            planning = None
+            if self.plan_settings.mode is not MemoryPlanMode.OFF:
+                planning = TrialPlanning(self.plan_settings, device_plans=self.memory.plans)
             context = TrialContext(
                 trial=NoOptunaTrial("tune_hosts()"),
                 trial_number=hosted.number,
@@ -333,41 +344,28 @@ class TrialHost:
                 stream=stream,
                 slot=0,
                 scheduler=self.memory.scheduler,
+                planning=planning,
             )
-            token = CURRENT_CONTEXT.set(context)
             self._local.hosted = hosted
             try:
-                # A stop is raised in this thread only while in_fn, set and cleared under the
-                # lock, so it arrives inside this try (at the latest while taking the lock).
-                with self._cond:
-                    if hosted.stopped:
-                        raise HostedTrialStopped
-                    hosted.in_fn = True
-                try:
-                    with on_trial_stream(device, stream, self.memory.pool):
-                        hosted.fn(hosted.config)
-                finally:
-                    with self._cond:
-                        hosted.in_fn = False
+                attempt = run_attempt(
+                    lambda: hosted.fn(hosted.config),
+                    context=context,
+                    memory=self.memory,
+                    seat=_HostedSeat(self, hosted),
+                )
             finally:
                 self._local.hosted = None
-                CURRENT_CONTEXT.reset(token)
-            event = HostedEvent("done")
+            error = attempt.error
+            if error is not None and not isinstance(error, HostedTrialStopped):
+                event = _error_event(error, attempt.out_of_memory)
         except HostedTrialStopped:
-            event = HostedEvent("done")
-        except BaseException as error:  # the trial's own failure: it fails alone
-            text = "".join(traceback.format_exception(error))
-            out_of_memory = isinstance(error, Exception) and is_out_of_memory(error)
-            if error.__traceback__ is not None:
-                traceback.clear_frames(error.__traceback__)  # free its tensors now
-            event = HostedEvent(
-                "error", error=text[-_ERROR_MAX_CHARS:], out_of_memory=out_of_memory
-            )
+            pass  # a stop that landed outside the objective: the trial is done
+        except BaseException as error:  # the host's own setup failed: the trial fails alone
+            event = _error_event(error, isinstance(error, Exception) and is_out_of_memory(error))
         finally:
             with contextlib.suppress(Exception):
-                self.memory.close_account(hosted.number, account)
-            with contextlib.suppress(Exception):
-                self.memory.trial_ended(hosted.number)
+                self.memory.trial_ended(hosted.number)  # idempotent; run_attempt ended it
             if stream is not None:
                 with contextlib.suppress(Exception):
                     release_stream(stream)
@@ -387,6 +385,40 @@ class TrialHost:
         if hosted is None:
             return None
         return _SessionTrial(self, hosted)
+
+
+class _HostedSeat:
+    """A hosted trial's thread as :func:`run_attempt` sees it: stoppable only inside ``fn``."""
+
+    def __init__(self, host: TrialHost, hosted: _Hosted) -> None:
+        self.host = host
+        self.hosted = hosted
+
+    def enter(self) -> None:
+        # A stop is raised in this thread only while in_fn, set and cleared under the lock, so
+        # it arrives inside run_attempt's try (at the latest while taking the lock in leave).
+        with self.host._cond:
+            if self.hosted.stopped:
+                raise HostedTrialStopped
+            self.hosted.in_fn = True
+
+    def leave(self) -> int:
+        try:
+            with self.host._cond:
+                self.hosted.in_fn = False
+                return max(0, self.host._running - 1)
+        except HostedTrialStopped:  # sent just before in_fn was cleared: the trial is done
+            with self.host._cond:
+                self.hosted.in_fn = False
+                return max(0, self.host._running - 1)
+
+
+def _error_event(error: BaseException, out_of_memory: bool) -> HostedEvent:
+    """The trial's own failure, as Tune is told it: its traceback's text; frames freed."""
+    text = "".join(traceback.format_exception(error))
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)  # free its tensors now
+    return HostedEvent("error", error=text[-_ERROR_MAX_CHARS:], out_of_memory=out_of_memory)
 
 
 @dataclass(frozen=True)

@@ -138,16 +138,17 @@ class RemoteHost:
             if self.admit_by_memory:
                 self._has_room = False  # until the actor measures again
         if lost:
-            self._report_lost(job, "its host was lost before the trial started")
+            for member in job.members():
+                self._report_lost(member, "its host was lost before the trial started")
             return
         try:
             import ray
 
-            ray.get(
-                self.actor.submit.remote(
-                    slot.index, _optuna_compat.trial_id(job.trial), job.attempt, job.retry_of
-                )
-            )
+            members = [
+                (_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()
+            ]
+            cap = None if job.planning is None else job.planning.cap_bytes
+            ray.get(self.actor.submit.remote(slot.index, members, bool(job.batch), cap))
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
 
@@ -204,14 +205,26 @@ class RemoteHost:
                 self._tell(record)
 
     def _tell(self, record: TrialRecord) -> None:
-        job = self.slots[record.slot].job if 0 <= record.slot < len(self.slots) else None
-        if job is None or job.trial.number != record.number:
+        slot_job = self.slots[record.slot].job if 0 <= record.slot < len(self.slots) else None
+        job = next(
+            (
+                m
+                for m in (slot_job.members() if slot_job else ())
+                if m.trial.number == record.number
+            ),
+            None,
+        )
+        if slot_job is None or job is None:
             _logger.error(
                 "Host %s reported trial %d, which it was not running.", self.device, record.number
             )
             return
         if not self._claim(job):
             return  # already failed as lost (a submit found the actor dead meanwhile)
+        if job.planning is not None and record.footprint_bytes is not None:
+            # The host planned the attempt; the driver plans its re-run from the same bytes.
+            job.planning.footprint_bytes = record.footprint_bytes
+            job.planning.smallest_peak_bytes = record.smallest_peak_bytes
         study = self.settings.study
         kind = record.kind
         error = record.error
@@ -224,8 +237,9 @@ class RemoteHost:
         except Exception as tell_error:  # the driver could not tell: fail it, never leave it
             kind, error = OutcomeKind.FATAL, tell_error
             frozen = _fail(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
-        with self._lock:
-            self.slots[record.slot].job = None
+        if not slot_job.batch:  # a fused batch's slot is freed by the executor once all end
+            with self._lock:
+                self.slots[record.slot].job = None
         self.settings.outcomes.put(
             TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
         )
@@ -235,7 +249,7 @@ class RemoteHost:
             if self.lost:
                 return
             self.lost = True
-            jobs = [slot.job for slot in self.slots if slot.job is not None]
+            jobs = [m for slot in self.slots if slot.job is not None for m in slot.job.members()]
         _logger.warning("Device host %s was lost: %s", self.device, error)
         for job in jobs:
             self._report_lost(job, f"its device host {self.device} was lost: {error!r}")
@@ -255,7 +269,7 @@ class RemoteHost:
         kind = OutcomeKind.HOST_LOST if job.attempt < self.max_host_retries else OutcomeKind.FAILED
         with self._lock:
             for slot in self.slots:
-                if slot.job is job:
+                if slot.job is job:  # one trial; a fused batch's slot is freed by the executor
                     slot.job = None
         self.settings.outcomes.put(TrialOutcome(job, kind, frozen, None, 0))
 

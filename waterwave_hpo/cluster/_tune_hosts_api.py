@@ -14,6 +14,7 @@ from waterwave_hpo.cluster._shared_gpu import _check_int
 from waterwave_hpo.cluster._shared_gpu import _check_number
 from waterwave_hpo.cluster._shared_gpu import _check_trials_per_gpu
 from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.executor._internal import plan_settings
 from waterwave_hpo.scheduler import PolicyName
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ def tune_hosts(
     memory_pool: str = "auto",
     heartbeat_ttl_s: float = 30.0,
     n_hosts: int | None = None,
+    memory_plan: str = "off",
+    memory_planner: str = "pso",
 ) -> TuneHosts:
     """Ray Tune trials whose training functions run co-hosted, in one process per GPU.
 
@@ -53,6 +56,12 @@ def tune_hosts(
         heartbeat_ttl_s: Seconds after which a hosted trial whose Tune process stopped polling
             is stopped (> 0).
         n_hosts: Host actors to start (>= 1); ``None``: one per GPU in the cluster.
+        memory_plan: ``"off"`` or ``"home"``, as for :class:`~waterwave_hpo.WaterwaveExecutor`:
+            with ``"home"``, a model a trial registers with
+            :func:`waterwave_hpo.fit_trial_memory` gets a HOME plan when it does not fit
+            beside its neighbours on the host.
+        memory_planner: The planner for ``memory_plan="home"`` (``"pso"``, ``"capuchin"``,
+            ``"exhaustive"``).
 
     Returns:
         A :class:`TuneHosts`; enter it (``with``) to start the hosts.
@@ -75,6 +84,7 @@ def tune_hosts(
         _check_int("memory_budget_bytes", memory_budget_bytes, 1)
     if n_hosts is not None:
         _check_int("n_hosts", n_hosts, 1)
+    plan_settings(memory_plan, memory_planner)  # checked here, made again in each host
     import_ray()
     from waterwave_hpo.cluster._tune_hosts import TuneHosts
 
@@ -89,6 +99,8 @@ def tune_hosts(
             "memory_budget_bytes": memory_budget_bytes,
             "memory_pool": memory_pool,
             "heartbeat_ttl_s": float(heartbeat_ttl_s),
+            "memory_plan": memory_plan,
+            "memory_planner": memory_planner,
         },
         n_hosts=n_hosts,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
@@ -244,10 +245,8 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
     plot_timeline(
         this_run or trials,
         out / "timeline.png",
-        title=(
-            f"waterwave-hpo demo: {len(this_run or trials)} trials, "
-            f"{config.concurrency} per device on {', '.join(map(str, executor.devices))}"
-            + ("" if config.fuse is None else f", fused {config.fuse} per model")
+        title=timeline_title(
+            len(this_run or trials), config.concurrency, config.fuse, executor.devices
         ),
     )
     summary = _summary(study, config, executor, wall_time_s, this_run, to_run)
@@ -484,3 +483,21 @@ def _device_names(executor: WaterwaveExecutor) -> list[str]:
         else:
             names.append(platform.processor() or platform.machine())
     return names
+
+
+def timeline_title(
+    n_trials: int, concurrency: int, fuse: int | None, devices: Sequence[torch.device]
+) -> str:
+    """The demo timeline's title: what ran at once, with ``fuse`` and ``K`` named as such.
+
+    ``concurrency`` is ``trials_per_device`` (K): slots per device; with ``fuse`` each slot runs
+    a batch of up to ``fuse`` trials as one fused model, so up to ``K * fuse`` trials at once.
+    """
+    where = ", ".join(map(str, devices))
+    if fuse is None:
+        return f"waterwave-hpo demo: {n_trials} trials, K={concurrency} per device on {where}"
+    return (
+        f"waterwave-hpo demo: {n_trials} trials, fuse={fuse} trials per fused model, "
+        f"K={concurrency} fused batch(es) per device on {where} "
+        f"(up to {concurrency * fuse} trials at once)"
+    )

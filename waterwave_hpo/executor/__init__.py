@@ -4,13 +4,7 @@ from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._attrs import trial_memory_plan
 from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._batch import batched
-from waterwave_hpo.executor._context import NotInTrialError
-from waterwave_hpo.executor._context import TrialContext
-from waterwave_hpo.executor._context import current
-from waterwave_hpo.executor._context import current_or_none
-from waterwave_hpo.executor._context import trial_scope
 from waterwave_hpo.executor._executor import WaterwaveExecutor
-from waterwave_hpo.executor._host import TrialInterrupted
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import trial_memory_stats
 from waterwave_hpo.executor._oom import is_out_of_memory
@@ -18,7 +12,13 @@ from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import NoPlanFitsError
 from waterwave_hpo.executor._planning import fit_trial_memory
+from waterwave_hpo.executor._run import TrialInterrupted
 from waterwave_hpo.executor._storage_errors import StorageWriteError
+from waterwave_hpo.trial import NotInTrialError
+from waterwave_hpo.trial import TrialContext
+from waterwave_hpo.trial import current
+from waterwave_hpo.trial import current_or_none
+from waterwave_hpo.trial import trial_scope
 
 __all__ = [
     "BatchedObjective",

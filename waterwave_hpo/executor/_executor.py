@@ -30,8 +30,7 @@ from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._optimize import OptimizeRun
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._planning import check_memory_planner
+from waterwave_hpo.executor._planning import plan_settings
 from waterwave_hpo.executor._storage_errors import check_storage_writable
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
@@ -135,8 +134,9 @@ class WaterwaveExecutor:
             ``trials_per_device=N``, up to N batches run side by side on each device. A fused
             batch that runs out of device memory fails its trials and, with
             ``on_oom="retry"``, re-queues each one's parameters to run alone (a batch of one).
-            Not supported yet by :class:`waterwave_hpo.RayExecutor`, nor together with
-            ``memory_plan="home"``.
+            With ``memory_plan="home"`` the batch is one attempt: the model it registers with
+            :func:`waterwave_hpo.fit_trial_memory` (the fused model) is planned as one, and
+            the plan is recorded on each of its trials.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -211,17 +211,7 @@ class WaterwaveExecutor:
                 "record_trial_attrs", record_trial_attrs, "a bool", "pass True or False"
             )
         self.record_trial_attrs = record_trial_attrs
-        if not isinstance(memory_plan, str):
-            raise _checks.type_error("memory_plan", memory_plan, "a str", "pass 'home' or 'off'")
-        self.memory_plan = PlanSettings(
-            mode=_checks.check_choice(
-                "memory_plan",
-                memory_plan,
-                MemoryPlanMode,
-                "pass 'home' to plan trials that do not fit, or 'off'",
-            ),
-            planner=check_memory_planner(memory_planner),
-        )
+        self.memory_plan = plan_settings(memory_plan, memory_planner)
         self.fuse = _checks.check_optional_int(
             "fuse",
             fuse,
@@ -229,13 +219,6 @@ class WaterwaveExecutor:
             fix="pass the number of trials a batched objective runs at once, e.g. fuse=8, "
             "or None to run one trial per call",
         )
-        if self.fuse is not None and self.memory_plan.mode is not MemoryPlanMode.OFF:
-            raise _checks.value_error(
-                "memory_plan",
-                memory_plan,
-                "does not combine with fuse (a fused batch's model is planned as one)",
-                "pass memory_plan='off' with fuse, or fuse=None with memory_plan='home'",
-            )
         self.max_trials_per_device = _check_slots(
             "max_trials_per_device",
             _check_positive_int("max_trials_per_device", max_trials_per_device, 1),
@@ -331,6 +314,62 @@ class WaterwaveExecutor:
             f"memory_plan={self.memory_plan.mode.value!r}, fuse={self.fuse})"
         )
 
+    def _check_run(
+        self,
+        study: optuna.Study,
+        func: ObjectiveFunc,
+        n_trials: int | None,
+        timeout: float | None,
+        catch: Iterable[type[Exception]] | type[Exception],
+        callbacks: Iterable[Callback] | None,
+    ) -> tuple[int | None, tuple[type[Exception], ...], list[Callback]]:
+        """Check :meth:`optimize`'s arguments (every executor's, before it starts anything).
+
+        Returns:
+            ``n_trials``, ``catch`` as a tuple and ``callbacks`` as a list.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: As :meth:`optimize`.
+        """
+        if not isinstance(study, optuna.Study):
+            raise _checks.type_error(
+                "study",
+                study,
+                "an optuna.Study",
+                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
+            )
+        if not callable(func):
+            raise _checks.type_error(
+                "func", func, "callable", "pass the objective, a function taking a trial"
+            )
+        _check_fuse_matches(func, self.fuse)
+        _checks.check_takes_one_argument(
+            "func",
+            func,
+            "a list of trials" if is_batched(func) else "a trial",
+            "define the objective as def objective(trial): ... and return its value",
+        )
+        if n_trials is not None:
+            n_trials = _check_positive_int("n_trials", n_trials, 0)
+        if timeout is not None:
+            _checks.check_number(
+                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
+            )
+        catch_tuple = _check_catch(catch)
+        callback_list = _check_callbacks(callbacks)
+        if _optuna_compat.in_optimize_loop(study):
+            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
+        memory_url = _optuna_compat.in_memory_sqlite_url(study)
+        if memory_url is not None:
+            raise ValueError(
+                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
+                "keeps per connection: trials told from the executor's threads would be lost "
+                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
+                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
+            )
+        check_storage_writable(study)
+        return n_trials, catch_tuple, callback_list
+
     def optimize(
         self,
         study: optuna.Study,
@@ -380,11 +419,9 @@ class WaterwaveExecutor:
                 the other running trials have finished and been told.
             KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
         """
-        catch_tuple, callback_list = self._check_optimize_arguments(
+        n_trials, catch_tuple, callback_list = self._check_run(
             study, func, n_trials, timeout, catch, callbacks
         )
-        if n_trials is not None:
-            n_trials = int(n_trials)
 
         run = OptimizeRun(
             executor=self,
@@ -414,62 +451,6 @@ class WaterwaveExecutor:
             if isinstance(memory := host.memory, DeviceMemory)
         }
         run.execute()
-
-    def _check_optimize_arguments(
-        self,
-        study: object,
-        func: object,
-        n_trials: object,
-        timeout: object,
-        catch: object,
-        callbacks: object,
-    ) -> tuple[tuple[type[Exception], ...], list[Callback]]:
-        """Check :meth:`optimize`'s arguments before anything starts (no trial, no Ray).
-
-        Returns:
-            ``catch`` as a tuple and ``callbacks`` as a list.
-
-        Raises:
-            TypeError, ValueError, RuntimeError: As :meth:`optimize`.
-        """
-        if not isinstance(study, optuna.Study):
-            raise _checks.type_error(
-                "study",
-                study,
-                "an optuna.Study",
-                "create one with waterwave_hpo.create_study(...) or optuna.create_study(...)",
-            )
-        if not callable(func):
-            raise _checks.type_error(
-                "func", func, "callable", "pass the objective, a function taking a trial"
-            )
-        _check_fuse_matches(func, self.fuse)
-        _checks.check_takes_one_argument(
-            "func",
-            func,
-            "a list of trials" if is_batched(func) else "a trial",
-            "define the objective as def objective(trial): ... and return its value",
-        )
-        if n_trials is not None:
-            _check_positive_int("n_trials", n_trials, 0)
-        if timeout is not None:
-            _checks.check_number(
-                "timeout", timeout, fix="pass seconds > 0, or None for no time limit"
-            )
-        catch_tuple = _check_catch(catch)
-        callback_list = _check_callbacks(callbacks)
-        if _optuna_compat.in_optimize_loop(study):
-            raise RuntimeError("Nested invocation of `Study.optimize` method isn't allowed.")
-        memory_url = _optuna_compat.in_memory_sqlite_url(study)
-        if memory_url is not None:
-            raise ValueError(
-                f"study's storage {memory_url!r} is an in-memory SQLite database, which SQLite "
-                "keeps per connection: trials told from the executor's threads would be lost "
-                "and left RUNNING. Use a file (storage='sqlite:///study.db'), "
-                "optuna.storages.InMemoryStorage() (storage=None), or a journal file."
-            )
-        check_storage_writable(study)
-        return catch_tuple, callback_list
 
 
 MAX_TRIALS_PER_DEVICE = 1024

@@ -4,57 +4,36 @@ Waterwave (IEEE TC 2023, Sec. 3) co-hosts training jobs in one process, each on 
 A host has ``trials_per_device`` slots; a slot is a long-lived thread that owns one stream for its
 whole life and runs one trial at a time, so at most ``trials_per_device`` trials run on the device
 at once. Every attempt ends with the study told COMPLETE, PRUNED or FAIL from the slot's thread,
-and a :class:`TrialOutcome` put on the executor's queue.
+and a :class:`TrialOutcome` put on the executor's queue; the run itself is
+``executor/_run.py``'s, shared with the cluster's hosts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Iterator
 import contextlib
 import ctypes
 from dataclasses import dataclass
 from dataclasses import field
-import gc
 import queue
 import threading
-import traceback
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 import torch
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor import _streams
-from waterwave_hpo.executor._attrs import ATTR_DEVICE
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
-from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._backward import backward_in_this_thread
-from waterwave_hpo.executor._batch import run_batch
-from waterwave_hpo.executor._context import _CURRENT
-from waterwave_hpo.executor._context import TrialContext
 from waterwave_hpo.executor._memory import DeviceMemory
-from waterwave_hpo.executor._oom import is_out_of_memory
 from waterwave_hpo.executor._outcome import OnOOM
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._planning import find_no_plan_fits
-from waterwave_hpo.sim import PLAN_SHRINK
-
-_REASON_MAX_CHARS = 500
-
-
-class TrialInterrupted(BaseException):
-    """Raised inside a trial's thread when the executor stops it (Ctrl+C on the main thread).
-
-    A ``BaseException``, like ``KeyboardInterrupt``, so that ``except Exception`` in an objective
-    does not swallow it.
-    """
+from waterwave_hpo.executor._run import TrialInterrupted
+from waterwave_hpo.executor._run import fail_without_running
+from waterwave_hpo.executor._run import release_interrupted
+from waterwave_hpo.executor._run import run_job
 
 
 @dataclass(frozen=True)
@@ -185,6 +164,16 @@ class _Slot:
         """How many other slots of this host are inside an objective now."""
         return sum(1 for slot in self.host.slots if slot is not self and slot.busy)
 
+    def enter(self) -> None:
+        """The slot's objective starts: from now on :meth:`interrupt` reaches it."""
+        self.busy = True
+
+    def leave(self) -> int:
+        """The slot's objective has ended; return how many other slots were inside one."""
+        neighbours = self.neighbours()
+        self.busy = False
+        return neighbours
+
     def _loop(self) -> None:
         device = self.host.device
         stream: torch.cuda.Stream | None = None
@@ -203,17 +192,14 @@ class _Slot:
                 settings = self.host.settings
                 if setup_error is not None:
                     outcomes = [
-                        _fail_without_running(settings, member, setup_error)
+                        fail_without_running(settings, member, setup_error)
                         for member in job.members()
                     ]
                 else:
                     try:
-                        if job.batch:
-                            outcomes = run_batch(self, job, stream)
-                        else:
-                            outcomes = [_run_trial(self, job, stream)]
+                        outcomes = run_job(self, job, stream)
                     except TrialInterrupted as interrupted:  # inside the executor's own calls
-                        _release_interrupted(interrupted)
+                        release_interrupted(interrupted)
                         with contextlib.suppress(Exception):
                             _optuna_compat.release_thread_session(settings.study)
                         outcomes = [
@@ -222,7 +208,7 @@ class _Slot:
                         ]
                     except BaseException as error:  # the study's storage failed, not the trial
                         outcomes = [
-                            _fail_without_running(settings, member, error)
+                            fail_without_running(settings, member, error)
                             for member in job.members()
                         ]
                 for outcome in outcomes:
@@ -233,242 +219,3 @@ class _Slot:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     _streams.release_stream(stream)
-
-
-@contextlib.contextmanager
-def on_trial_stream(
-    device: torch.device, stream: torch.cuda.Stream | None, pool: Any
-) -> Iterator[None]:
-    """Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy.
-
-    Make ``stream`` current on ``device`` for the block, in PyTorch and CuPy (nothing on the
-    CPU); with the pool installed, turn its exhaustion into ``torch.cuda.OutOfMemoryError``.
-    """
-    if stream is None:
-        yield
-        return
-    from waterwave_hpo.memory._internal import cupy_on_stream
-
-    index = device.index if device.index is not None else 0
-    # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work; and
-    # the trial's backward in this thread, not on autograd's shared device thread (issue 22 #4).
-    with (
-        torch.cuda.device(device),
-        torch.cuda.stream(stream),
-        cupy_on_stream(stream.cuda_stream, index, pool),
-        backward_in_this_thread(),
-    ):
-        if pool is None:
-            yield
-            return
-        from waterwave_hpo.memory import translate_oom
-
-        # A pluggable allocator's exhaustion reaches Python as a plain RuntimeError; make it the
-        # torch.cuda.OutOfMemoryError that OOM isolation and users' own handlers expect.
-        with translate_oom():
-            yield
-
-
-def _run_trial(slot: _Slot, job: TrialJob, stream: torch.cuda.Stream | None) -> TrialOutcome:
-    settings = slot.host.settings
-    study, trial = settings.study, job.trial
-    device = slot.host.device
-    context = TrialContext(
-        trial=trial,
-        trial_number=trial.number,
-        device=device,
-        stream=stream,
-        slot=slot.index,
-        attempt=job.attempt,
-        scheduler=slot.host.scheduler,
-        retry_of=None if job.retry_of is None else int(job.retry_of),
-        planning=job.planning,
-    )
-    if job.planning is not None:
-        job.planning.device_plans = slot.host.memory.plans
-    _optuna_compat.set_in_optimize_loop(study, True)
-    token = _CURRENT.set(context)
-    memory = slot.host.memory
-    account: Any = None
-    peak_bytes: int | None = None
-    value: Any = None
-    pruned = False
-    error: BaseException | None = None
-    slot.busy = True
-    try:
-        _set_attr(settings, trial, ATTR_DEVICE, str(device))
-        _set_attr(settings, trial, ATTR_SLOT, slot.index)
-        account = memory.open_account(trial.number, stream)
-        with on_trial_stream(device, stream, memory.pool):
-            value = settings.func(trial)
-    except optuna.TrialPruned:
-        pruned = True
-    except BaseException as caught:  # classified below; KeyboardInterrupt included
-        error = caught
-    finally:
-        neighbours = slot.neighbours()
-        slot.busy = False
-        _CURRENT.reset(token)
-        no_plan_fits = find_no_plan_fits(error)
-        out_of_memory = isinstance(error, Exception) and (
-            no_plan_fits is not None or is_out_of_memory(error)
-        )
-        if out_of_memory:
-            # Free the failed trial's tensors (held by the traceback's frames) before its
-            # scheduler share is released and before anyone retries.
-            _release_memory(error, device)  # type: ignore[arg-type]
-        with contextlib.suppress(Exception):
-            peak_bytes = memory.close_account(trial.number, account)
-        with contextlib.suppress(Exception):
-            memory.trial_ended(trial.number)  # a pruned or finished trial frees its share at once
-
-    if isinstance(error, TrialInterrupted):
-        # The executor has told the study FAIL already; make sure, without raising. The
-        # interrupt may have landed inside a storage call, leaving a database connection in a
-        # transaction (SQLite: holding the file's write lock) referenced only by the
-        # traceback's frames: free them, and this thread's session, before anyone writes.
-        _release_interrupted(error)
-        error = None
-        with contextlib.suppress(Exception):
-            _optuna_compat.release_thread_session(study)
-        with contextlib.suppress(Exception):
-            settings.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-        return TrialOutcome(job, OutcomeKind.INTERRUPTED, None)
-
-    if peak_bytes is not None:
-        with contextlib.suppress(Exception):
-            _set_attr(settings, trial, ATTR_PEAK_BYTES, peak_bytes)
-    fail_message: str | None = None
-    if error is None and not pruned:
-        error = _told_by_objective(settings.study, trial, value)
-    if pruned:
-        frozen, _ = _tell(settings.study, trial, state=TrialState.PRUNED)
-        kind = OutcomeKind.PRUNED
-    elif error is None:
-        frozen, fail_message = _tell(settings.study, trial, values=value)
-        kind = OutcomeKind.COMPLETE
-    else:
-        kind = _classify(settings, job, error, neighbours, out_of_memory)
-        if no_plan_fits is not None:
-            reason = f"out of device memory: {no_plan_fits}"
-        elif out_of_memory:
-            reason = f"out of device memory with {neighbours} neighbour(s): {error}"
-        else:
-            reason = "".join(traceback.format_exception_only(type(error), error)).strip()
-        with contextlib.suppress(Exception):
-            _set_attr(settings, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
-        frozen, _ = _tell(settings.study, trial, state=TrialState.FAIL)
-    if fail_message is not None:
-        with contextlib.suppress(Exception):
-            _set_attr(settings, trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
-    if settings.gc_after_trial:
-        gc.collect()
-    return TrialOutcome(job, kind, frozen, error, neighbours, fail_message, value)
-
-
-def _told_by_objective(
-    study: optuna.Study, trial: optuna.trial.Trial, value: Any
-) -> BaseException | None:
-    """The error for an objective that told its own trial and then returned ``value``, or None.
-
-    ``Study.optimize`` raises then (Optuna cannot tell a finished trial); without this the
-    executor's ``tell(skip_if_finished=True)`` would drop the returned value without a word.
-    """
-    frozen = _optuna_compat.storage_of(study).get_trial(_optuna_compat.trial_id(trial))
-    if not frozen.state.is_finished():
-        return None
-    return optuna.exceptions.UpdateFinishedTrialError(
-        f"func returned {value!r} for trial {trial.number}, which was already finished "
-        f"({frozen.state.name}, values {frozen.values}): the returned value is not recorded. "
-        "An objective run by an executor must not tell its own trial "
-        "(trial.study.tell(trial, ...)): return the value, or raise optuna.TrialPruned, and "
-        "the executor tells the study."
-    )
-
-
-def _classify(
-    settings: RunSettings,
-    job: TrialJob,
-    error: BaseException,
-    neighbours: int,
-    out_of_memory: bool,
-) -> OutcomeKind:
-    if out_of_memory:
-        if find_no_plan_fits(error) is not None:
-            return OutcomeKind.OOM_FAILED  # no neighbour leaving and no smaller plan can help
-        retry = settings.on_oom is OnOOM.RETRY and job.attempt < settings.max_oom_retries
-        if retry and planned_rerun_cap(job) is not None:
-            return OutcomeKind.OOM_RETRY  # re-run with a smaller plan, even alone
-        if retry and neighbours > 0:
-            return OutcomeKind.OOM_RETRY
-        return OutcomeKind.OOM_FAILED
-    if isinstance(error, settings.catch):
-        return OutcomeKind.FAILED
-    return OutcomeKind.FATAL
-
-
-def planned_rerun_cap(job: TrialJob) -> int | None:
-    """The plan cap of ``job``'s re-run after it ran out of memory, or ``None`` for no plan.
-
-    With ``memory_plan="home"`` and a model registered with ``fit_trial_memory``: a re-run
-    plans for at most ``PLAN_SHRINK`` of the footprint that failed, if the model can be planned
-    that small.
-    """
-    planning = job.planning
-    if planning is None or planning.settings.mode is MemoryPlanMode.OFF:
-        return None
-    return planning.rerun_cap_bytes(PLAN_SHRINK)
-
-
-def _release_interrupted(error: BaseException) -> None:
-    # Frames of an interrupted storage call may hold an open database transaction.
-    if error.__traceback__ is not None:
-        traceback.clear_frames(error.__traceback__)
-    error.__traceback__ = None
-    gc.collect()
-
-
-def _release_memory(error: BaseException, device: torch.device) -> None:
-    # The traceback's frames hold the failed trial's tensors; free them before anyone retries.
-    tb = error.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    for linked in (error.__cause__, error.__context__):
-        if linked is not None and linked.__traceback__ is not None:
-            traceback.clear_frames(linked.__traceback__)
-    gc.collect()
-    if device.type == "cuda":
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
-
-
-def _set_attr(settings: RunSettings, trial: optuna.trial.Trial, key: str, value: object) -> None:
-    # The executor's bookkeeping is a system attribute, and only on request: the user's
-    # attributes stay the user's, and trials_dataframe() shows Optuna's columns.
-    if settings.record_trial_attrs:
-        _optuna_compat.set_system_attr(settings.study, _optuna_compat.trial_id(trial), key, value)
-
-
-def _tell(
-    study: optuna.Study,
-    trial: optuna.trial.Trial,
-    values: Any = None,
-    state: TrialState | None = None,
-) -> tuple[optuna.trial.FrozenTrial, str | None]:
-    # As Study.optimize tells: an invalid return value is logged as the trial's failure, not
-    # warned; skip_if_finished: the executor may have told FAIL already (Ctrl+C) or the
-    # objective may have told the study itself.
-    return _optuna_compat.tell_as_optimize(study, trial, values, state)
-
-
-def _fail_without_running(
-    settings: RunSettings, job: TrialJob, error: BaseException
-) -> TrialOutcome:
-    """Tell FAIL for a trial the executor itself could not run or tell; never raises."""
-    reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
-    frozen = None
-    with contextlib.suppress(Exception):
-        _set_attr(settings, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
-    with contextlib.suppress(Exception):
-        frozen, _ = _tell(settings.study, job.trial, state=TrialState.FAIL)
-    return TrialOutcome(job, OutcomeKind.FATAL, frozen, error)

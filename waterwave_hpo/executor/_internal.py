@@ -9,18 +9,16 @@ promise to users.
 
 from __future__ import annotations
 
+from waterwave_hpo.executor._attrs import ATTR_BATCH
 from waterwave_hpo.executor._attrs import ATTR_DEVICE
 from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.executor._attrs import ATTR_MEMORY_PLAN
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._context import _CURRENT as CURRENT_CONTEXT
-from waterwave_hpo.executor._context import NoOptunaTrial
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host import on_trial_stream
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._optimize import Callback
@@ -28,10 +26,19 @@ from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import PlanSettings
+from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.executor._planning import plan_settings
+from waterwave_hpo.executor._run import on_trial_stream
+from waterwave_hpo.executor._run import run_attempt
 from waterwave_hpo.executor._streams import acquire_stream
 from waterwave_hpo.executor._streams import release_stream
+from waterwave_hpo.trial import NoOptunaTrial
+from waterwave_hpo.trial._internal import CURRENT_CONTEXT
 
 __all__ = [
+    "ATTR_BATCH",
     "ATTR_DEVICE",
     "ATTR_FAIL_REASON",
     "ATTR_MEMORY_PLAN",
@@ -42,15 +49,20 @@ __all__ = [
     "Callback",
     "DeviceHost",
     "Host",
+    "MemoryPlanMode",
     "NoOptunaTrial",
     "ObjectiveFunc",
     "OutcomeKind",
+    "PlanSettings",
     "RunSettings",
     "TrialJob",
     "TrialOutcome",
+    "TrialPlanning",
     "acquire_stream",
     "make_device_memory",
     "on_trial_stream",
+    "plan_settings",
     "release_stream",
     "resolve_devices",
+    "run_attempt",
 ]

@@ -34,6 +34,7 @@ from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import PackingPrediction
 from waterwave_hpo.sim import SimPlan
 from waterwave_hpo.sim import predict_auto_packing
+from waterwave_hpo.trial import current_or_none
 
 _logger = logging.getLogger("waterwave_hpo")
 #: Device memory the default budget leaves outside the pool and the scheduler's ledger: the CUDA
@@ -75,8 +76,6 @@ def trial_memory_stats() -> Any:
         The account's :class:`~waterwave_hpo.memory.UsageStats`, or ``None`` outside a trial
         and for trials that run without the pool (the CPU, ``memory_pool="off"``).
     """
-    from waterwave_hpo.executor._context import current_or_none
-
     account = _TRIAL_ACCOUNT.get()
     if current_or_none() is None or account is None or account.closed:
         return None

@@ -33,13 +33,13 @@ from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import trial_attr
 from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host import planned_rerun_cap
 from waterwave_hpo.executor._host_protocol import Host
 from waterwave_hpo.executor._outcome import OutcomeKind
 from waterwave_hpo.executor._outcome import TrialJob
 from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.executor._run import planned_rerun_cap
 from waterwave_hpo.executor._storage_errors import is_storage_error
 from waterwave_hpo.executor._storage_errors import refused_write_error
 from waterwave_hpo.executor._storage_errors import running_trials
@@ -219,7 +219,14 @@ class OptimizeRun:
                 and self._may_start()
             ):
                 jobs.append(self._ask_job())
-            job = TrialJob(jobs[0].trial, jobs[0].attempt, jobs[0].retry_of, batch=tuple(jobs))
+            # The batch is one attempt: its trials share one memory planning (a fused
+            # model registered with fit_trial_memory is planned as one).
+            planning = jobs[0].planning
+            for member in jobs:
+                member.planning = planning
+            job = TrialJob(
+                jobs[0].trial, jobs[0].attempt, jobs[0].retry_of, planning, batch=tuple(jobs)
+            )
             self.batch_pending[id(job)] = {member.trial.number for member in jobs}
         host.submit(slot, job)
         self.asked.clear()
@@ -227,8 +234,12 @@ class OptimizeRun:
     def _ask_job(self) -> TrialJob:
         """Ask the study for one trial, start its heartbeat and count it.
 
-        The trial stays in ``self.asked`` until the caller hands it to a slot.
+        The trial stays in ``self.asked`` until the caller hands it to a slot. With several
+        trials at once (more than one slot, or fused batches), the sampler's RNG is reseeded
+        before each ask, as ``Study.optimize`` does for each trial of ``n_jobs != 1``.
         """
+        if self._concurrent():
+            self.study.sampler.reseed_rng()
         trial = self.study.ask()
         self.asked.append(trial)
         self.asked_numbers.add(trial.number)
@@ -257,6 +268,10 @@ class OptimizeRun:
                     self.retries.remove(request)
         retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
         return TrialJob(trial, attempt, retry_number, planning)
+
+    def _concurrent(self) -> bool:
+        """Whether trials may run at once: more than one slot in all, or fused batches."""
+        return (self.fuse or 1) > 1 or sum(len(host.slots) for host in self.hosts) > 1
 
     def _enqueue(self, request: _RetryRequest) -> bool:
         """Put ``request``'s parameters in the study's queue, once.

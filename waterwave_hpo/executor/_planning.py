@@ -39,6 +39,7 @@ from waterwave_hpo.planning._internal import profile_units
 from waterwave_hpo.scheduler import Phase
 from waterwave_hpo.scheduler import TrialProfile
 from waterwave_hpo.sim import SimPlan
+from waterwave_hpo.trial import current_or_none
 
 _logger = logging.getLogger("waterwave_hpo")
 
@@ -206,33 +207,41 @@ def fit_trial_memory(
             positional arguments).
         optimizer: The optimizer whose state counts towards the footprint, or ``None``.
 
+    A model with ``ww.pipeline`` gates is returned unplanned: the executor picks the gates,
+    which reserve its memory per NodeGroup (Waterwave, Sec. 4) and do not combine with a plan's
+    recomputes (see :func:`waterwave_hpo.fit_memory`).
+
     Returns:
         ``model`` (the same object), with a plan installed if it needed one.
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
-        ValueError: If the model has ``ww.pipeline`` gates (the two do not combine: see
-            :func:`waterwave_hpo.fit_memory`), or as :func:`waterwave_hpo.fit_memory`.
+        ValueError: As :func:`waterwave_hpo.fit_memory`.
         NoPlanFitsError: If even the smallest plan exceeds the device's budget (the trial ends
             FAIL with this reason, naming the floor in bytes).
         waterwave_hpo.scheduler.BudgetExceededError: If the scheduler evicts the trial while it
             waits for its footprint (the executor re-runs it with a smaller plan).
     """
-    from waterwave_hpo.executor._context import current_or_none
     from waterwave_hpo.nodegroup._internal import has_pipeline
 
     if not isinstance(model, nn.Module):
         raise _checks.type_error("model", model, "a torch.nn.Module", "pass the trial's model")
     context = current_or_none()
-    planning = None if context is None else context.planning
+    planning: TrialPlanning | None = None if context is None else context.planning
     if context is None or planning is None or planning.settings.mode is MemoryPlanMode.OFF:
         return model
     if has_pipeline(model):
-        raise ValueError(
-            "model has ww.pipeline gates; fit_trial_memory does not combine with them: the "
-            "gates reserve the unplanned saved bytes per NodeGroup, and a recompute re-runs "
-            "module forwards inside backward. Register the model with one or the other."
+        # The executor picks the gates: they already reserve the model's memory NodeGroup by
+        # NodeGroup (the scheduler orders, evicts and re-runs), while a plan would hold one
+        # static footprint beside them, and its recomputes re-run module forwards inside
+        # backward, where the gates would fire again (see waterwave_hpo.fit_memory).
+        _logger.info(
+            "Trial %d: its model has ww.pipeline gates, which govern its memory; "
+            "memory_plan=%r leaves it unplanned.",
+            context.trial_number,
+            planning.settings.mode.value,
         )
+        return model
     settings = planning.settings
     bandwidth = settings.bandwidth_bytes_per_s
     profile, modules = profile_units(model, example_input, optimizer)
@@ -265,7 +274,8 @@ def fit_trial_memory(
     planning.plan = plan
     planning.footprint_bytes = footprint
     if plan is not None:
-        _record_plan(context.trial, plan)
+        for trial in context.batch or (context.trial,):  # a fused batch: each of its trials
+            _record_plan(trial, plan)
         _logger.info(
             "Trial %d: its plain step needs %s, more than the %s it may use; it runs with a "
             "%r memory plan (predicted peak %s, %.2fx the plain step's time).",
@@ -338,6 +348,27 @@ def _record_plan(trial: Any, plan: MemoryPlan) -> None:
         return
     _optuna_compat.set_system_attr(
         study, _optuna_compat.trial_id(trial), ATTR_MEMORY_PLAN, asdict(plan)
+    )
+
+
+def plan_settings(memory_plan: object, memory_planner: object) -> PlanSettings:
+    """Check ``memory_plan=`` and ``memory_planner=`` (every executor's and ``tune_hosts()``'s).
+
+    Raises:
+        TypeError: If ``memory_plan`` is not a str, or as :func:`check_memory_planner`.
+        ValueError: If ``memory_plan`` is not ``"home"`` or ``"off"``, or as
+            :func:`check_memory_planner`.
+    """
+    if not isinstance(memory_plan, str):
+        raise _checks.type_error("memory_plan", memory_plan, "a str", "pass 'home' or 'off'")
+    return PlanSettings(
+        mode=_checks.check_choice(
+            "memory_plan",
+            memory_plan,
+            MemoryPlanMode,
+            "pass 'home' to plan trials that do not fit, or 'off'",
+        ),
+        planner=check_memory_planner(memory_planner),
     )
 
 

@@ -45,6 +45,7 @@ import torch
 from waterwave_hpo.nodegroup._profile import iter_tensors
 from waterwave_hpo.scheduler import Phase
 from waterwave_hpo.scheduler import Reservation
+from waterwave_hpo.trial import current_or_none
 
 if TYPE_CHECKING:
     from waterwave_hpo.nodegroup._group import NodeGroup
@@ -63,10 +64,6 @@ def in_backward() -> bool:
 
 
 def _current_scheduler() -> tuple[PipelineScheduler, int] | None:
-    # Imported here: waterwave_hpo.executor imports the scheduler package, so a module-level
-    # import could close a cycle through the facade.
-    from waterwave_hpo.executor import current_or_none
-
     ctx = current_or_none()
     if ctx is None or ctx.scheduler is None:
         return None

@@ -1,8 +1,9 @@
-"""A Gantt chart of trials over time, one row per device slot."""
+"""A Gantt chart of trials over time, one row per device slot; a fused batch as its trials."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from optuna.trial import FrozenTrial
@@ -10,6 +11,7 @@ from optuna.trial import TrialState
 
 from waterwave_hpo import _checks
 from waterwave_hpo.executor import trial_attr
+from waterwave_hpo.executor._internal import ATTR_BATCH
 from waterwave_hpo.executor._internal import ATTR_DEVICE
 from waterwave_hpo.executor._internal import ATTR_SLOT
 from waterwave_hpo.report._concurrency import check_trials
@@ -27,8 +29,10 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     Rows are labelled ``<device> / slot <k>`` from the ``waterwave:device`` and ``waterwave:slot``
     system attributes that ``WaterwaveExecutor(record_trial_attrs=True)`` sets; trials without
     them (run without it, or by plain ``study.optimize``) share one row. Bars are coloured by
-    state (complete, pruned, failed) and labelled with the trial number. Time is in seconds from
-    the first start.
+    state (complete, pruned, failed) and labelled with the trial number. A fused batch
+    (``WaterwaveExecutor(fuse=K)``, the ``waterwave:batch`` attribute) is drawn as its trials:
+    its slot's row is split into one thin row per trial, each with the trial's own state and
+    end. Time is in seconds from the first start.
 
     Args:
         trials: The trials to draw; those not finished are skipped.
@@ -44,46 +48,33 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    finished = [
-        t
-        for t in trials
-        if t.datetime_start is not None
-        and t.datetime_complete is not None
-        and t.state.is_finished()
-    ]
-    rows = sorted(
-        {_row(t) for t in finished}, key=lambda row: (row[0], -1 if row[1] is None else row[1])
-    )
-    index = {row: i for i, row in enumerate(rows)}
-    t0 = min((t.datetime_start.timestamp() for t in finished), default=0.0)  # type: ignore[union-attr]
-
+    bars = timeline_bars(trials)
+    rows = sorted({bar.row for bar in bars}, key=_row_order)
     figure = Figure(figsize=(10, 1.2 + 0.45 * max(1, len(rows))), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    for trial in finished:
-        start = trial.datetime_start.timestamp() - t0  # type: ignore[union-attr]
-        width = max(trial.datetime_complete.timestamp() - t0 - start, 1e-3)  # type: ignore[union-attr]
-        y = index[_row(trial)]
+    for bar in bars:
         axes.barh(
-            y,
-            width,
-            left=start,
-            height=0.7,
-            color=_COLOURS.get(trial.state, "#757575"),
+            bar.y,
+            bar.width_s,
+            left=bar.left_s,
+            height=bar.height,
+            color=_COLOURS.get(bar.state, "#757575"),
             edgecolor="white",
-            linewidth=0.5,
+            linewidth=0.5 if bar.height > 0.3 else 0.2,
         )
         axes.text(
-            start + width / 2,
-            y,
-            str(trial.number),
+            bar.left_s + bar.width_s / 2,
+            bar.y,
+            str(bar.number),
             ha="center",
             va="center",
-            fontsize=7,
+            fontsize=7 if bar.height > 0.3 else max(3.0, 20 * bar.height),
             color="white",
             clip_on=True,
         )
     axes.set_yticks(range(len(rows)), [_label(row) for row in rows])
+    finished = {bar.number for bar in bars}
     axes.invert_yaxis()
     axes.set_xlabel("seconds since the first trial started")
     axes.set_title(title or f"{len(finished)} trials")
@@ -123,6 +114,54 @@ def _check_output(path: object) -> Path:
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class TimelineBar:
+    """One trial's bar: on row ``y`` (thin, within its slot's row, for a fused batch)."""
+
+    number: int
+    state: TrialState
+    row: tuple[str, int | None]
+    y: float
+    height: float
+    left_s: float
+    width_s: float
+
+
+def timeline_bars(trials: Iterable[FrozenTrial]) -> list[TimelineBar]:
+    """The bars :func:`plot_timeline` draws: one per finished trial, in the order given.
+
+    A slot's row ``r`` spans ``r - 0.35 .. r + 0.35``; a fused batch of ``K`` trials splits it
+    into ``K`` rows of height ``0.7 / K``, the batch's ``i``-th trial on the ``i``-th from the
+    top, so each trial of the batch shows its own state and end.
+    """
+    finished = [
+        t
+        for t in trials
+        if t.datetime_start is not None
+        and t.datetime_complete is not None
+        and t.state.is_finished()
+    ]
+    rows = sorted({_row(t) for t in finished}, key=_row_order)
+    index = {row: i for i, row in enumerate(rows)}
+    t0 = min((t.datetime_start.timestamp() for t in finished), default=0.0)  # type: ignore[union-attr]
+    bars = []
+    for trial in finished:
+        start = trial.datetime_start.timestamp() - t0  # type: ignore[union-attr]
+        width = max(trial.datetime_complete.timestamp() - t0 - start, 1e-3)  # type: ignore[union-attr]
+        row = _row(trial)
+        y, height = float(index[row]), 0.7
+        batch = trial_attr(trial, ATTR_BATCH)
+        if isinstance(batch, list) and len(batch) > 1 and trial.number in batch:
+            height = 0.7 / len(batch)
+            y = index[row] - 0.35 + height * (batch.index(trial.number) + 0.5)
+        bars.append(TimelineBar(trial.number, trial.state, row, y, height, start, width))
+    return bars
+
+
+def _row_order(row: tuple[str, int | None]) -> tuple[str, int]:
+    return row[0], -1 if row[1] is None else row[1]
 
 
 def _row(trial: FrozenTrial) -> tuple[str, int | None]:

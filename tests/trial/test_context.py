@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import waterwave_hpo as ww
-from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.scheduler import PipelineScheduler
+from waterwave_hpo.trial import trial_scope
 
 
 def test_trial_scope_makes_a_context_current_and_registers_the_trial() -> None:
@@ -35,3 +35,12 @@ def test_trial_scope_without_a_scheduler() -> None:
     with trial_scope(None, 3, device="cpu") as context:
         assert ww.current().scheduler is None
         assert context.trial_number == 3
+
+
+def test_the_public_names_are_the_trial_packages_own() -> None:
+    import waterwave_hpo.executor as executor
+    import waterwave_hpo.trial as trial
+
+    for name in ("current", "current_or_none", "trial_scope", "TrialContext", "NotInTrialError"):
+        assert getattr(ww, name, getattr(executor, name)) is getattr(trial, name)
+        assert getattr(executor, name) is getattr(trial, name)

@@ -1,4 +1,8 @@
-"""The running trial's context: which device, stream and slot a trial thread owns."""
+"""The running trial's context: which device, stream and slot a trial thread owns.
+
+It lives below every mechanism a trial uses (NodeGroup gates, memory plans, the pool's
+accounts) and above none: those read the context, the executor and the cluster's hosts set it.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,9 @@ if TYPE_CHECKING:
     import optuna
     import torch
 
-    from waterwave_hpo.executor._planning import TrialPlanning
-
 
 class NotInTrialError(RuntimeError):
-    """Raised by :func:`current` when no trial run by a :class:`WaterwaveExecutor` is running."""
+    """Raised by :func:`current` when no trial run by a ``WaterwaveExecutor`` is running."""
 
 
 class NoOptunaTrial:
@@ -69,6 +71,10 @@ class TrialContext:
             repeats; ``None`` otherwise.
         planning: The attempt's memory planning (``WaterwaveExecutor(memory_plan="home")``),
             which :func:`waterwave_hpo.fit_trial_memory` reads and fills; ``None`` without.
+            Typed ``Any`` here: its type belongs to the executor, which this package lies
+            below.
+        batch: A fused batch's trials (``WaterwaveExecutor(fuse=K)``), ``trial`` first; empty
+            for one trial.
     """
 
     trial: optuna.trial.Trial | NoOptunaTrial
@@ -79,7 +85,8 @@ class TrialContext:
     attempt: int = 0
     scheduler: Any = None
     retry_of: int | None = None
-    planning: TrialPlanning | None = None
+    planning: Any = None
+    batch: tuple[Any, ...] = ()
 
 
 _CURRENT: ContextVar[TrialContext | None] = ContextVar("waterwave_hpo_current_trial", default=None)

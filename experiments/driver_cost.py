@@ -1,0 +1,94 @@
+"""Driver CPU per trial and trials/s of ``RayExecutor`` with 1, 4 and 8 hosts (issue 24, item 4).
+
+Trivial trials (one ``suggest_float``), an in-memory study on the driver, a local Ray with as many
+logical GPUs as hosts and CPU hosts reserving a quarter CPU each, so that 8 hosts fit on this
+2-core machine. Driver CPU is ``time.process_time()`` of the driver process over ``optimize``
+(every thread of it: the executor's loop, the storage relay that answers the hosts, the pollers,
+Ray's own client threads), divided by the trials run. Only the measurement: the relay's round
+trips are not cut here.
+
+Run: ``python experiments/driver_cost.py --out experiments/results/<date>-driver-cost/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+import platform
+import time
+
+import optuna
+
+import waterwave_hpo as ww
+
+
+def _trivial(trial: optuna.trial.Trial) -> float:
+    return trial.suggest_float("x", -1.0, 1.0) ** 2
+
+
+def measure(n_hosts: int, n_trials: int, trials_per_device: int) -> dict[str, object]:
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=n_hosts,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        executor = ww.RayExecutor(
+            n_hosts=n_hosts, trials_per_device=trials_per_device, num_cpus_per_host=0.25
+        )
+        # Driver CPU over the whole call (host start-up included: the driver mostly waits
+        # then); trials/s from the first trial's start to the last one's end.
+        study = optuna.create_study()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        executor.optimize(study, _trivial, n_trials=n_trials)
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        starts = sorted(t.datetime_start.timestamp() for t in study.trials if t.datetime_start)
+        ends = sorted(t.datetime_complete.timestamp() for t in study.trials if t.datetime_complete)
+        running_s = ends[-1] - starts[0]
+        return {
+            "n_hosts": n_hosts,
+            "trials_per_device": trials_per_device,
+            "n_trials": len(study.trials),
+            "optimize_wall_s": round(wall_s, 2),
+            "first_to_last_trial_s": round(running_s, 2),
+            "trials_per_s": round(len(study.trials) / running_s, 1),
+            "driver_cpu_s": round(cpu_s, 2),
+            "driver_cpu_ms_per_trial": round(1000 * cpu_s / len(study.trials), 1),
+        }
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--n-trials", type=int, default=200)
+    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--trials-per-device", type=int, default=2)
+    args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for n_hosts in args.hosts:
+        load = os.getloadavg()
+        run = measure(n_hosts, args.n_trials, args.trials_per_device)
+        run["loadavg_before"] = load
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+    result = {
+        "machine": f"2-core {platform.machine()} VM, CPU only, torch "
+        + __import__("torch").__version__,
+        "what": "RayExecutor, trivial trials, in-memory study, local Ray, logical GPUs",
+        "runs": runs,
+    }
+    (args.out / "driver_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The mechanisms a trial uses lie below the code that runs trials (issue 24, item 1).
+
+NodeGroup gates, memory plans, the pool and the scheduler read the running trial's context
+from ``waterwave_hpo.trial``; the executor and the cluster, which run trials, build on them.
+An import from one of these packages up into the executor (even under ``TYPE_CHECKING`` or
+inside a function) closes a cycle; this AST check over the source tree finds any.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "waterwave_hpo"
+# Each package below, with the packages it must never import.
+BELOW = {
+    "trial": ("executor", "cluster", "nodegroup", "planning", "memory", "scheduler"),
+    "nodegroup": ("executor", "cluster"),
+    "planning": ("executor", "cluster"),
+    "memory": ("executor", "cluster"),
+    "scheduler": ("executor", "cluster"),
+}
+
+
+def upward_imports(source: str, own: str) -> list[tuple[int, str]]:
+    """Each ``(line, module)`` of ``source`` (a module of package ``own``) that imports upward."""
+    banned = tuple(f"waterwave_hpo.{above}" for above in BELOW[own])
+    inside = tuple(f"{b}." for b in banned)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+            if node.module == "waterwave_hpo":
+                modules += [f"waterwave_hpo.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        found += [(node.lineno, m) for m in modules if m in banned or m.startswith(inside)]
+    return found
+
+
+@pytest.mark.parametrize("own", sorted(BELOW))
+def test_no_module_below_imports_the_code_that_runs_trials(own: str) -> None:
+    reaches = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}"
+        for path in sorted((PACKAGE / own).rglob("*.py"))
+        for line, module in upward_imports(path.read_text(), own)
+    ]
+    assert not reaches, "upward imports:\n" + "\n".join(reaches)
+
+
+@pytest.mark.parametrize(
+    ("source", "upward"),
+    [
+        ("def f():\n    from waterwave_hpo.executor import current_or_none\n", True),
+        ("if TYPE_CHECKING:\n    from waterwave_hpo.executor._planning import X\n", True),
+        ("import waterwave_hpo.executor\n", True),
+        ("from waterwave_hpo import executor\n", True),
+        ("from waterwave_hpo.trial import current_or_none\n", False),
+        ("from waterwave_hpo.executorish import x\n", False),
+    ],
+)
+def test_the_check_sees_every_form_of_import(source: str, upward: bool) -> None:
+    assert bool(upward_imports(source, "nodegroup")) is upward
