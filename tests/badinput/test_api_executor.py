@@ -168,14 +168,6 @@ CONSTRUCTOR = [
     ),
     Case("fuse-zero", _executor(fuse=0), ValueError, "fuse", "0", "range"),
     Case("fuse-str", _executor(fuse="8"), TypeError, "fuse", "'8'", "type"),
-    Case(
-        "fuse-with-plans",
-        _executor(fuse=2, memory_plan="home"),
-        ValueError,
-        "memory_plan",
-        "'home'",
-        "range",
-    ),
 ]
 
 
