@@ -1,0 +1,261 @@
+"""Prove a fused module before training: it runs batched and matches the K models (issue 25).
+
+:func:`verify` runs one forward and one backward of the fused module and of the K models it
+holds (its :meth:`~waterwave_hpo.fusion.FusedModule.unfuse`), on copies, and compares outputs and
+every parameter's gradient. A model that cannot run under ``torch.func.vmap`` or does not match
+is refused with a :class:`FusionError` naming the module path and the reason, so no error from
+inside vmap reaches a training step. HFTA (Wang et al., MLSys 2021) argues fused training is
+equivalent to the K separate ones; this checks it for the user's model on the user's input.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from waterwave_hpo._checks import message
+from waterwave_hpo._checks import type_error
+from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._dropout import PerModelDropout
+from waterwave_hpo.fusion._errors import FusionError
+from waterwave_hpo.fusion._errors import _Short
+from waterwave_hpo.fusion._errors import refusal
+
+if TYPE_CHECKING:
+    from waterwave_hpo.fusion._fuse import FusedModule
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify` measured (it raises instead of returning a mismatch).
+
+    Attributes:
+        output_error: The largest difference between a fused model's output and the model
+            alone, relative to the largest magnitude of that output (0 = equal).
+        gradient_error: The same for parameter gradients, per parameter, the largest.
+        worst_parameter: The parameter with that largest gradient difference (``""`` if none).
+    """
+
+    output_error: float
+    gradient_error: float
+    worst_parameter: str
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` in float64 (0 when both are all zeros)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    diff = float((a64 - b64).abs().max()) if a64.numel() else 0.0
+    scale = float(b64.abs().max()) if b64.numel() else 0.0
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0.0 else float("inf")
+
+
+def _dropout_off(module: nn.Module) -> None:
+    """Zero the rate of every torch dropout layer (masks cannot match across the two runs)."""
+    for layer in module.modules():
+        if isinstance(layer, PerModelDropout):
+            layer.set_rates([0.0] * len(layer._rates))
+        elif isinstance(layer, nn.modules.dropout._DropoutNd):
+            layer.p = 0.0
+
+
+def _refuse(fused: FusedModule, path: str | None, reason: str) -> FusionError:
+    """A refusal for a mismatch (not an exception under vmap)."""
+    module = fused.stacked.get_submodule(path) if path else fused.stacked
+    name = f"model.{path}" if path else "model"
+    text = message(
+        name,
+        _Short(module),
+        f"the fused models do not match the models alone: {reason}",
+        "train these models unfused (co-hosted trials), or report the layer; if the model "
+        "draws random numbers outside torch's dropout layers, verify with those rates at 0",
+    )
+    return FusionError(text, path=path, reason=reason)
+
+
+def _owner(name: str) -> str:
+    """The module path of a parameter name (``"a.b.weight"`` -> ``"a.b"``)."""
+    return name.rpartition(".")[0]
+
+
+def verify(
+    fused: FusedModule,
+    *inputs: Any,
+    stacked: bool = False,
+    rtol: float = 2e-4,
+    **kwargs: Any,
+) -> Verification:
+    """Run ``fused`` and its K models on one input, forward and backward, and compare.
+
+    Works on copies (``fused`` and its parameters, buffers, gradients and the random number
+    generators are left as they are), in ``fused``'s train/eval mode, with torch's dropout
+    layers at rate 0 in both runs. Each model's outputs and parameter gradients (of the sum of
+    its outputs weighted by fixed random numbers) must equal the fused model's within ``rtol``
+    of their largest magnitude.
+
+    Args:
+        fused: The module :func:`~waterwave_hpo.fusion.fuse` returned.
+        *inputs: The model's positional inputs, as for ``fused(*inputs)``.
+        stacked: Whether the inputs hold one batch per model, ``(K, B, ...)``.
+        rtol: The largest difference accepted, relative to the largest magnitude of each
+            output and each parameter's gradient (float32 rounding of a deep net: ~1e-6..1e-4).
+        **kwargs: The model's keyword inputs, as for ``fused(*inputs, **kwargs)``.
+
+    Returns:
+        The differences measured (all within ``rtol``).
+
+    Raises:
+        TypeError: ``fused`` is not a :class:`~waterwave_hpo.fusion.FusedModule`.
+        ValueError: The input does not run on the model alone (the input is wrong, not fusion).
+        FusionError: The fused module cannot run the input batched (forward or backward), or
+            an output or a gradient differs from the model alone; the module path and the
+            reason are named.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from waterwave_hpo import fusion
+    >>> fused = fusion.fuse([nn.Sequential(nn.Linear(4, 2), nn.Hardswish()) for _ in range(2)])
+    >>> fusion.verify(fused, torch.randn(3, 4)).output_error < 1e-6
+    True
+    """
+    from waterwave_hpo.fusion._fuse import FusedModule
+
+    if not isinstance(fused, FusedModule):
+        raise type_error("fused", fused, "a FusedModule", "pass what fusion.fuse(models) returned")
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0:
+        raise value_error("rtol", rtol, "must be a positive number", "pass e.g. 2e-4")
+    k = fused.num_models
+    models = fused.unfuse()
+    trial = copy.deepcopy(fused)
+    for module in (*models, trial):
+        _dropout_off(module)
+    for param in trial.parameters():
+        param.grad = None
+    devices = [d for d in {p.device for p in trial.parameters()} if d.type == "cuda"]
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        return _compare(trial, models, inputs, kwargs, stacked=stacked, k=k, rtol=float(rtol))
+
+
+def _compare(
+    trial: FusedModule,
+    models: list[nn.Module],
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    stacked: bool,
+    k: int,
+    rtol: float,
+) -> Verification:
+    """The body of :func:`verify`, on copies."""
+    references = []
+    for index, model in enumerate(models):
+        args, kws = (inputs, kwargs)
+        if stacked:
+            args, kws = pytree.tree_map(
+                lambda x, i=index: x[i] if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
+            )
+        try:
+            references.append(model(*args, **kws))
+        except Exception as error:
+            raise ValueError(
+                message(
+                    "inputs",
+                    _Short(args[0] if args else kws),
+                    f"does not run on model {index} alone ({type(error).__name__}: {error})",
+                    "pass an input the model itself accepts",
+                )
+            ) from error
+    try:
+        out = trial(*inputs, stacked=stacked, **kwargs)
+    except FusionError:
+        raise
+    except Exception as error:  # a fused kernel or the direct path, outside vmap
+        raise refusal(error, trial.stacked, num_models=k, when="the fused forward") from error
+    fused_leaves, fused_spec = pytree.tree_flatten(out)
+    generator = torch.Generator().manual_seed(0)
+    fused_loss: torch.Tensor | None = None
+    output_error = 0.0
+    for index, reference in enumerate(references):
+        leaves, spec = pytree.tree_flatten(reference)
+        if spec != fused_spec:
+            raise _refuse(trial, None, f"model {index} returns {spec}, the fused model {fused_spec}")
+        loss = None
+        for leaf, whole in zip(leaves, fused_leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            mine = whole[index]
+            if mine.shape != leaf.shape:
+                raise _refuse(
+                    trial,
+                    None,
+                    f"an output of model {index} has shape {tuple(leaf.shape)}, the fused "
+                    f"model's {tuple(mine.shape)}",
+                )
+            if not leaf.is_floating_point():
+                if not torch.equal(mine, leaf):
+                    raise _refuse(trial, None, f"an integer output of model {index} differs")
+                continue
+            error = _relative(mine, leaf)
+            output_error = max(output_error, error)
+            if error > rtol:
+                raise _refuse(
+                    trial,
+                    None,
+                    f"an output of model {index} differs by {error:.3g} of its largest "
+                    f"magnitude (rtol={rtol:g})",
+                )
+            if leaf.requires_grad:
+                weight = torch.randn(leaf.shape, generator=generator).to(leaf.device, leaf.dtype)
+                loss = (leaf * weight).sum() + (0 if loss is None else loss)
+                term = (mine * weight).sum()
+                fused_loss = term if fused_loss is None else fused_loss + term
+        if loss is not None:
+            loss.backward()
+    if fused_loss is None:
+        return Verification(output_error, 0.0, "")
+    try:
+        fused_loss.backward()
+    except Exception as error:
+        raise refusal(error, trial.stacked, num_models=k, when="the fused backward") from error
+    return _compare_grads(trial, models, output_error, rtol)
+
+
+def _compare_grads(
+    trial: FusedModule, models: list[nn.Module], output_error: float, rtol: float
+) -> Verification:
+    """Each parameter's gradient, fused against each model alone."""
+    worst, worst_name = 0.0, ""
+    for name, param in trial.stacked.named_parameters():
+        for index, model in enumerate(models):
+            reference = model.get_parameter(name).grad
+            mine = None if param.grad is None else param.grad[index]
+            if reference is None and mine is None:
+                continue
+            if reference is None or mine is None:
+                if mine is not None and not mine.any():
+                    continue
+                if reference is not None and not reference.any():
+                    continue
+                raise _refuse(
+                    trial,
+                    _owner(name),
+                    f"parameter {name!r} gets a gradient in one run only (model {index})",
+                )
+            error = _relative(mine, reference)
+            if error > worst:
+                worst, worst_name = error, name
+            if error > rtol:
+                raise _refuse(
+                    trial,
+                    _owner(name),
+                    f"the gradient of {name!r} in model {index} differs by {error:.3g} of its "
+                    f"largest magnitude (rtol={rtol:g})",
+                )
+    return Verification(output_error, worst, worst_name)
