@@ -240,8 +240,7 @@ class FusedModule(nn.Module):
                             f"{name}.shape",
                             tuple(leaf.shape),
                             f"must start with K={self._num_models} when stacked=True",
-                            "pass one batch per model, (K, B, ...), or stacked=False to share "
-                            "one",
+                            "pass one batch per model, (K, B, ...), or stacked=False to share one",
                         )
         if (
             self._direct is not None

@@ -185,7 +185,8 @@ def _compare(
     for index, reference in enumerate(references):
         leaves, spec = pytree.tree_flatten(reference)
         if spec != fused_spec:
-            raise _refuse(trial, None, f"model {index} returns {spec}, the fused model {fused_spec}")
+            reason = f"model {index} returns {spec}, the fused model {fused_spec}"
+            raise _refuse(trial, None, reason)
         loss = None
         for leaf, whole in zip(leaves, fused_leaves, strict=True):
             if not isinstance(leaf, torch.Tensor):
@@ -202,13 +203,13 @@ def _compare(
                 if not torch.equal(mine, leaf):
                     raise _refuse(trial, None, f"an integer output of model {index} differs")
                 continue
-            error = _relative(mine, leaf)
-            output_error = max(output_error, error)
-            if error > rtol:
+            difference = _relative(mine, leaf)
+            output_error = max(output_error, difference)
+            if difference > rtol:
                 raise _refuse(
                     trial,
                     None,
-                    f"an output of model {index} differs by {error:.3g} of its largest "
+                    f"an output of model {index} differs by {difference:.3g} of its largest "
                     f"magnitude (rtol={rtol:g})",
                 )
             if leaf.requires_grad:
@@ -217,11 +218,11 @@ def _compare(
                 term = (mine * weight).sum()
                 fused_loss = term if fused_loss is None else fused_loss + term
         if loss is not None:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
     if fused_loss is None:
         return Verification(output_error, 0.0, "")
     try:
-        fused_loss.backward()
+        fused_loss.backward()  # type: ignore[no-untyped-call]
     except Exception as error:
         raise refusal(error, trial.stacked, num_models=k, when="the fused backward") from error
     return _compare_grads(trial, models, output_error, rtol)
