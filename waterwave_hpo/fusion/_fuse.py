@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._attention import MathAttention
 from waterwave_hpo.fusion._direct import Result
 from waterwave_hpo.fusion._direct import direct_form
 from waterwave_hpo.fusion._dropout import PerModelDropout
@@ -279,8 +280,13 @@ class FusedModule(nn.Module):
         def call(state: dict[str, torch.Tensor], xs: tuple[Any, ...], kws: dict[str, Any]) -> Any:
             return functional_call(module, state, xs, kws)
 
+        batched = vmap(call, in_dims=(0, *dims), randomness="different")
+        on_cpu = all(t.device.type == "cpu" for t in tensors.values())
         try:
-            return vmap(call, in_dims=(0, *dims), randomness="different")(tensors, *args)
+            if on_cpu:
+                with MathAttention():
+                    return batched(tensors, *args)
+            return batched(tensors, *args)
         except (RuntimeError, ValueError, TypeError) as error:
             if isinstance(error, FusionError):
                 raise
@@ -448,7 +454,8 @@ def fuse(
     >>> fused.stacked[0].weight.shape
     torch.Size([3, 8, 4])
     """
-    fused = FusedModule(_check_models(models), kernels=kernels)
+    checked = _check_models(models)
+    fused = FusedModule(checked, kernels=kernels)
     if example_inputs is not None or example_kwargs is not None:
         if example_kwargs is not None and not isinstance(example_kwargs, dict):
             raise type_error(
@@ -463,5 +470,5 @@ def fuse(
             args = example_inputs
         else:
             args = (example_inputs,)
-        verify(fused, *args, **(example_kwargs or {}))
+        verify(fused, *args, models=checked, **(example_kwargs or {}))
     return fused
