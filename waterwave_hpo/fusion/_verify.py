@@ -10,8 +10,8 @@ equivalent to the K separate ones; this checks it for the user's model on the us
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from typing import Any
