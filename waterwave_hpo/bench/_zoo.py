@@ -269,6 +269,7 @@ def _transformers_case(family: str, *, batch: int = 2, length: int = 8) -> ZooCa
             "dropout_rate": 0.0,
             "decoder_start_token_id": 0,
             "pad_token_id": 0,
+            "use_cache": False,  # training: an EncoderDecoderCache is not a tensor vmap returns
         }
         t5 = hf.T5Config(**t5_options)
         labels = torch.randint(1, vocab, (batch, length), generator=generator)
