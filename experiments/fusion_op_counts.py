@@ -43,8 +43,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from waterwave_hpo import fusion
-from waterwave_hpo.bench._opcount import count_ops
-from waterwave_hpo.bench._zoo import import_timm
+from waterwave_hpo.bench import count_ops
+from waterwave_hpo.bench import import_timm
 
 KS = (1, 2, 4, 8, 16)
 

@@ -35,10 +35,10 @@ import warnings
 
 import torch
 
-from waterwave_hpo.bench._zoo import Outcome
-from waterwave_hpo.bench._zoo import check_case
-from waterwave_hpo.bench._zoo import import_timm
-from waterwave_hpo.bench._zoo import zoo_cases
+from waterwave_hpo.bench import ZooOutcome
+from waterwave_hpo.bench import check_case
+from waterwave_hpo.bench import import_timm
+from waterwave_hpo.bench import zoo_cases
 
 
 def main() -> None:
@@ -87,7 +87,7 @@ def main() -> None:
 
 
 def render(machine: dict[str, object], rows: list[dict[str, object]]) -> str:
-    counts = {o.value: sum(r["outcome"] == o.value for r in rows) for o in Outcome}
+    counts = {o.value: sum(r["outcome"] == o.value for r in rows) for o in ZooOutcome}
     lines = [
         "# Fusion on a model zoo (issue 25)",
         "",

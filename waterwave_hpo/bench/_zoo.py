@@ -4,7 +4,7 @@ Each :class:`ZooCase` builds one model of a public library from its config (``pr
 nothing downloaded) and an example input. :func:`check_case` fuses K fresh copies with
 ``fusion.fuse(models, example_inputs=...)`` (which verifies them) and then checks the fused module
 independently of :func:`~waterwave_hpo.fusion.verify`: a train-mode forward against each model
-alone and a backward. The outcome is one of four (:class:`Outcome`): fused (and equal), refused
+alone and a backward. The outcome is one of four (:class:`ZooOutcome`): fused (and equal), refused
 clearly (a :class:`~waterwave_hpo.fusion.FusionError`, or ``fuse``'s up-front refusal, naming a
 module path), crashed (any other error), wrong (accepted, but an output differs).
 
@@ -72,8 +72,11 @@ TIMM_FAST: tuple[str, ...] = (
 TRANSFORMERS_SAMPLE: tuple[str, ...] = ("bert", "gpt2", "vit", "t5")
 """transformers models built from small configs: encoder, decoder, vision, encoder-decoder."""
 
+FAST_SAMPLE: tuple[str, ...] = (*TIMM_FAST, "bert", "gpt2")
+"""The CI subset: :data:`TIMM_FAST` and two transformers models given keyword inputs."""
 
-class Outcome(enum.Enum):
+
+class ZooOutcome(enum.Enum):
     """What happened to one model of the zoo."""
 
     FUSED = "fused"
@@ -118,30 +121,26 @@ class ZooResult:
 
     library: str
     name: str
-    outcome: Outcome
+    outcome: ZooOutcome
     output_error: float
     path: str | None
     detail: str
     seconds: float
 
 
-def import_timm() -> Any:
-    """``import timm``, also beside a CPU build of torch with PyPI's (CUDA) torchvision.
+def _import_torchvision() -> None:
+    """``import torchvision``, also beside a CPU build of torch with PyPI's (CUDA) torchvision.
 
-    timm imports torchvision at import time. PyPI's torchvision wheel is built for CUDA torch;
-    beside torch's CPU wheel its C operators do not load, and its import then fails registering
-    fake kernels for two of them (``RuntimeError: operator torchvision::nms does not exist``).
-    This declares those two schemas (no kernel: calling them raises) so torchvision and timm
-    import; no timm model calls them.
-
-    Returns:
-        The ``timm`` module.
-
-    Raises:
-        ImportError: timm or torchvision is not installed (``pip install waterwave-hpo[zoo]``).
+    PyPI's torchvision wheel is built for CUDA torch; beside torch's CPU wheel its C operators
+    do not load, and its import then fails registering fake kernels for two of them
+    (``RuntimeError: operator torchvision::nms does not exist``). This declares those two
+    schemas (no kernel: calling them raises) so torchvision imports; no model here calls them.
+    timm imports torchvision, and so do transformers' vision models.
     """
     try:
-        import timm
+        import torchvision
+    except ImportError:
+        return  # not installed: the importer that needs it says so
     except RuntimeError as error:
         if "torchvision::" not in str(error):
             raise
@@ -155,7 +154,21 @@ def import_timm() -> Any:
                 )
             except RuntimeError:
                 pass  # already declared
-        import timm
+        import torchvision  # noqa: F401
+
+
+def import_timm() -> Any:
+    """``import timm`` (see :func:`_import_torchvision` for a CPU torch beside PyPI's torchvision).
+
+    Returns:
+        The ``timm`` module.
+
+    Raises:
+        ImportError: timm or torchvision is not installed (``pip install waterwave-hpo[zoo]``).
+    """
+    _import_torchvision()
+    import timm
+
     return timm
 
 
@@ -192,6 +205,7 @@ def _timm_case(name: str, *, size: int | None = None, batch: int = 2) -> ZooCase
 
 def _transformers_case(family: str, *, batch: int = 2, length: int = 8) -> ZooCase:
     """A small transformers model of ``family`` from a config (2 layers, width 64)."""
+    _import_torchvision()
     import transformers as hf
 
     generator = torch.Generator().manual_seed(1)
@@ -283,6 +297,22 @@ def _transformers_case(family: str, *, batch: int = 2, length: int = 8) -> ZooCa
     raise ValueError(f"family={family!r}: unknown; pass one of {TRANSFORMERS_SAMPLE}")
 
 
+def zoo_case(name: str, *, fast: bool = False) -> ZooCase:
+    """One case of the zoo by name.
+
+    Args:
+        name: A timm model name (any, not only :data:`TIMM_SAMPLE`'s) or one of
+            :data:`TRANSFORMERS_SAMPLE`.
+        fast: As in :func:`zoo_cases` (ViTs at 32x32).
+
+    Returns:
+        The case.
+    """
+    if name in TRANSFORMERS_SAMPLE:
+        return _transformers_case(name)
+    return _timm_case(name, size=32 if fast and name.startswith("vit_") else None)
+
+
 def zoo_cases(*, fast: bool = False) -> list[ZooCase]:
     """The zoo: timm's sample, then transformers' (built lazily: each case builds its model).
 
@@ -294,10 +324,7 @@ def zoo_cases(*, fast: bool = False) -> list[ZooCase]:
         The cases, timm first.
     """
     if fast:
-        cases = [
-            _timm_case(n, size=32 if n.startswith("vit_") else None, batch=2) for n in TIMM_FAST
-        ]
-        return cases + [_transformers_case(f) for f in ("bert", "gpt2")]
+        return [zoo_case(name, fast=True) for name in FAST_SAMPLE]
     return [_timm_case(n) for n in TIMM_SAMPLE] + [
         _transformers_case(f) for f in TRANSFORMERS_SAMPLE
     ]
@@ -332,22 +359,22 @@ def check_case(case: ZooCase, *, num_models: int = 2, rtol: float = 2e-4) -> Zoo
     torch.manual_seed(0)
     models = [case.build().train() for _ in range(num_models)]
 
-    def result(outcome: Outcome, error: float, path: str | None, detail: str) -> ZooResult:
+    def result(outcome: ZooOutcome, error: float, path: str | None, detail: str) -> ZooResult:
         seconds = time.perf_counter() - start
         return ZooResult(case.library, case.name, outcome, error, path, detail, seconds)
 
     try:
         fused = fusion.fuse(models, example_inputs=case.args or None, example_kwargs=case.kwargs)
     except fusion.FusionError as error:
-        return result(Outcome.REFUSED, float("nan"), error.path, str(error).splitlines()[0])
+        return result(ZooOutcome.REFUSED, float("nan"), error.path, str(error).splitlines()[0])
     except (TypeError, ValueError) as error:
         text = str(error).splitlines()[0]
         path = _refused_path(text)
         if path is not None:
-            return result(Outcome.REFUSED, float("nan"), path, text)
-        return result(Outcome.CRASHED, float("nan"), None, _last_line(error))
+            return result(ZooOutcome.REFUSED, float("nan"), path, text)
+        return result(ZooOutcome.CRASHED, float("nan"), None, _last_line(error))
     except Exception as error:
-        return result(Outcome.CRASHED, float("nan"), None, _last_line(error))
+        return result(ZooOutcome.CRASHED, float("nan"), None, _last_line(error))
     try:
         out = fused(*case.args, **case.kwargs)
         leaves = pytree.tree_leaves(out)
@@ -363,10 +390,10 @@ def check_case(case: ZooCase, *, num_models: int = 2, rtol: float = 2e-4) -> Zoo
         if isinstance(total, torch.Tensor):
             total.backward()  # type: ignore[no-untyped-call]
     except Exception as error:
-        return result(Outcome.CRASHED, float("nan"), None, _last_line(error))
+        return result(ZooOutcome.CRASHED, float("nan"), None, _last_line(error))
     if worst > rtol:
-        return result(Outcome.WRONG, worst, None, f"output differs by {worst:.3g}")
-    return result(Outcome.FUSED, worst, None, "")
+        return result(ZooOutcome.WRONG, worst, None, f"output differs by {worst:.3g}")
+    return result(ZooOutcome.FUSED, worst, None, "")
 
 
 def _trainable(leaf: object) -> bool:

@@ -87,7 +87,9 @@ def refusal(error: BaseException, root: nn.Module, *, num_models: int, when: str
     """
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     found = module_at_fault(error, root)
-    path = found[0] if found is not None else None
+    # Outside every submodule's forward in a forward (e.g. vmap refusing the model's output):
+    # the model itself; in a backward, no module can be named.
+    path = found[0] if found is not None else ("" if "forward" in when else None)
     name = "model" if not path else f"model.{path}"
     value = _Short(found[1] if found is not None else root)
     reason = f"{type(error).__name__} under torch.func.vmap in {when}: {first_line}"
