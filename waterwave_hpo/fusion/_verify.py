@@ -144,6 +144,22 @@ def verify(
 
     if not isinstance(fused, FusedModule):
         raise type_error("fused", fused, "a FusedModule", "pass what fusion.fuse(models) returned")
+    return verify_fused(
+        fused, inputs, kwargs, models=models, stacked=stacked, rtol=rtol, grad_rtol=grad_rtol
+    )
+
+
+def verify_fused(
+    fused: FusedModule,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    models: Sequence[nn.Module] | None,
+    stacked: bool,
+    rtol: float,
+    grad_rtol: float,
+) -> Verification:
+    """:func:`verify` without its type check on ``fused`` (for :func:`fuse`, which built it)."""
     for name, value in (("rtol", rtol), ("grad_rtol", grad_rtol)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise value_error(name, value, "must be a positive number", "pass e.g. 1e-3")
