@@ -5,7 +5,9 @@ processes, ``cudaMallocAsync`` with K streams (CUDA only) and the waterwave exec
 and ``waterwave`` policies, and with HOME memory plans: ``waterwave-plans``) on a ResNet-style
 CNN, a GPT-style language model and the demo's digits NAS, at a light and a high memory demand,
 and writes ``results.csv``, ``results.json``, plots and a ``README.md``; ``compare_plans``
-simulates co-hosting with and without memory plans (``plans.csv``).
+simulates co-hosting with and without memory plans (``plans.csv``). ``zoo_cases`` and
+``check_case`` run fusion on timm and transformers models (the ``zoo`` extra), ``count_ops``
+counts the ATen operations of a training step (issue 25).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from waterwave_hpo.bench._calibrate import fit_batches
 from waterwave_hpo.bench._calibrate import profile_trial
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import unavailable_reason
+from waterwave_hpo.bench._opcount import OpCount
+from waterwave_hpo.bench._opcount import OpCounter
+from waterwave_hpo.bench._opcount import count_ops
 from waterwave_hpo.bench._plans import PlanComparison
 from waterwave_hpo.bench._plans import PlanSharing
 from waterwave_hpo.bench._plans import compare_plans
@@ -33,9 +38,22 @@ from waterwave_hpo.bench._workloads import Setting
 from waterwave_hpo.bench._workloads import Workload
 from waterwave_hpo.bench._workloads import WorkloadSpec
 from waterwave_hpo.bench._workloads import draw_params
+from waterwave_hpo.bench._zoo import FAST_SAMPLE
+from waterwave_hpo.bench._zoo import TIMM_SAMPLE
+from waterwave_hpo.bench._zoo import TRANSFORMERS_SAMPLE
+from waterwave_hpo.bench._zoo import ZooCase
+from waterwave_hpo.bench._zoo import ZooOutcome
+from waterwave_hpo.bench._zoo import ZooResult
+from waterwave_hpo.bench._zoo import check_case
+from waterwave_hpo.bench._zoo import import_timm
+from waterwave_hpo.bench._zoo import zoo_case
+from waterwave_hpo.bench._zoo import zoo_cases
 
 __all__ = [
     "CPU_NOTICE",
+    "FAST_SAMPLE",
+    "TIMM_SAMPLE",
+    "TRANSFORMERS_SAMPLE",
     "UNITS",
     "Allocator",
     "BenchConfig",
@@ -43,6 +61,8 @@ __all__ = [
     "Method",
     "MethodResult",
     "MethodRun",
+    "OpCount",
+    "OpCounter",
     "PlanComparison",
     "PlanSharing",
     "PoolNotInstalledError",
@@ -50,12 +70,20 @@ __all__ = [
     "TrialRecord",
     "Workload",
     "WorkloadSpec",
+    "ZooCase",
+    "ZooOutcome",
+    "ZooResult",
+    "check_case",
     "compare_plans",
+    "count_ops",
     "draw_params",
     "fit_batches",
+    "import_timm",
     "profile_trial",
     "results_table",
     "run_bench",
     "run_method",
     "unavailable_reason",
+    "zoo_case",
+    "zoo_cases",
 ]

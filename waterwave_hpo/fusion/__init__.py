@@ -5,12 +5,15 @@
 kernels for Linear and Conv1d/Conv2d), :func:`per_model_loss` gives each model its own loss.
 :func:`optimizer` builds a :class:`FusedOptimizer` whose every hyperparameter is per model;
 :class:`PerModelScheduler` and :class:`LambdaLR` give each model its own learning-rate schedule,
-:func:`clip_grad_norm_` clips each model's gradients by its own norm.
+:func:`clip_grad_norm_` clips each model's gradients by its own norm. :func:`verify` (or
+``fuse(..., example_inputs=...)``) proves a fused module runs batched and matches the K models
+before training, or raises a :class:`FusionError` naming the module at fault.
 This module only re-exports.
 """
 
 from waterwave_hpo.fusion._clip import clip_grad_norm_
 from waterwave_hpo.fusion._dropout import PerModelDropout
+from waterwave_hpo.fusion._errors import FusionError
 from waterwave_hpo.fusion._fuse import FusedModule
 from waterwave_hpo.fusion._fuse import fuse
 from waterwave_hpo.fusion._kernels import FusedConv
@@ -27,6 +30,8 @@ from waterwave_hpo.fusion._structure import StructureKey
 from waterwave_hpo.fusion._structure import TensorEntry
 from waterwave_hpo.fusion._structure import TensorKind
 from waterwave_hpo.fusion._structure import structure_key
+from waterwave_hpo.fusion._verify import Verification
+from waterwave_hpo.fusion._verify import verify
 
 __all__ = [
     "SUPPORTED_LAYERS",
@@ -34,6 +39,7 @@ __all__ = [
     "FusedLinear",
     "FusedModule",
     "FusedOptimizer",
+    "FusionError",
     "LambdaLR",
     "ModuleEntry",
     "OptimizerKind",
@@ -42,9 +48,11 @@ __all__ = [
     "StructureKey",
     "TensorEntry",
     "TensorKind",
+    "Verification",
     "clip_grad_norm_",
     "fuse",
     "optimizer",
     "per_model_loss",
     "structure_key",
+    "verify",
 ]

@@ -40,6 +40,11 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.SiLU,
     nn.Tanh,
     nn.Sigmoid,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Hardtanh,
+    nn.Mish,
+    nn.Softplus,
 )
 """Layers that act element by element: the same on ``(K, B, ...)`` as on each ``(B, ...)``."""
 
@@ -157,7 +162,7 @@ def dropout(layer: PerModelDropout, x: torch.Tensor, shared: bool, k: int) -> Re
     if not layer.training:
         return x, shared
     xs = _stack(x, shared, k)
-    keep = (1.0 - layer.p.to(xs.dtype)).view(k, *([1] * (xs.dim() - 1)))
+    keep = (1.0 - layer.rate.to(xs.dtype)).view(k, *([1] * (xs.dim() - 1)))
     scale = torch.where(keep > 0, 1.0 / keep, torch.zeros_like(keep))
     return xs * (torch.rand_like(xs) < keep) * scale, False
 

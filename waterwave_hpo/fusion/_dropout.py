@@ -1,30 +1,37 @@
 """Dropout whose rate is a buffer, so each fused model keeps its own rate.
 
 ``nn.Dropout`` holds its rate as a Python float, the same for every model that
-``functional_call`` runs through one template. Here the rate is a 0-d buffer: stacked to
+``functional_call`` runs through one template. Here the rate is a 0-d buffer ``rate``: stacked to
 ``(K,)`` it is batched by ``torch.func.vmap`` like the weights, and ``randomness="different"``
 gives each model its own mask (HFTA, Wang et al., MLSys 2021, fuses dropout the same way: one
 mask per array member).
+
+Attention layers (timm's ``Attention``, transformers' BERT and GPT-2) read ``dropout.p`` as a
+Python float to pass it to ``F.scaled_dot_product_attention``. :attr:`PerModelDropout.p` is
+therefore that float while the K rates are equal; when they differ, reading it raises an error
+that says so (a tensor there would fail inside vmap on ``.item()``, issue 25).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 
 class PerModelDropout(nn.Module):
-    """``nn.Dropout`` with its rate ``p`` in a buffer (0-d per model, ``(K,)`` when fused).
+    """``nn.Dropout`` with its rate in a buffer ``rate`` (0-d per model, ``(K,)`` when fused).
 
-    In training mode each element is zeroed with probability ``p`` and the rest scaled by
-    ``1 / (1 - p)`` (``p = 1`` zeroes everything), as ``nn.Dropout``; in eval mode the input
-    passes unchanged.
+    In training mode each element is zeroed with probability ``rate`` and the rest scaled by
+    ``1 / (1 - rate)`` (``rate = 1`` zeroes everything), as ``nn.Dropout``; in eval mode the
+    input passes unchanged.
 
     Args:
         p: The dropout rate, in [0, 1].
     """
 
-    p: torch.Tensor
+    rate: torch.Tensor
 
     def __init__(self, p: float) -> None:
         super().__init__()
@@ -34,13 +41,38 @@ class PerModelDropout(nn.Module):
                 "every element)"
             )
         # float64, so the rate reads back exactly as the float the user gave.
-        self.register_buffer("p", torch.tensor(float(p), dtype=torch.float64))
+        self.register_buffer("rate", torch.tensor(float(p), dtype=torch.float64))
+        self._rates: tuple[float, ...] = (float(p),)
+
+    def set_rates(self, rates: Sequence[float]) -> None:
+        """Give the K fused models their rates: ``rate`` becomes ``(K,)``.
+
+        Args:
+            rates: One rate per model, each in [0, 1].
+        """
+        self._rates = tuple(float(r) for r in rates)
+        self.rate = torch.tensor(self._rates, dtype=torch.float64, device=self.rate.device)
+
+    @property
+    def p(self) -> float:
+        """The rate as a Python float, as ``nn.Dropout.p`` (what attention layers read).
+
+        Raises:
+            RuntimeError: The fused models' rates differ (one float cannot stand for them).
+        """
+        if len(set(self._rates)) != 1:
+            raise RuntimeError(
+                f"dropout rates {list(self._rates)} differ between the fused models and the "
+                "model reads this layer's rate as one Python number (e.g. to pass it to "
+                "scaled_dot_product_attention)"
+            )
+        return self._rates[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Drop elements of ``x`` (any shape) at rate ``p``; same shape out."""
+        """Drop elements of ``x`` (any shape) at rate ``rate``; same shape out."""
         if not self.training:
             return x
-        keep = 1.0 - self.p.to(x.dtype)
+        keep = 1.0 - self.rate.to(x.dtype)
         mask = torch.rand_like(x) < keep
         scale = torch.where(keep > 0, 1.0 / keep, torch.zeros_like(keep))
         return x * mask * scale

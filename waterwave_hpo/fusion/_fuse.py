@@ -20,17 +20,23 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
+from torch.utils import _pytree as pytree
 
 from waterwave_hpo import _checks
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion._attention import MathAttention
 from waterwave_hpo.fusion._direct import Result
 from waterwave_hpo.fusion._direct import direct_form
 from waterwave_hpo.fusion._dropout import PerModelDropout
+from waterwave_hpo.fusion._errors import FusionError
+from waterwave_hpo.fusion._errors import _Short
+from waterwave_hpo.fusion._errors import refusal
 from waterwave_hpo.fusion._kernels import kernel_module
 from waterwave_hpo.fusion._structure import structure_key
 from waterwave_hpo.fusion._structure import unsupported_layer
+from waterwave_hpo.fusion._verify import verify_fused
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -64,16 +70,6 @@ def _layers(sequential: nn.Sequential) -> list[nn.Module]:
 def _has_hooks(model: nn.Module) -> bool:
     """Whether a module of ``model`` has forward hooks (the direct path would skip them)."""
     return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
-
-
-class _Short:
-    """A module shown as ``<TypeName>`` in an error message (its full repr is a whole model)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.text = f"<{type(module).__name__}>"
-
-    def __repr__(self) -> str:
-        return self.text
 
 
 def _check_models(models: object) -> list[nn.Module]:
@@ -170,10 +166,8 @@ class FusedModule(nn.Module):
         stacked = copy.deepcopy(template)
         self._stack_tensors(stacked, models)
         for path in self._dropout_paths:
-            dropout = PerModelDropout(0.0)
-            dropout.p = torch.tensor(
-                self._dropout_p[path], dtype=torch.float64, device=_device_of(stacked)
-            )
+            dropout = PerModelDropout(0.0).to(_device_of(stacked))
+            dropout.set_rates(self._dropout_p[path])
             _set_submodule(stacked, path, dropout)
         if kernels:
             for path, module in list(stacked.named_modules()):
@@ -215,62 +209,91 @@ class FusedModule(nn.Module):
         """K, the number of models fused."""
         return self._num_models
 
-    def forward(self, *inputs: Any, stacked: bool = False) -> Any:
+    def forward(self, *inputs: Any, stacked: bool = False, **kwargs: Any) -> Any:
         """Run the K models.
 
         Args:
-            *inputs: The model's inputs. Shared (``stacked=False``): each ``(B, ...)``, the
-                same batch for every model. Stacked: each ``(K, B, ...)``, one batch per model.
+            *inputs: The model's positional inputs. Shared (``stacked=False``): each
+                ``(B, ...)``, the same batch for every model. Stacked: each ``(K, B, ...)``, one
+                batch per model.
             stacked: Whether the inputs hold one batch per model.
+            **kwargs: The model's keyword inputs (e.g. ``input_ids=``, ``attention_mask=`` of
+                a transformers model), shared or stacked like ``inputs``; values that are not
+                tensors (None, bools, ints) are passed to every model as they are.
 
         Returns:
-            The K outputs stacked: ``(K, B, ...)`` for a model returning ``(B, ...)`` (tuples
-            and dicts of tensors likewise, each stacked).
+            The K outputs stacked: ``(K, B, ...)`` for a model returning ``(B, ...)`` (tuples,
+            dicts and transformers' ``ModelOutput`` of tensors likewise, each stacked).
 
         Raises:
             ValueError: ``stacked=True`` and an input's first dimension is not K.
+            FusionError: The model cannot run batched under vmap (the module at fault and the
+                reason are named; :func:`verify` finds this before training).
         """
         if stacked:
-            for index, x in enumerate(inputs):
-                if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != self._num_models):
-                    raise value_error(
-                        f"inputs[{index}].shape",
-                        tuple(x.shape),
-                        f"must start with K={self._num_models} when stacked=True",
-                        "pass one batch per model, (K, B, ...), or stacked=False to share one",
-                    )
-        if self._direct is not None and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            named = [(f"inputs[{i}]", x) for i, x in enumerate(inputs)]
+            named += [(f"kwargs[{name!r}]", x) for name, x in kwargs.items()]
+            for name, x in named:
+                for leaf in pytree.tree_leaves(x):
+                    if isinstance(leaf, torch.Tensor) and (
+                        leaf.dim() == 0 or leaf.shape[0] != self._num_models
+                    ):
+                        raise value_error(
+                            f"{name}.shape",
+                            tuple(leaf.shape),
+                            f"must start with K={self._num_models} when stacked=True",
+                            "pass one batch per model, (K, B, ...), or stacked=False to share one",
+                        )
+        if (
+            self._direct is not None
+            and not kwargs
+            and len(inputs) == 1
+            and isinstance(inputs[0], torch.Tensor)
+        ):
             return self._forward_direct(inputs[0], shared=not stacked)
-        return self._vmap(self.stacked, inputs, shared=not stacked)
+        return self._vmap(self.stacked, inputs, kwargs, shared=not stacked)
 
-    def _vmap(self, module: nn.Module, inputs: tuple[Any, ...], *, shared: bool) -> Any:
+    def _vmap(
+        self,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        shared: bool,
+    ) -> Any:
         """Run ``module`` (part of the stacked model) for the K models under vmap."""
         tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
         tensors.update(module.named_buffers())
+        args: tuple[Any, dict[str, Any]] = (inputs, kwargs)
         if shared and not tensors:
             # Nothing of the models' own to batch (e.g. a Softmax): vmap needs a batched input.
             k = self._num_models
-            inputs = tuple(
-                x.unsqueeze(0).expand(k, *x.shape) if isinstance(x, torch.Tensor) else x
-                for x in inputs
+            args = pytree.tree_map(
+                lambda x: x.unsqueeze(0).expand(k, *x.shape) if isinstance(x, torch.Tensor) else x,
+                args,
             )
             shared = False
+        # One in_dim per leaf: 0 for a stacked tensor, None for shared ones and non-tensors.
+        dims = pytree.tree_map(
+            lambda x: 0 if isinstance(x, torch.Tensor) and not shared else None, args
+        )
 
-        def call(state: dict[str, torch.Tensor], *xs: Any) -> Any:
-            return functional_call(module, state, xs)
+        def call(state: dict[str, torch.Tensor], xs: tuple[Any, ...], kws: dict[str, Any]) -> Any:
+            return functional_call(module, state, xs, kws)
 
-        in_dims = (0, *([None if shared else 0] * len(inputs)))
+        batched = vmap(call, in_dims=(0, *dims), randomness="different")
+        on_cpu = all(t.device.type == "cpu" for t in tensors.values())
         try:
-            return vmap(call, in_dims=in_dims, randomness="different")(tensors, *inputs)
-        except RuntimeError as error:
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(
-                    f"(fusion) raised while running {type(module).__qualname__} for the "
-                    f"{self._num_models} fused models under torch.func.vmap: its forward must "
-                    "be batchable by vmap (no .item() or other reads of a tensor's value into "
-                    "Python, no data-dependent control flow); train such models unfused."
-                )
-            raise
+            if on_cpu:
+                with MathAttention():
+                    return batched(tensors, *args)
+            return batched(tensors, *args)
+        except (RuntimeError, ValueError, TypeError) as error:
+            if isinstance(error, FusionError):
+                raise
+            raise refusal(
+                error, self.stacked, num_models=self._num_models, when="the fused forward"
+            ) from error
 
     def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
         """The Sequential's layers in order, each fused directly or else through vmap."""
@@ -279,7 +302,7 @@ class FusedModule(nn.Module):
         for layer, form in self._direct:
             result = None if form is None else form(layer, x, shared, k)
             if result is None:
-                x, shared = self._vmap(layer, (x,), shared=shared), False
+                x, shared = self._vmap(layer, (x,), {}, shared=shared), False
             else:
                 x, shared = result
         return x.unsqueeze(0).expand(k, *x.shape) if shared else x
@@ -328,6 +351,10 @@ class FusedModule(nn.Module):
                         index = torch.tensor(kept, device=buffer.device)
                         module._buffers[name] = buffer.index_select(0, index)
         self._dropout_p = {path: [ps[i] for i in kept] for path, ps in self._dropout_p.items()}
+        for path, rates in self._dropout_p.items():
+            layer = self.stacked.get_submodule(path)
+            if isinstance(layer, PerModelDropout):
+                layer.set_rates(rates)
         self._num_models = len(kept)
 
     def unfuse(self) -> list[nn.Module]:
@@ -377,35 +404,52 @@ class FusedModule(nn.Module):
         return f"num_models={self._num_models}"
 
 
-def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
+def fuse(
+    models: Sequence[nn.Module],
+    *,
+    kernels: bool = True,
+    example_inputs: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> FusedModule:
     """Fuse K models of one structure into one module (HFTA, MLSys 2021).
 
     The models are copied (they are left as they are). Model k of the fused module starts
-    with model k's parameters, buffers and dropout rate.
+    with model k's parameters, buffers and dropout rate. Given an example input, the fused
+    module is proven before it is returned (:func:`verify`: forward and backward against the K
+    models, on copies); without one, a model that cannot run batched fails at its first forward
+    with a :class:`FusionError` naming the module.
 
     Args:
-        models: K >= 1 models with equal :func:`structure_key`, on one device, built from the
-            layers in :data:`SUPPORTED_LAYERS` (and the user's own module classes).
+        models: K >= 1 models with equal :func:`structure_key`, on one device. Any layers
+            (torch's, the user's, timm's, transformers'...) except the few refused up front
+            (recurrent layers, ``SyncBatchNorm``, BatchNorm with ``momentum=None``).
         kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
             layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
             as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
             dropout, pooling; other layers through vmap); any other model runs under vmap
             with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
             batching rules. Both give the same results (to float rounding).
+        example_inputs: A positional input of one model (a tensor), or a tuple of them,
+            ``(B, ...)``; with ``example_kwargs``, what :func:`verify` runs. None (and no
+            ``example_kwargs``): not verified (:func:`verify` can be called later).
+        example_kwargs: Keyword inputs of one model for :func:`verify`, e.g.
+            ``{"input_ids": ids, "attention_mask": mask}``.
 
     Returns:
         The fused module, K = ``len(models)``.
 
     Raises:
         TypeError: ``models`` is not a sequence of ``nn.Module``, or a model holds a layer
-            fusion does not support (named with its path).
+            known not to run fused (named with its path).
         ValueError: ``models`` is empty, a model is (or holds) a :class:`FusedModule`, the
             structures differ (the first difference is named) or the devices differ.
+        FusionError: Given an example input, the fused module cannot run it batched or does
+            not match the K models (the module and the reason are named).
 
     >>> import torch
     >>> from torch import nn
     >>> models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
-    >>> fused = fuse(models)
+    >>> fused = fuse(models, example_inputs=torch.randn(5, 4))
     >>> fused(torch.randn(5, 4)).shape
     torch.Size([3, 5, 2])
     >>> fused.stacked[0].weight.shape
@@ -415,4 +459,29 @@ def fuse(models: Sequence[nn.Module], *, kernels: bool = True) -> FusedModule:
         raise _checks.type_error(
             "kernels", kernels, "a bool", "pass True (fused kernels) or False (vmap only)"
         )
-    return FusedModule(_check_models(models), kernels=kernels)
+    checked = _check_models(models)
+    fused = FusedModule(checked, kernels=kernels)
+    if example_inputs is not None or example_kwargs is not None:
+        if example_kwargs is not None and not isinstance(example_kwargs, dict):
+            raise type_error(
+                "example_kwargs",
+                example_kwargs,
+                "a dict of keyword inputs",
+                "pass e.g. {'input_ids': ids}, or None",
+            )
+        if example_inputs is None:
+            args: tuple[Any, ...] = ()
+        elif isinstance(example_inputs, tuple):
+            args = example_inputs
+        else:
+            args = (example_inputs,)
+        verify_fused(
+            fused,
+            args,
+            example_kwargs or {},
+            models=checked,
+            stacked=False,
+            rtol=2e-4,
+            grad_rtol=1e-2,
+        )
+    return fused

@@ -20,8 +20,6 @@ from waterwave_hpo._checks import type_error
 
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Sequential,
-    nn.ModuleList,
-    nn.ModuleDict,
     nn.Identity,
     nn.Linear,
     nn.Conv1d,
@@ -32,7 +30,6 @@ SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Embedding,
     nn.Dropout,
     nn.Flatten,
-    nn.Unflatten,
     nn.ReLU,
     nn.ReLU6,
     nn.LeakyReLU,
@@ -41,8 +38,6 @@ SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
     nn.SiLU,
     nn.Tanh,
     nn.Sigmoid,
-    nn.Softmax,
-    nn.LogSoftmax,
     nn.MaxPool1d,
     nn.MaxPool2d,
     nn.AvgPool1d,
@@ -50,12 +45,18 @@ SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
     nn.AdaptiveAvgPool1d,
     nn.AdaptiveAvgPool2d,
 )
-"""The ``torch.nn`` layers fusion has verified against K separate models (tests/fusion).
+"""The ``torch.nn`` layers fusion runs with its own fused kernels or HFTA's direct forms.
 
-Other ``torch.nn`` layers (RNNs, attention, SyncBatchNorm, other dropouts, ...) are refused by
-name; modules defined outside ``torch`` (the user's own classes) are allowed: their ``forward``
-runs under ``torch.func.vmap`` like everything else, on the supported layers inside them.
+Not a gate (issue 25): every other layer (activations, pooling, upsampling, attention,
+``Conv3d``, normalizations, the user's and other libraries' modules) runs under
+``torch.func.vmap``; :func:`~waterwave_hpo.fusion.verify` (or ``fuse(..., example_inputs=...)``)
+proves a model runs fused and matches the K models before training. Only layers known not to
+batch are refused up front (:func:`unsupported_layer`).
 """
+
+_NO_BATCH_RULE: tuple[type[nn.Module], ...] = (nn.RNNBase, nn.RNNCellBase)
+"""Layers whose operator (``aten::lstm``, ``gru``, ``rnn_tanh``, ``lstm_cell``...) has no vmap
+batching rule in torch: refused by :func:`fuse` with the path, before any input is seen."""
 
 
 class TensorKind(enum.Enum):
@@ -244,17 +245,26 @@ def structure_key(model: nn.Module) -> StructureKey:
 
 
 def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str, str] | None:
-    """The first layer of ``model`` fusion does not support, with its path, why and the fix.
+    """The first layer of ``model`` known not to run under fusion, with its path, why, the fix.
+
+    Everything else is accepted here and proven (or refused) by running it:
+    :func:`~waterwave_hpo.fusion.verify`.
 
     Args:
         model: The model to check.
 
     Returns:
-        ``(path, module, reason, fix)`` of the first unsupported module, or None.
+        ``(path, module, reason, fix)`` of the first such module, or None.
     """
     for path, module in model.named_modules():
-        kind = type(module)
-        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d) and module.momentum is None:
+        if isinstance(module, nn.SyncBatchNorm):
+            return (
+                path,
+                module,
+                "SyncBatchNorm averages statistics across processes, one model per process",
+                "use nn.BatchNorm2d (the fused models already share one process)",
+            )
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
             return (
                 path,
                 module,
@@ -262,13 +272,12 @@ def unsupported_layer(model: nn.Module) -> tuple[str, nn.Module, str, str] | Non
                 "number, which vmap cannot batch",
                 "give the layer a float momentum, e.g. 0.1",
             )
-        from_torch = kind.__module__.startswith("torch.")
-        if from_torch and kind not in SUPPORTED_LAYERS:
+        if isinstance(module, _NO_BATCH_RULE):
             return (
                 path,
                 module,
-                "it is not among the layers verified under fusion "
-                f"({', '.join(t.__name__ for t in SUPPORTED_LAYERS)})",
-                "train such models unfused (co-hosted trials), or replace the layer",
+                "torch has no vmap batching rule for its recurrent operator "
+                "(aten::lstm, aten::gru, aten::rnn_tanh, aten::*_cell)",
+                "train such models unfused (co-hosted trials)",
             )
     return None
