@@ -50,7 +50,7 @@ class FakeCuda:
         self._init()
         return SimpleNamespace(total_memory=self.total_memory, name="fake GPU")
 
-    def _use_pool(self, pool: _FakePool) -> None:
+    def _use_pool(self, pool: _FakePool, *, require_shim: bool = False) -> None:
         if not self.swapped and self.initialised:
             raise RuntimeError(
                 "use_pool() must be called before CUDA's first allocation (fake CUDA: "
