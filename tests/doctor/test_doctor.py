@@ -18,6 +18,7 @@ from waterwave_hpo.doctor import _checks
 
 CHECKS = [
     "pool_library",
+    "torch_shim",
     "install_order",
     "alloc_latency",
     "canary",
