@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,30 @@ def test_an_editable_install_finds_the_pool_and_integrations_from_the_checkout(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert Path(result.stdout.strip()).resolve() == REPO_ROOT / "waterwave_hpo" / "__init__.py"
+
+
+def _fenced_commands(text: str) -> list[str]:
+    """The lines of the README's ```bash blocks."""
+    blocks = text.split("```bash\n")[1:]
+    return [line for block in blocks for line in block.split("```")[0].splitlines() if line]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_ci_runs_the_readmes_test_command_and_both_commands_pin_a_supported_torch() -> None:
+    if not (REPO_ROOT / ".ci" / "run").is_file():
+        pytest.skip("no .ci/run next to this test (an sdist)")
+    commands = _fenced_commands((REPO_ROOT / "README.md").read_text())
+    [test_command] = [c for c in commands if c.endswith(".venv/bin/pytest")]
+    [demo_command] = [c for c in commands if c.endswith("waterwave-hpo demo")]
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert test_command in ci.splitlines()  # exactly, as its own line
+    pins = set(re.findall(r'"torch==([0-9.]+)"', test_command + demo_command))
+    assert len(pins) == 1, pins  # the demo and the tests install the same torch
+    spec = re.search(r'"torch>=([0-9.]+),<([0-9.]+)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert spec is not None
+    floor, cap = spec.groups()
+    assert _version(floor) <= _version(pins.pop()) < _version(cap)
+    assert re.search(rf'"torch=={re.escape(floor)}(\.0)?"', ci)  # CI has a lane on the floor

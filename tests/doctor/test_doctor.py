@@ -19,6 +19,7 @@ from waterwave_hpo.doctor import _features
 
 CHECKS = [
     "pool_library",
+    "torch_shim",
     "install_order",
     "alloc_latency",
     "canary",

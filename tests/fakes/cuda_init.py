@@ -27,6 +27,13 @@ class _FakePool:
         raise AssertionError("no trial runs under the fake CUDA")
 
 
+class _NotCapturingStream:
+    """What ``torch.accelerator.current_stream`` answers under the fake: no graph capture."""
+
+    def is_capturing(self) -> bool:
+        return False
+
+
 class FakeCuda:
     """``n`` fake CUDA devices; see the module docstring."""
 
@@ -50,7 +57,7 @@ class FakeCuda:
         self._init()
         return SimpleNamespace(total_memory=self.total_memory, name="fake GPU")
 
-    def _use_pool(self, pool: _FakePool) -> None:
+    def _use_pool(self, pool: _FakePool, *, require_shim: bool = False) -> None:
         if not self.swapped and self.initialised:
             raise RuntimeError(
                 "use_pool() must be called before CUDA's first allocation (fake CUDA: "
@@ -79,6 +86,12 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "get_device_properties", lambda d=None: self._properties(d))
         monkeypatch.setattr(
             cuda, "mem_get_info", lambda device=None: self._init() or (self.total_memory,) * 2
+        )
+        # On torch's CUDA wheel torch.accelerator follows torch.cuda.is_available (True here),
+        # and every optimizer step asks the accelerator's current stream whether it captures a
+        # graph (Optimizer._accelerator_graph_capture_health_check): the real one needs a GPU.
+        monkeypatch.setattr(
+            torch.accelerator, "current_stream", lambda device=None: _NotCapturingStream()
         )
         monkeypatch.setattr(memory, "StreamAwarePool", self.pool_factory)
         monkeypatch.setattr(memory, "use_pool", self._use_pool)

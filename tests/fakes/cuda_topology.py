@@ -150,8 +150,8 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Topology:
     cuda = FakeCuda(n=1, pool_factory=sim_pool).install(monkeypatch)
     fake_use_pool = cuda._use_pool
 
-    def use_pool(pool: StreamAwarePool) -> None:
-        fake_use_pool(pool)
+    def use_pool(pool: StreamAwarePool, *, require_shim: bool = False) -> None:
+        fake_use_pool(pool, require_shim=require_shim)
         install_guards(lambda index: cuda.pools.get(index))  # as the real use_pool does
 
     monkeypatch.setattr(memory, "use_pool", use_pool)

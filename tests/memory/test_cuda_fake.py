@@ -353,6 +353,32 @@ print(json.dumps(out))
 """
 
 
+SHIM_FAILS_SCRIPT = r"""
+import json, sys, warnings
+import torch
+import waterwave_hpo.memory as wm
+from waterwave_hpo.executor._memory import MemoryPoolMode, _device_pool
+
+made = []
+class FakePluggable:
+    def __init__(self, path, alloc, free):
+        made.append([path, alloc, free])
+torch.cuda.is_initialized = lambda: False
+torch.cuda.device_count = lambda: 1
+torch.cuda.memory.CUDAPluggableAllocator = FakePluggable
+torch.cuda.memory.change_current_allocator = lambda a: None
+out = {}
+try:
+    _device_pool(torch.device("cuda", 0), MemoryPoolMode(sys.argv[1]))
+    out["raised"] = None
+except RuntimeError as exc:
+    out["raised"] = str(exc)
+out["made"] = made
+out["swapped"] = wm.allocator_swapped()
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.slow
 def test_a_device_keeps_no_cuda_context_until_the_study_allocates_on_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -410,3 +436,36 @@ def test_frees_record_one_cuda_event_per_epoch_not_one_per_free(tmp_path: Path) 
     # whose event completed, or waited for it on the GPU: never a block with no event.
     assert out["records_after_steal"] == out["records"] + 1
     assert (out["source"], out["waits"]) in (("COMPLETED_EVENT", 0), ("STREAM_WAIT", 1))
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_memory_pool_on_refuses_and_auto_warns_when_the_shim_cannot_be_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    message = "fake-c++: error: 'std::bit_width' is not a member of 'std'"
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text(f'#!/bin/sh\necho "{message}" >&2\nexit 1\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("WATERWAVE_HPO_CACHE", str(tmp_path / "cache"))
+    fake_dir = _fake_driver_dir(tmp_path)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", SHIM_FAILS_SCRIPT, mode],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if mode == "on":
+        assert out["raised"] is not None and message in out["raised"]
+        assert "memory_pool='on'" in out["raised"]
+        assert out["made"] == [] and out["swapped"] is False  # refused before the swap
+    else:
+        assert out["raised"] is None and out["swapped"] is True
+        [[path, alloc, _]] = out["made"]
+        assert path.endswith("libwaterwave_pool.so") and alloc == "waterwave_torch_malloc"
+        assert done.stderr.count("ShimBuildWarning") == 1 and message in done.stderr

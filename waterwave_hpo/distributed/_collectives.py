@@ -49,4 +49,5 @@ def all_gather_then(
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(output, input, group=group, async_op=True)
+    assert work is not None  # async_op=True returns a Work (typed Work | None from torch 2.15)
     return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(then))

@@ -13,6 +13,7 @@ import torch
 from waterwave_hpo.doctor import _checks as checks
 from waterwave_hpo.doctor import _features as features
 from waterwave_hpo.doctor._report import DoctorReport
+from waterwave_hpo.doctor._shim_check import check_torch_shim
 
 
 def _version(package: str) -> str | None:
@@ -109,7 +110,7 @@ def run_doctor(device: str = "auto") -> DoctorReport:
             "gpu": None,  # filled after the checks: asking for it initialises CUDA
         },
     )
-    plan = [("pool_library", checks.check_pool_library)]
+    plan = [("pool_library", checks.check_pool_library), ("torch_shim", check_torch_shim)]
     if gpu is not None:
         plan += [
             ("install_order", lambda: checks.check_install_order_cuda(gpu)),

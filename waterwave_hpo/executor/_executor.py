@@ -100,8 +100,10 @@ class WaterwaveExecutor:
             or ``"fifo"``, or a :class:`waterwave_hpo.scheduler.Policy`.
         memory_pool: ``"auto"`` (default): on CUDA, make the stream-aware pool PyTorch's
             allocator if PyTorch has not allocated on CUDA yet in this process (otherwise warn
-            and keep PyTorch's), one account per trial; ``"on"``: the same, but raise instead
-            of falling back; ``"off"``: PyTorch's allocator.
+            and keep PyTorch's), one account per trial; if the torch shim (typed OOM,
+            ``record_stream``) cannot be built, a warning with the compiler's message, once;
+            ``"on"``: the same, but raise instead of falling back or running without the
+            shim; ``"off"``: PyTorch's allocator.
         max_trials_per_device: The cap for ``trials_per_device="auto"`` (>= 1).
         record_trial_attrs: Record where and how each trial ran as system attributes of the
             trial (``waterwave:device``, ``waterwave:slot``, ``waterwave:peak_bytes``,

@@ -282,7 +282,8 @@ def make_device_memory(
 
     Raises:
         RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
-            already allocated on CUDA, or the pool library cannot reach the driver).
+            already allocated on CUDA, the pool library cannot reach the driver, or the torch
+            shim cannot be built: the compiler's message is attached).
     """
     if device.type == "cuda":
         _experimental.warn_experimental(_experimental.ExperimentalPath.EXECUTOR_CUDA)
@@ -315,7 +316,8 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
         return existing
     try:
         pool = StreamAwarePool(backend="cuda", device=index)
-        use_pool(pool)
+        # "on": no allocator swap without the complete torch shim (its compiler's message).
+        use_pool(pool, require_shim=mode is MemoryPoolMode.ON)
     except (RuntimeError, ValueError, ImportError, OSError) as error:
         if allocator_swapped():
             # PyTorch's allocator is the pool's, process-wide: this device cannot fall back to

@@ -184,7 +184,7 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in) -> (..., out)`` for one model (under vmap: all K at once)."""
-        out: torch.Tensor = _LinearFn.apply(  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _LinearFn.apply(  # type: ignore[no-untyped-call,unused-ignore]
             x, self.weight, self.bias
         )
         return out
@@ -213,7 +213,7 @@ class FusedConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C, *S) -> (N, O, *S')`` (or unbatched ``(C, *S)``) for one model."""
-        out: torch.Tensor = _ConvFn.apply(  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _ConvFn.apply(  # type: ignore[no-untyped-call,unused-ignore]
             x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
         )
         return out

@@ -1,15 +1,26 @@
 """What the memory package offers the project's other packages beyond its public facade.
 
 The executor runs CuPy work on a trial's stream and pool; ``waterwave-hpo doctor`` loads the C++
-library and installs PyTorch's allocator guards. They import these from here only (issue 16,
-item 3). Not part of the public API.
+library, installs PyTorch's allocator guards and compiles the torch shim. They import these
+from here only (issue 16, item 3). Not part of the public API.
 """
 
 from __future__ import annotations
 
 from waterwave_hpo.memory._cupy import cupy_on_stream
 from waterwave_hpo.memory._lib import load_library
+from waterwave_hpo.memory._shim import CXX_STANDARD
+from waterwave_hpo.memory._shim import compile_shim
+from waterwave_hpo.memory._shim import cuda_variant_missing
 from waterwave_hpo.memory._torch_api import install_guards
 from waterwave_hpo.memory._torch_api import remove_guards
 
-__all__ = ["cupy_on_stream", "install_guards", "load_library", "remove_guards"]
+__all__ = [
+    "CXX_STANDARD",
+    "compile_shim",
+    "cuda_variant_missing",
+    "cupy_on_stream",
+    "install_guards",
+    "load_library",
+    "remove_guards",
+]

@@ -44,7 +44,7 @@ from waterwave_hpo.memory._shim import SHIM_FREE
 from waterwave_hpo.memory._shim import SHIM_MALLOC
 from waterwave_hpo.memory._shim import ShimBuildError
 from waterwave_hpo.memory._shim import record_stream_build_error
-from waterwave_hpo.memory._shim import torch_shim
+from waterwave_hpo.memory._shim import shim_for_pool
 from waterwave_hpo.memory._torch_api import install_guards
 
 if TYPE_CHECKING:
@@ -126,24 +126,13 @@ def allocator_info() -> TorchAllocatorInfo:
         )
 
 
-def _swap_allocator_locked(pool: StreamAwarePool) -> None:
+def _swap_allocator_locked(pool: StreamAwarePool, require_shim: bool = False) -> None:
     """Makes the pool library PyTorch's allocator; gives every other visible device a pool."""
     import torch
 
     global _allocator_swapped, _typed_oom, _record_stream, _shim_error
     lib = load_library()
-    shim = None
-    try:
-        shim = torch_shim()
-    except (ShimBuildError, OSError) as exc:
-        _shim_error = str(exc)
-        _logger.warning(
-            "The torch shim of the waterwave pool could not be built (%s); a pool OOM reaches "
-            "PyTorch as a RuntimeError (waterwave_hpo.memory.translate_oom converts it), so "
-            "PyTorch's own OOM fallbacks (cuDNN workspace) do not run, and Tensor.record_stream "
-            "does not reach the pool (call pool.record_stream).",
-            exc,
-        )
+    shim, _shim_error = shim_for_pool(required=require_shim)  # warns once, or raises if required
     if shim is not None:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(str(shim.path), SHIM_MALLOC, SHIM_FREE)
     else:
@@ -188,7 +177,7 @@ def _swap_allocator_locked(pool: StreamAwarePool) -> None:
         lib.ww_torch_set_pool(device, other._handle())
 
 
-def use_pool(pool: StreamAwarePool) -> None:
+def use_pool(pool: StreamAwarePool, *, require_shim: bool = False) -> None:
     """Makes ``pool`` PyTorch's CUDA allocator for ``pool.device``.
 
     Must be called before CUDA's first allocation in this process (PyTorch cannot swap an
@@ -201,14 +190,19 @@ def use_pool(pool: StreamAwarePool) -> None:
     and CUDA graph capture raises (see :mod:`waterwave_hpo.memory._torch_api`).
 
     The first call builds (once per torch version, cached) and loads the torch shim, so a pool
-    exhaustion inside an op raises ``torch.OutOfMemoryError`` itself; if the shim cannot be built
-    (no C++ compiler) a warning says so, and PyTorch raises a ``RuntimeError`` that
-    :func:`translate_oom` turns into ``torch.cuda.OutOfMemoryError`` (pytorch/pytorch issue
-    133280). The first call also gives every other visible device a pass-through pool (see the
-    module docstring); a later call for such a device replaces it while it holds no block.
+    exhaustion inside an op raises ``torch.OutOfMemoryError`` itself, and on a CUDA build of
+    torch ``Tensor.record_stream`` reaches the pool. If the shim (or its CUDA variant) cannot be
+    built, ``require_shim`` raises with the compiler's message; otherwise a
+    :class:`~waterwave_hpo.memory._shim.ShimBuildWarning` says so once per process, and without
+    the shim PyTorch raises a ``RuntimeError`` that :func:`translate_oom` turns into
+    ``torch.cuda.OutOfMemoryError`` (pytorch/pytorch issue 133280). The first call also gives
+    every other visible device a pass-through pool (see the module docstring); a later call for
+    such a device replaces it while it holds no block.
 
     Args:
         pool: A ``cuda`` or ``cupy`` backend pool.
+        require_shim: Refuse to swap the allocator without the complete torch shim
+            (``WaterwaveExecutor(memory_pool="on")``).
 
     Raises:
         TypeError: ``pool`` is not a :class:`StreamAwarePool`.
@@ -216,6 +210,8 @@ def use_pool(pool: StreamAwarePool) -> None:
             its device's pass-through pool already holds blocks.
         RuntimeError: CUDA has already allocated memory with PyTorch's own allocator (call
             ``use_pool`` first thing, before any tensor is put on the GPU).
+        ShimBuildError: ``require_shim`` and the shim could not be built (a ``RuntimeError``;
+            the message holds the compiler's).
     """
     import torch
 
@@ -245,8 +241,13 @@ def use_pool(pool: StreamAwarePool) -> None:
                     "waterwave_hpo.memory.use_pool(pool) at the start of the process, before any "
                     "tensor is created on the GPU."
                 )
-            _swap_allocator_locked(pool)
+            _swap_allocator_locked(pool, require_shim)
         else:
+            if require_shim and _shim_error:
+                raise ShimBuildError(
+                    f"PyTorch's allocator was swapped to the pool without the complete torch "
+                    f"shim (an earlier use_pool without require_shim): {_shim_error}"
+                )
             passthrough = _passthrough.get(pool.device)
             if passthrough is not None and passthrough.stats().allocated_bytes != 0:
                 raise ValueError(

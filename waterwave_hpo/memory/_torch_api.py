@@ -1,7 +1,7 @@
 """PyTorch's memory API while the pool is its allocator: given back, or refused clearly.
 
 PyTorch's ``CUDAPluggableAllocator`` (``torch/csrc/cuda/CUDAPluggableAllocator.cpp``, read for
-torch 2.3 to 2.13) raises ``"does not yet support getDeviceStats"`` (and ``resetPeakStats``,
+torch 2.13 to 2.15) raises ``"does not yet support getDeviceStats"`` (and ``resetPeakStats``,
 ``resetAccumulatedStats``, ``cacheInfo``, ``snapshot``); its ``emptyCache`` calls a reset
 function the Python class never sets (a no-op); and its ``beginAllocateToPool`` is a no-op, so
 memory a CUDA graph captured is not private and a neighbour trial may be handed it. For each:
