@@ -15,6 +15,8 @@ through the executor, so a change in any of them shows there.
 
 from __future__ import annotations
 
+import copy
+import datetime
 from typing import Protocol
 import warnings
 
@@ -204,19 +206,84 @@ def heartbeat(study: optuna.Study, trial_id: int) -> Heartbeat:
     return get_heartbeat_thread(trial_id, study._storage)
 
 
+def record_heartbeat(study: optuna.Study, trial_id: int) -> None:
+    """Record one heartbeat of trial ``trial_id`` now (nothing when the storage has none).
+
+    Optuna's heartbeat thread writes its first beat only once the thread runs; the executor
+    calls this right after ``ask()`` so that a process dying later leaves a trial Optuna's
+    ``fail_stale_trials`` sees (it skips a RUNNING trial with no heartbeat at all).
+    """
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    storage = study._storage
+    if is_heartbeat_enabled(storage):
+        storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
+
+
 def fail_stale_trials(study: optuna.Study) -> None:
     """Fail the trials whose heartbeat is stale, as ``optimize`` does before each ``ask()``.
 
     Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
-    before each ``ask()``, and run the storage's ``failed_trial_callback`` for each.
+    before each ``ask()``, and run the storage's ``failed_trial_callback`` for each. Also fail
+    the RUNNING trials of an RDB storage that have no heartbeat at all and started more than the
+    grace period ago: their process died between ``ask()`` and its first heartbeat, and Optuna's
+    sweep skips them forever (``RDBStorage._get_stale_trial_ids``).
     """
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
-    if not is_heartbeat_enabled(study._storage):
+    storage = study._storage
+    if not is_heartbeat_enabled(storage):
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    failed: list[int] = []
+    for stale_id in _running_without_heartbeat(study):
+        try:
+            if storage.set_trial_state_values(stale_id, optuna.trial.TrialState.FAIL):
+                failed.append(stale_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another process failed (or its owner finished) it meanwhile
+    callback = storage.get_heartbeat_stale_trial_callback()  # type: ignore[attr-defined]
+    if callback is not None:
+        for stale_id in failed:
+            callback(study, copy.deepcopy(storage.get_trial(stale_id)))
+
+
+def _running_without_heartbeat(study: optuna.Study) -> list[int]:
+    """Ids of RUNNING trials with no heartbeat row that started over a grace period ago.
+
+    Only an ``RDBStorage`` (possibly behind Optuna's cache) keeps heartbeat rows. The start is
+    the trial's ``datetime_start`` (naive local time, as Optuna gives it in every version),
+    compared with this process's clock.
+    """
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    storage: object = study._storage
+    backend = getattr(storage, "_backend", storage)  # _CachedStorage wraps RDBStorage
+    if not isinstance(backend, optuna.storages.RDBStorage) or backend.heartbeat_interval is None:
+        return []
+    grace_s = backend.grace_period or 2 * backend.heartbeat_interval  # as Optuna's default
+    with _create_scoped_session(backend.scoped_session) as session:
+        rows = (
+            session.query(models.TrialModel.trial_id)
+            .outerjoin(
+                models.TrialHeartbeatModel,
+                models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id,
+            )
+            .filter(models.TrialModel.study_id == study._study_id)
+            .filter(models.TrialModel.state == optuna.trial.TrialState.RUNNING)
+            .filter(models.TrialHeartbeatModel.trial_heartbeat_id.is_(None))
+            .all()
+        )
+    started_before = datetime.datetime.now() - datetime.timedelta(seconds=grace_s)
+    stale: list[int] = []
+    for (row_id,) in rows:
+        start = backend.get_trial(int(row_id)).datetime_start
+        if start is not None and start < started_before:
+            stale.append(int(row_id))
+    return stale
 
 
 def in_memory_sqlite_url(study: optuna.Study) -> str | None:

@@ -124,6 +124,9 @@ class OptimizeRun:
         self.time_start = time.monotonic()
         try:
             self._loop()
+            # Once more at the end: trials of a dead process whose heartbeat went stale while
+            # this run lasted are failed even if no ask() came after (a short resume).
+            _optuna_compat.fail_stale_trials(study)
         except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
             self._abort(interrupt)
             if isinstance(interrupt, Exception) and is_storage_error(interrupt):
@@ -241,8 +244,12 @@ class OptimizeRun:
         if self._concurrent():
             self.study.sampler.reseed_rng()
         trial = self.study.ask()
-        self.asked.append(trial)
+        self.asked.append(trial)  # (failed by _abort if the heartbeat cannot be written)
         self.asked_numbers.add(trial.number)
+        # The first heartbeat before anything else: a process that dies from here on leaves a
+        # trial the next process's fail_stale_trials fails. Dying between ask() and this
+        # write leaves a trial without heartbeat, which that sweep fails after the grace period.
+        _optuna_compat.record_heartbeat(self.study, _optuna_compat.trial_id(trial))
         beat = _optuna_compat.heartbeat(self.study, _optuna_compat.trial_id(trial))
         beat.start()
         self.heartbeats[trial.number] = beat
