@@ -30,7 +30,7 @@ GRACE_PERIOD_S = 2
 # A resume lasts longer than the grace period plus SQLite's one-second heartbeat resolution,
 # so every trial of a killed driver is stale before it ends.
 RESUME_S = GRACE_PERIOD_S + 2.0
-MAX_KILL_DELAY_S = 1.2  # opening the study alone takes ~0.6 s (2-core VM)
+MAX_KILL_DELAY_S = 1.0  # opening the study alone takes ~0.6 s (2-core VM)
 
 
 def _study(db: str) -> optuna.Study:

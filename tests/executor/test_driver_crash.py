@@ -61,8 +61,8 @@ def test_a_chain_of_random_driver_kills_then_one_resume_leaves_no_trial_running(
     tmp_path: Path,
 ) -> None:
     # Each driver starts while the trials of the previous ones may still look alive.
-    report = _run(tmp_path / "study.db", "random", "40", "2", "40")
-    assert report["kills"] == 40
+    report = _run(tmp_path / "study.db", "random", "45", "2", "45")
+    assert report["kills"] == 45
     assert report["resumes"] == [{"running": []}]
     assert report["states"]["RUNNING"] == 0
     assert report["states"]["FAIL"] > 0
