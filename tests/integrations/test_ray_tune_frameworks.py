@@ -3,6 +3,7 @@ with_shared_gpu as its docstring writes it (a local Ray with one logical GPU).""
 
 from __future__ import annotations
 
+from pathlib import Path
 import subprocess
 import sys
 from typing import Any
@@ -36,9 +37,12 @@ def test_shared_gpu_reads_as_a_resources_per_trial_mapping() -> None:
     assert isinstance(resources, tune.PlacementGroupFactory)
 
 
-def test_with_shared_gpu_as_its_docstring_writes_it() -> None:
+def test_with_shared_gpu_as_its_docstring_writes_it(tmp_path: Path) -> None:
     code = "import waterwave_hpo as ww\nprint(ww.integrations.ray_tune.with_shared_gpu.__name__)\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # A fresh interpreter, outside the checkout (an installed, non-editable package).
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "with_shared_gpu"
 

@@ -208,3 +208,17 @@ def test_profiling_rewinds_no_other_devices_random_state(monkeypatch: pytest.Mon
     pipeline(model, example_input=x)
     assert touched == []
     assert torch.equal(torch.random.get_rng_state(), before)  # the CPU generator is rewound
+
+
+def test_a_refused_example_input_leaves_no_profiler_hooks_on_the_thread() -> None:
+    """The profiler pushes saved-tensor hooks when the profiled forward starts; a forward that
+    raises (a batch of the wrong shape) must not leave them on the caller's thread, where every
+    later backward would pack through them (torch.func refuses to run under such hooks)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="example_input"):
+        pipeline(model, example_input=torch.randn(3, 7))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    with pytest.raises(ValueError, match="pipeline"):
+        node_groups(model)  # no half-profiled pipeline is left on the model
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.func.vjp(lambda t: model(t).square().sum(), x)  # raises under leftover hooks

@@ -168,7 +168,15 @@ def pipeline(
     pipe = _Pipeline(model, groups)
     _PIPELINES[model] = pipe
     if example_input is not None:
-        _profile_on(model, example_input)
+        try:
+            _profile_on(model, example_input)
+        except BaseException:
+            # A refused example_input leaves no half-profiled pipeline behind, and above all no
+            # saved-tensor hooks of the profiler pushed on this thread (every later backward of
+            # the thread would pack through them).
+            pipe.remove()
+            _PIPELINES.pop(model, None)
+            raise
         pipe.build()
     return model
 
