@@ -190,7 +190,7 @@ def check_oom_in_backward(device: torch.device) -> CheckResult:
         if trial.number < 2:
             both.wait()  # it fails beside a neighbour, so it is re-run
         if first:
-            out = _OutOfMemoryInBackward.apply(model(x))  # type: ignore[no-untyped-call]
+            out = _OutOfMemoryInBackward.apply(model(x))  # type: ignore[no-untyped-call,unused-ignore]
             nn.functional.cross_entropy(out, y).backward()  # type: ignore[no-untyped-call]
         if trial.number == 1:
             _wait_for_failure_of_trial_0(trial.study)
