@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
+import time
 from typing import Protocol
 import warnings
+import weakref
 
 import optuna
 
@@ -220,14 +223,19 @@ def record_heartbeat(study: optuna.Study, trial_id: int) -> None:
         storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
+_NO_HEARTBEAT_SWEPT: weakref.WeakKeyDictionary[optuna.Study, float] = weakref.WeakKeyDictionary()
+
+
+def fail_stale_trials(study: optuna.Study, *, force: bool = False) -> None:
     """Fail the trials whose heartbeat is stale, as ``optimize`` does before each ``ask()``.
 
     Fail the trials whose heartbeat is older than the grace period, as ``optimize`` does
     before each ``ask()``, and run the storage's ``failed_trial_callback`` for each. Also fail
     the RUNNING trials of an RDB storage that have no heartbeat at all and started more than the
     grace period ago: their process died between ``ask()`` and its first heartbeat, and Optuna's
-    sweep skips them forever (``RDBStorage._get_stale_trial_ids``).
+    sweep skips them forever (``RDBStorage._get_stale_trial_ids``). That second query runs at
+    most once per heartbeat interval per study (it is on the ask path; such a trial only becomes
+    failable a grace period after its start anyway), or at once with ``force``.
     """
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
@@ -237,6 +245,11 @@ def fail_stale_trials(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    interval_s = getattr(getattr(storage, "_backend", storage), "heartbeat_interval", None) or 0
+    now = time.monotonic()
+    if not force and now - _NO_HEARTBEAT_SWEPT.get(study, -math.inf) < interval_s:
+        return
+    _NO_HEARTBEAT_SWEPT[study] = now
     failed: list[int] = []
     for stale_id in _running_without_heartbeat(study):
         try:

@@ -126,7 +126,7 @@ class OptimizeRun:
             self._loop()
             # Once more at the end: trials of a dead process whose heartbeat went stale while
             # this run lasted are failed even if no ask() came after (a short resume).
-            _optuna_compat.fail_stale_trials(study)
+            _optuna_compat.fail_stale_trials(study, force=True)
         except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
             self._abort(interrupt)
             if isinstance(interrupt, Exception) and is_storage_error(interrupt):
