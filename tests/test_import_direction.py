@@ -21,6 +21,7 @@ BELOW = {
     "planning": ("executor", "cluster"),
     "memory": ("executor", "cluster"),
     "scheduler": ("executor", "cluster"),
+    "relay": ("executor", "cluster"),
 }
 
 

@@ -15,8 +15,8 @@ from waterwave_hpo.cluster._executor import AllHostsLostError
 from waterwave_hpo.cluster._executor import ClusterStats
 from waterwave_hpo.cluster._executor import RayExecutor
 from waterwave_hpo.cluster._shared_gpu import shared_gpu
-from waterwave_hpo.cluster._storage import StoragePermissionError
 from waterwave_hpo.cluster._tune_hosts_api import tune_hosts
+from waterwave_hpo.relay import StoragePermissionError
 
 __all__ = [
     "ATTR_HOST",

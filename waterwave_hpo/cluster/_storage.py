@@ -28,9 +28,6 @@ study, never a study's creation, deletion, renaming or attributes. Cost: measure
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from collections.abc import Container
-from collections.abc import Sequence
 import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
@@ -41,159 +38,17 @@ import threading
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution
-from optuna.storages import BaseStorage
-from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages._heartbeat import is_heartbeat_enabled
-from optuna.study._frozen import FrozenStudy
-from optuna.study._study_direction import StudyDirection
-from optuna.trial import FrozenTrial
-from optuna.trial import TrialState
 
-from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._imports import import_ray
+from waterwave_hpo.relay import RelayedHeartbeatStorage
+from waterwave_hpo.relay import RelayedStorage
+from waterwave_hpo.relay import StorageService
+from waterwave_hpo.relay import sendable
 
 _logger = logging.getLogger("waterwave_hpo")
 _TAKE_WAIT_S = 0.5  # how long the driver's relay thread waits for calls before checking stop
 _BATCH_WAIT_S = 0.05  # how long a batch's quick calls wait for its slow ones
-
-
-class StoragePermissionError(PermissionError):
-    """A host's storage call that the run's :class:`StudyAccessPolicy` refuses.
-
-    Raised in the calling host (the driver logs each kind of refusal once); the storage is
-    unchanged.
-    """
-
-
-# Calls whose first argument is a study id that must be the run's study.
-_STUDY_CALLS = frozenset(
-    {
-        "get_study_name_from_id",
-        "get_study_directions",
-        "get_study_user_attrs",
-        "get_study_system_attrs",
-        "create_new_trial",
-        "get_all_trials",
-        "get_n_trials",
-        "get_best_trial",
-        "get_trial_id_from_study_id_trial_number",
-        "_get_stale_trial_ids",  # Optuna's fail_stale_trials (heartbeat)
-    }
-)
-# Calls whose first argument is a trial id that must belong to the run's study.
-_TRIAL_CALLS = frozenset(
-    {
-        "get_trial",
-        "get_trial_number_from_id",
-        "get_trial_param",
-        "get_trial_params",
-        "get_trial_user_attrs",
-        "get_trial_system_attrs",
-        "set_trial_param",
-        "set_trial_state_values",
-        "set_trial_intermediate_value",
-        "set_trial_user_attr",
-        "set_trial_system_attr",
-        "record_heartbeat",  # Optuna's heartbeat thread
-    }
-)
-# Calls without a study or trial: the storage's heartbeat settings (heartbeat storages only).
-_HEARTBEAT_SETTINGS_CALLS = frozenset(
-    {"get_heartbeat_interval", "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
-)
-
-
-class StudyAccessPolicy:
-    """What hosts may do with the driver's storage: the calls a host makes, on one study only.
-
-    Allowed: reading the study's name, directions, attributes and trials; creating trials in it
-    (ask); setting its trials' parameters, states and values (tell), intermediate values
-    (report) and attributes; Optuna's heartbeat calls for its trials (when the storage has a
-    heartbeat). Refused with :class:`StoragePermissionError`: any other study (by id, by name, or
-    through a trial id of another study), ``get_all_studies``, creating, deleting or renaming a
-    study, and setting study attributes (set them in the driver before ``optimize``).
-
-    Args:
-        storage: The study's storage (the driver's ``study._storage``).
-        study_id: The run's study.
-        study_name: Its name (``optuna.load_study`` looks the study up by name).
-    """
-
-    def __init__(self, storage: BaseStorage, study_id: int, study_name: str) -> None:
-        self.storage = storage
-        self.study_id = study_id
-        self.study_name = study_name
-        self._heartbeat = is_heartbeat_enabled(storage)
-        self._trial_ids: set[int] = set()
-        self._lock = threading.Lock()
-
-    def check(self, method: str, args: Sequence[Any]) -> None:
-        """Refuse a call that this policy does not allow; return if it is allowed.
-
-        Args:
-            method: The ``BaseStorage`` method's name.
-            args: Its positional arguments (the client passes every argument positionally).
-
-        Raises:
-            StoragePermissionError: The call is not allowed; the message says which rule.
-        """
-        if method == "get_study_id_from_name":
-            if not args or args[0] != self.study_name:
-                raise StoragePermissionError(
-                    f"get_study_id_from_name({_first(args)!r}): hosts of this run may open only "
-                    f"the study {self.study_name!r}."
-                )
-        elif method in _STUDY_CALLS:
-            if not args or args[0] != self.study_id:
-                raise StoragePermissionError(
-                    f"{method}(study_id={_first(args)!r}): hosts of this run may use only the "
-                    f"study {self.study_name!r} (study_id={self.study_id})."
-                )
-            if method.startswith("_get_stale") and not self._heartbeat:
-                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
-        elif method in _TRIAL_CALLS:
-            if method == "record_heartbeat" and not self._heartbeat:
-                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
-            if not args or not self._is_own_trial(args[0]):
-                raise StoragePermissionError(
-                    f"{method}(trial_id={_first(args)!r}): that trial is not in the study "
-                    f"{self.study_name!r}, the only study hosts of this run may use."
-                )
-        elif method in _HEARTBEAT_SETTINGS_CALLS:
-            if not self._heartbeat:
-                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
-        else:
-            raise StoragePermissionError(
-                f"{method}: hosts of this run may not call it; they may ask, tell, report and "
-                f"set trial attributes in the study {self.study_name!r} only (no other study, "
-                "no creating, deleting or renaming studies, no study attributes)."
-            )
-
-    def allowed_result(self, method: str, result: Any) -> None:
-        """Learn the trial ids a call created or revealed (so later calls on them pass)."""
-        if method in ("create_new_trial", "get_trial_id_from_study_id_trial_number"):
-            with self._lock:
-                self._trial_ids.add(int(result))
-
-    def _is_own_trial(self, trial_id: object) -> bool:
-        if isinstance(trial_id, bool) or not isinstance(trial_id, int):
-            return False
-        with self._lock:
-            if trial_id in self._trial_ids:
-                return True
-        # A trial the driver asked since the last look: read the study's trial ids again.
-        ids = {
-            _optuna_compat.trial_id(t)
-            for t in self.storage.get_all_trials(self.study_id, deepcopy=False)
-        }
-        with self._lock:
-            self._trial_ids |= ids
-            return trial_id in self._trial_ids
-
-
-def _first(args: Sequence[Any]) -> object:
-    return args[0] if args else None
 
 
 class StorageRelay:
@@ -302,10 +157,8 @@ class StorageServer:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self._storage = _optuna_compat.storage_of(study)
-        self.policy = StudyAccessPolicy(
-            self._storage, _optuna_compat.study_id(study), study.study_name
-        )
+        self.service = StorageService(study)
+        self.policy = self.service.policy
         self._relay = (
             ray.remote(StorageRelay)
             .options(
@@ -318,9 +171,7 @@ class StorageServer:
             )
             .remote()
         )
-        self.channel = StorageChannel(self._relay, is_heartbeat_enabled(self._storage))
-        self._refused: set[str] = set()
-        self._refused_lock = threading.Lock()
+        self.channel = StorageChannel(self._relay, is_heartbeat_enabled(self.service.storage))
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ww-storage")
         self._thread = threading.Thread(
@@ -379,190 +230,40 @@ class StorageServer:
             self._relay.answer.remote(*_picklable_answer(future.result()))
 
     def _run(self, call_id: int, method: str, args: tuple[Any, ...]) -> tuple[int, bool, Any]:
-        try:
-            self.policy.check(method, args)
-            result = getattr(self._storage, method)(*args)
-            self.policy.allowed_result(method, result)
-        except StoragePermissionError as error:
-            self._log_refusal(method, error)
-            return call_id, False, error
-        except Exception as error:  # KeyError, UpdateFinishedTrialError...: the host's to see
-            return call_id, False, error
-        return call_id, True, result
-
-    def _log_refusal(self, method: str, error: StoragePermissionError) -> None:
-        with self._refused_lock:
-            if method in self._refused:
-                return
-            self._refused.add(method)
-        _logger.warning(
-            "Refused a host's storage call (logged once per method): %s", error, stacklevel=1
-        )
+        ok, payload = self.service.run(method, args)
+        return call_id, ok, payload
 
 
 def _picklable_answer(answer: tuple[int, bool, Any]) -> tuple[int, bool, Any]:
     from ray import cloudpickle
 
-    try:
-        cloudpickle.dumps(answer)  # type: ignore[no-untyped-call]
-    except Exception as error:
-        return answer[0], False, RuntimeError(f"The storage's answer cannot be sent: {error!r}")
-    return answer
+    call_id, ok, payload = answer
+    return (call_id, *sendable(ok, payload, cloudpickle.dumps))
 
 
-class RayStorageClient(BaseStorage):
-    """A host's ``BaseStorage``: every call goes to the driver through the run's relay.
-
-    Exceptions the driver's storage raises (``KeyError``, ``UpdateFinishedTrialError``...) are
-    raised here unchanged; a call the run's :class:`StudyAccessPolicy` refuses raises
-    :class:`StoragePermissionError`; a call after the run ended raises ``ConnectionError``.
+class RayStorageClient(RelayedStorage):
+    """A host's ``BaseStorage``: every call goes to the driver through the run's relay actor.
 
     Args:
         relay: The :class:`StorageRelay` actor handle.
     """
 
     def __init__(self, relay: Any) -> None:
+        super().__init__(_RayTransport(relay))
+
+
+class RayHeartbeatStorageClient(RayStorageClient, RelayedHeartbeatStorage):
+    """:class:`RayStorageClient` for a driver storage with Optuna's heartbeat."""
+
+
+class _RayTransport:
+    """One storage call carried by the relay actor (picklable: it holds only the handle)."""
+
+    def __init__(self, relay: Any) -> None:
         self._relay = relay
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def __call__(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
         import ray
 
-        ok, payload = ray.get(self._relay.call.remote(method, args))
-        if not ok:
-            raise payload
-        return payload
-
-    # -- studies ------------------------------------------------------------------------------
-
-    def create_new_study(
-        self, directions: Sequence[StudyDirection], study_name: str | None = None
-    ) -> int:
-        return int(self._call("create_new_study", list(directions), study_name))
-
-    def delete_study(self, study_id: int) -> None:
-        self._call("delete_study", study_id)
-
-    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
-        self._call("set_study_user_attr", study_id, key, value)
-
-    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
-        self._call("set_study_system_attr", study_id, key, value)
-
-    def get_study_id_from_name(self, study_name: str) -> int:
-        return int(self._call("get_study_id_from_name", study_name))
-
-    def get_study_name_from_id(self, study_id: int) -> str:
-        return str(self._call("get_study_name_from_id", study_id))
-
-    def get_study_directions(self, study_id: int) -> list[StudyDirection]:
-        return list(self._call("get_study_directions", study_id))
-
-    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
-        return dict(self._call("get_study_user_attrs", study_id))
-
-    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
-        return dict(self._call("get_study_system_attrs", study_id))
-
-    def get_all_studies(self) -> list[FrozenStudy]:
-        return list(self._call("get_all_studies"))
-
-    # -- trials -------------------------------------------------------------------------------
-
-    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
-        return int(self._call("create_new_trial", study_id, template_trial))
-
-    def set_trial_param(
-        self,
-        trial_id: int,
-        param_name: str,
-        param_value_internal: float,
-        distribution: BaseDistribution,
-    ) -> None:
-        self._call("set_trial_param", trial_id, param_name, param_value_internal, distribution)
-
-    def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
-        return int(self._call("get_trial_id_from_study_id_trial_number", study_id, trial_number))
-
-    def get_trial_number_from_id(self, trial_id: int) -> int:
-        return int(self._call("get_trial_number_from_id", trial_id))
-
-    def get_trial_param(self, trial_id: int, param_name: str) -> float:
-        return float(self._call("get_trial_param", trial_id, param_name))
-
-    def set_trial_state_values(
-        self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
-    ) -> bool:
-        return bool(self._call("set_trial_state_values", trial_id, state, values))
-
-    def set_trial_intermediate_value(
-        self, trial_id: int, step: int, intermediate_value: float
-    ) -> None:
-        self._call("set_trial_intermediate_value", trial_id, step, intermediate_value)
-
-    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
-        self._call("set_trial_user_attr", trial_id, key, value)
-
-    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
-        self._call("set_trial_system_attr", trial_id, key, value)
-
-    def get_trial(self, trial_id: int) -> FrozenTrial:
-        trial: FrozenTrial = self._call("get_trial", trial_id)
-        return trial
-
-    def get_all_trials(
-        self,
-        study_id: int,
-        deepcopy: bool = True,
-        states: Container[TrialState] | None = None,
-    ) -> list[FrozenTrial]:
-        # Every answer is a fresh copy (it crossed a process boundary): no deepcopy needed.
-        states_arg = None if states is None else tuple(s for s in TrialState if s in states)
-        return list(self._call("get_all_trials", study_id, False, states_arg))
-
-    def get_n_trials(
-        self, study_id: int, state: tuple[TrialState, ...] | TrialState | None = None
-    ) -> int:
-        return int(self._call("get_n_trials", study_id, state))
-
-    def get_best_trial(self, study_id: int) -> FrozenTrial:
-        trial: FrozenTrial = self._call("get_best_trial", study_id)
-        return trial
-
-    def get_trial_params(self, trial_id: int) -> dict[str, Any]:
-        return dict(self._call("get_trial_params", trial_id))
-
-    def get_trial_user_attrs(self, trial_id: int) -> dict[str, Any]:
-        return dict(self._call("get_trial_user_attrs", trial_id))
-
-    def get_trial_system_attrs(self, trial_id: int) -> dict[str, Any]:
-        return dict(self._call("get_trial_system_attrs", trial_id))
-
-
-class RayHeartbeatStorageClient(RayStorageClient, BaseHeartbeat):
-    """:class:`RayStorageClient` for a driver storage with Optuna's heartbeat.
-
-    :class:`RayStorageClient` for a driver storage with Optuna's heartbeat (an RDB with
-    ``heartbeat_interval``): the hosts' trials record heartbeats, and stale trials fail, as
-    with the storage itself.
-    """
-
-    def record_heartbeat(self, trial_id: int) -> None:
-        self._call("record_heartbeat", trial_id)
-
-    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        return list(self._call("_get_stale_trial_ids", study_id))
-
-    def get_heartbeat_interval(self) -> int | None:
-        interval: int | None = self._call("get_heartbeat_interval")
-        return interval
-
-    def get_heartbeat_stale_trial_callback(
-        self,
-    ) -> Callable[[optuna.Study, FrozenTrial], None] | None:
-        callback: Callable[[optuna.Study, FrozenTrial], None] | None = self._call(
-            "get_heartbeat_stale_trial_callback"
-        )
-        return callback
-
-    def get_failed_trial_callback(self) -> Callable[[optuna.Study, FrozenTrial], None] | None:
-        return self.get_heartbeat_stale_trial_callback()
+        answer: tuple[bool, Any] = ray.get(self._relay.call.remote(method, args))
+        return answer

@@ -1,0 +1,155 @@
+"""What a process that runs trials may do with the driver's storage: one study, a host's calls.
+
+Hosts on Ray (``cluster/``) and worker processes of one machine (``executor/``, process
+isolation) reach the driver's storage through a relay; whatever carries the call, the driver
+checks it against the run's :class:`StudyAccessPolicy` before it touches the storage (issue 18).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import threading
+from typing import Any
+
+from optuna.storages import BaseStorage
+from optuna.storages._heartbeat import is_heartbeat_enabled
+
+from waterwave_hpo import _optuna_compat
+
+
+class StoragePermissionError(PermissionError):
+    """A host's storage call that the run's :class:`StudyAccessPolicy` refuses.
+
+    Raised in the calling host or worker process (the driver logs each kind of refusal once);
+    the storage is unchanged.
+    """
+
+
+# Calls whose first argument is a study id that must be the run's study.
+_STUDY_CALLS = frozenset(
+    {
+        "get_study_name_from_id",
+        "get_study_directions",
+        "get_study_user_attrs",
+        "get_study_system_attrs",
+        "create_new_trial",
+        "get_all_trials",
+        "get_n_trials",
+        "get_best_trial",
+        "get_trial_id_from_study_id_trial_number",
+        "_get_stale_trial_ids",  # Optuna's fail_stale_trials (heartbeat)
+    }
+)
+# Calls whose first argument is a trial id that must belong to the run's study.
+_TRIAL_CALLS = frozenset(
+    {
+        "get_trial",
+        "get_trial_number_from_id",
+        "get_trial_param",
+        "get_trial_params",
+        "get_trial_user_attrs",
+        "get_trial_system_attrs",
+        "set_trial_param",
+        "set_trial_state_values",
+        "set_trial_intermediate_value",
+        "set_trial_user_attr",
+        "set_trial_system_attr",
+        "record_heartbeat",  # Optuna's heartbeat thread
+    }
+)
+# Calls without a study or trial: the storage's heartbeat settings (heartbeat storages only).
+_HEARTBEAT_SETTINGS_CALLS = frozenset(
+    {"get_heartbeat_interval", "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
+)
+
+
+class StudyAccessPolicy:
+    """What hosts may do with the driver's storage: the calls a host makes, on one study only.
+
+    Allowed: reading the study's name, directions, attributes and trials; creating trials in it
+    (ask); setting its trials' parameters, states and values (tell), intermediate values
+    (report) and attributes; Optuna's heartbeat calls for its trials (when the storage has a
+    heartbeat). Refused with :class:`StoragePermissionError`: any other study (by id, by name, or
+    through a trial id of another study), ``get_all_studies``, creating, deleting or renaming a
+    study, and setting study attributes (set them in the driver before ``optimize``).
+
+    Args:
+        storage: The study's storage (the driver's ``study._storage``).
+        study_id: The run's study.
+        study_name: Its name (``optuna.load_study`` looks the study up by name).
+    """
+
+    def __init__(self, storage: BaseStorage, study_id: int, study_name: str) -> None:
+        self.storage = storage
+        self.study_id = study_id
+        self.study_name = study_name
+        self._heartbeat = is_heartbeat_enabled(storage)
+        self._trial_ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def check(self, method: str, args: Sequence[Any]) -> None:
+        """Refuse a call that this policy does not allow; return if it is allowed.
+
+        Args:
+            method: The ``BaseStorage`` method's name.
+            args: Its positional arguments (the client passes every argument positionally).
+
+        Raises:
+            StoragePermissionError: The call is not allowed; the message says which rule.
+        """
+        if method == "get_study_id_from_name":
+            if not args or args[0] != self.study_name:
+                raise StoragePermissionError(
+                    f"get_study_id_from_name({_first(args)!r}): hosts of this run may open only "
+                    f"the study {self.study_name!r}."
+                )
+        elif method in _STUDY_CALLS:
+            if not args or args[0] != self.study_id:
+                raise StoragePermissionError(
+                    f"{method}(study_id={_first(args)!r}): hosts of this run may use only the "
+                    f"study {self.study_name!r} (study_id={self.study_id})."
+                )
+            if method.startswith("_get_stale") and not self._heartbeat:
+                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
+        elif method in _TRIAL_CALLS:
+            if method == "record_heartbeat" and not self._heartbeat:
+                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
+            if not args or not self._is_own_trial(args[0]):
+                raise StoragePermissionError(
+                    f"{method}(trial_id={_first(args)!r}): that trial is not in the study "
+                    f"{self.study_name!r}, the only study hosts of this run may use."
+                )
+        elif method in _HEARTBEAT_SETTINGS_CALLS:
+            if not self._heartbeat:
+                raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
+        else:
+            raise StoragePermissionError(
+                f"{method}: hosts of this run may not call it; they may ask, tell, report and "
+                f"set trial attributes in the study {self.study_name!r} only (no other study, "
+                "no creating, deleting or renaming studies, no study attributes)."
+            )
+
+    def allowed_result(self, method: str, result: Any) -> None:
+        """Learn the trial ids a call created or revealed (so later calls on them pass)."""
+        if method in ("create_new_trial", "get_trial_id_from_study_id_trial_number"):
+            with self._lock:
+                self._trial_ids.add(int(result))
+
+    def _is_own_trial(self, trial_id: object) -> bool:
+        if isinstance(trial_id, bool) or not isinstance(trial_id, int):
+            return False
+        with self._lock:
+            if trial_id in self._trial_ids:
+                return True
+        # A trial the driver asked since the last look: read the study's trial ids again.
+        ids = {
+            _optuna_compat.trial_id(t)
+            for t in self.storage.get_all_trials(self.study_id, deepcopy=False)
+        }
+        with self._lock:
+            self._trial_ids |= ids
+            return trial_id in self._trial_ids
+
+
+def _first(args: Sequence[Any]) -> object:
+    return args[0] if args else None

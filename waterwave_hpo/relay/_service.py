@@ -1,0 +1,79 @@
+"""The driver's side of a relay: each call checked against the run's policy, then run."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from typing import Any
+
+import optuna
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.relay._policy import StoragePermissionError
+from waterwave_hpo.relay._policy import StudyAccessPolicy
+
+_logger = logging.getLogger("waterwave_hpo")
+
+
+class StorageService:
+    """Runs relayed storage calls on the study's own storage, for the run's study only.
+
+    The driver stays the only process that touches the storage (as Optuna recommends for many
+    workers on one RDB); whatever carries the calls (a Ray actor, a pipe to a worker process)
+    hands them to :meth:`run`. Thread-safe: calls of several hosts run side by side, as the
+    storage allows.
+
+    Args:
+        study: The run's study; callers get its storage, for it alone.
+    """
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.storage = _optuna_compat.storage_of(study)
+        self.policy = StudyAccessPolicy(
+            self.storage, _optuna_compat.study_id(study), study.study_name
+        )
+        self._refused: set[str] = set()
+        self._refused_lock = threading.Lock()
+
+    def run(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        """One call: ``(True, result)``, or ``(False, exception)`` for the caller to raise.
+
+        A call the policy refuses answers :class:`StoragePermissionError` (logged once per
+        method); an exception of the storage itself (``KeyError``, ``UpdateFinishedTrialError``)
+        is the caller's to see. Never raises.
+        """
+        try:
+            self.policy.check(method, args)
+            result = getattr(self.storage, method)(*args)
+            self.policy.allowed_result(method, result)
+        except StoragePermissionError as error:
+            self._log_refusal(method, error)
+            return False, error
+        except Exception as error:
+            return False, error
+        return True, result
+
+    def _log_refusal(self, method: str, error: StoragePermissionError) -> None:
+        with self._refused_lock:
+            if method in self._refused:
+                return
+            self._refused.add(method)
+        _logger.warning(
+            "Refused a host's storage call (logged once per method): %s", error, stacklevel=1
+        )
+
+
+def sendable(ok: bool, payload: Any, dumps: Any = pickle.dumps) -> tuple[bool, Any]:
+    """``(ok, payload)``, or a ``RuntimeError`` answer when ``payload`` cannot be pickled.
+
+    Args:
+        ok: Whether the call succeeded.
+        payload: Its result or exception.
+        dumps: The pickler the transport uses (``pickle.dumps``, Ray's ``cloudpickle.dumps``).
+    """
+    try:
+        dumps(payload)
+    except Exception as error:
+        return False, RuntimeError(f"The storage's answer cannot be sent: {error!r}")
+    return ok, payload
