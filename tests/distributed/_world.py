@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import os
 from pathlib import Path
+import sys
 from typing import Any
 
 import torch
@@ -19,9 +21,18 @@ def _entry(
     )
     try:
         torch.manual_seed(0)
-        torch.save(fn(rank, world_size), Path(out_dir) / f"rank{rank}.pt")
+        result = fn(rank, world_size)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # The rank's work is done and saved. Skip the interpreter's finalization: with gloo's C++
+    # threads still being torn down it can abort ("terminate called without an active
+    # exception", seen once in CI on torch 2.15; see pytorch/pytorch#179291), which mp.spawn
+    # reports as a failed rank although every result was recorded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(fn: Callable[[int, int], Any], world_size: int, tmp_path: Path) -> list[Any]:
