@@ -399,3 +399,58 @@ def test_a_gated_model_whose_gates_do_not_fit_runs_with_a_plan_instead_of_its_ga
     (trial,) = stats.trials
     assert trial.acquires == 1 and trial.peak_held_bytes == plan.predicted_peak_bytes
     assert stats.peak_bytes <= budget and stats.used_bytes == 0
+
+
+def _gated_beside_a_neighbour(caplog: pytest.LogCaptureFixture) -> tuple[optuna.Study, list]:
+    # Trial 0 (no gates) holds its plain footprint; trial 1's gates' claim fits the budget
+    # but not the room trial 0 leaves (between the smallest plan and the claim).
+    budget = PLAIN_BYTES + (GATED_BYTES + SMALLEST_BYTES) // 2
+    registered = [threading.Event(), threading.Event()]
+    still_gated: list[bool] = []
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 1:
+            assert registered[0].wait(timeout=30)
+            model = _register(ww.pipeline(_mlp()))
+            still_gated.append(has_pipeline(model))
+        else:
+            model = _register(_mlp())
+        registered[trial.number].set()
+        assert registered[1 - trial.number].wait(timeout=30)  # both registered beside each other
+        return _train(model, 2)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=2,
+        memory_budget_bytes=budget,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    with caplog.at_level("INFO", logger="waterwave_hpo"):
+        executor.optimize(study, objective, n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    assert trial_memory_plan(study.trials[0]) is None
+    return study, still_gated
+
+
+def test_a_gated_model_short_of_room_beside_a_neighbour_takes_a_plan_that_costs_no_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The cost model predicts ~1.0x the step time for the plan (CPU: copies are cheap against
+    # the compute): the plan replaces the gates rather than waiting for the neighbour.
+    study, still_gated = _gated_beside_a_neighbour(caplog)
+    plan = trial_memory_plan(study.trials[1])
+    assert plan is not None and still_gated == [False]
+    assert plan.predicted_peak_bytes <= (GATED_BYTES + SMALLEST_BYTES) // 2
+
+
+def test_a_gated_model_short_of_room_beside_a_neighbour_keeps_its_gates_when_a_plan_is_slow(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any plan slower than the limit (here every plan: the limit is below 1x): its claim fits
+    # the budget, so it waits for the neighbour under its gates, unplanned.
+    monkeypatch.setattr("waterwave_hpo.executor._planning.GATED_PLAN_MAX_SLOWDOWN", 0.5)
+    study, still_gated = _gated_beside_a_neighbour(caplog)
+    assert trial_memory_plan(study.trials[1]) is None and still_gated == [True]
+    assert any("fits the budget but not beside its neighbours" in r.message for r in caplog.records)
