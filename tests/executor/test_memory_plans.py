@@ -454,3 +454,40 @@ def test_a_gated_model_short_of_room_beside_a_neighbour_keeps_its_gates_when_a_p
     study, still_gated = _gated_beside_a_neighbour(caplog)
     assert trial_memory_plan(study.trials[1]) is None and still_gated == [True]
     assert any("fits the budget but not beside its neighbours" in r.message for r in caplog.records)
+
+
+def test_a_fused_batch_under_gates_that_do_not_fit_fails_and_re_runs_unfused_without_hanging() -> (
+    None
+):
+    # fuse=2 + ww.pipeline gates, budget below the fused model's claim (issue 24): the batch's
+    # gates reserve under its first trial; its batch-mate is no scheduler trial of its own, so
+    # the scheduler evicts the batch instead of waiting for the batch-mate to ask for memory
+    # (before: the trial thread waited in the gate forever). Each trial re-runs unfused.
+    from waterwave_hpo import fusion
+    from waterwave_hpo.nodegroup import trial_profile
+
+    x = _batch()[0]
+    fused_claim = trial_profile(ww.pipeline(fusion.fuse([_mlp(), _mlp()]), example_input=x))
+    budget = int(0.8 * fused_claim.peak_bytes)
+    assert GATED_BYTES < budget  # one model alone fits under its gates
+
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        model = ww.pipeline(fusion.fuse([_mlp() for _ in trials]))
+        for _ in range(2):
+            model(x).sum().backward()
+        return [0.0] * len(trials)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu", trials_per_device=1, fuse=2, memory_budget_bytes=budget, record_trial_attrs=True
+    )
+    study = optuna.create_study()
+    runner = threading.Thread(
+        target=executor.optimize, args=(study, objective), kwargs={"n_trials": 2}, daemon=True
+    )
+    runner.start()
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "the fused batch waited in its gates forever"
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert [len(t.system_attrs.get("waterwave:batch", [0])) for t in study.trials[2:]] == [1, 1]

@@ -361,13 +361,15 @@ class TrialHost:
                         name=f"waterwave-tune-{self.device}-{members[0].key}",
                         daemon=True,
                     )
-                    for hosted in members:
+                    for i, hosted in enumerate(members):
                         self._queue.remove(hosted)
                         hosted.running = True
                         hosted.thread = thread
                         if members[0].batched:
                             hosted.batch = members
-                        self.memory.trial_admitted(SimpleNamespace(number=hosted.number))
+                        self.memory.trial_admitted(  # a batch reserves under its first trial
+                            SimpleNamespace(number=hosted.number), scheduled=i == 0
+                        )
                     self._running += len(members)
                     self._calls += 1
                     self._peak_running = max(self._peak_running, self._running)
