@@ -471,3 +471,57 @@ def test_a_fused_batchs_model_is_planned_as_one_under_tune_hosts() -> None:
     assert batch_size == 2
     assert planning is not None and planning.plan is not None
     assert planning.footprint_bytes <= budget < plain
+
+
+def test_a_fused_gated_model_short_of_memory_runs_with_a_plan_under_tune_hosts() -> None:
+    # fuse + ww.pipeline gates + memory_plan="home" under tune_hosts() (issue 24): the fused
+    # call's gated model does not fit under its gates, so a plan for the budget replaces them.
+    from waterwave_hpo.nodegroup import trial_profile
+    from waterwave_hpo.nodegroup._internal import has_pipeline
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.models = torch.nn.ModuleList([_mlp(), _mlp()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([m(x) for m in self.models])
+
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning import remove_memory_plan
+    from waterwave_hpo.planning import step_profile_of
+
+    x = torch.randn(1024, 128)
+    claim = trial_profile(ww.pipeline(Fused(), example_input=x)).peak_bytes
+    probe = Fused()
+    ww.fit_memory(probe, 1 << 40, example_input=x, planner="none")
+    profile = step_profile_of(probe)
+    remove_memory_plan(probe)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    smallest = PLANNERS["swap_all"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    assert smallest.prediction.peak_bytes < claim
+    budget = (claim + smallest.prediction.peak_bytes) // 2
+    seen: list[Any] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        model = ww.fit_trial_memory(ww.pipeline(Fused()), example_input=x)
+        model(x).sum().backward()
+        seen.append((ww.current().planning, has_pipeline(model)))
+        for t in trials:
+            t.report({"ok": 1})
+
+    host = _fused_host(memory_budget_bytes=budget, memory_plan="home")
+    try:
+        host.start("p", train, {}, group="g")
+        host.start("q", train, {}, group="g")
+        assert [e.kind for e in _collect(host, "p")] == ["result", "done"]
+        assert [e.kind for e in _collect(host, "q")] == ["result", "done"]
+        assert host.memory.scheduler is not None
+        stats = host.memory.scheduler.stats()
+    finally:
+        host.shutdown()
+    ((planning, gated),) = seen
+    assert planning is not None and planning.plan is not None and not gated
+    assert planning.footprint_bytes <= budget < claim
+    assert stats.used_bytes == 0 and stats.peak_bytes <= budget
