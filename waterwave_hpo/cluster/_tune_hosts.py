@@ -134,6 +134,19 @@ class TuneHosts:
     checkpoint. Hosts that join add room, but ``max_concurrent_trials`` stays what was passed
     to Tune: pass a larger value to let Tune start more trials when nodes join.
 
+    With ``tune_hosts(fuse=K)``, wrap a batched trainable (HFTA, arXiv:2102.02344)::
+
+        @ww.batched
+        def train(trials):  # up to K TuneBatchTrial, one per Tune trial
+            model = fusion.fuse([build(t.config) for t in trials])
+            for step in range(steps):
+                losses = ...  # one fused step for all
+                for t, loss in zip(trials, losses):
+                    t.report({"loss": float(loss)})  # each to its own Tune trial
+
+        with ww.tune_hosts(trials_per_gpu=2, fuse=8) as hosts:
+            tune.run(hosts.wrap(train), max_concurrent_trials=hosts.max_concurrent_trials, ...)
+
     Attributes:
         trials_per_gpu: Trials each host runs at once (the cap with ``auto``).
         auto: Whether hosts admit by measured memory, as ``trials_per_device="auto"``.
