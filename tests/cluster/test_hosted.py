@@ -525,3 +525,33 @@ def test_a_fused_gated_model_short_of_memory_runs_with_a_plan_under_tune_hosts()
     assert planning is not None and planning.plan is not None and not gated
     assert planning.footprint_bytes <= budget < claim
     assert stats.used_bytes == 0 and stats.peak_bytes <= budget
+
+
+def test_a_fused_call_under_gates_reserves_under_its_first_trial_alone() -> None:
+    # fuse + ww.pipeline gates under tune_hosts() (issue 24): one scheduler trial per call, so
+    # the scheduler's deadlock resolution never waits on a batch-mate that never asks.
+    peaks: list[int] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        model = ww.pipeline(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+        for _ in range(2):  # the first step profiles the groups, the second is gated
+            model(torch.randn(4, 8)).sum().backward()
+        scheduler = ww.current().scheduler
+        assert scheduler is not None
+        peaks.append(scheduler.stats().peak_bytes)
+        for t in trials:
+            t.report({"ok": 1})
+
+    host = _fused_host(memory_budget_bytes=1 << 30)
+    try:
+        host.start("a", train, {}, group="g")
+        host.start("b", train, {}, group="g")
+        assert [e.kind for e in _collect(host, "a")] == ["result", "done"]
+        assert [e.kind for e in _collect(host, "b")] == ["result", "done"]
+        assert host.memory.scheduler is not None
+        stats = host.memory.scheduler.stats()
+    finally:
+        host.shutdown()
+    assert peaks[0] > 0 and stats.used_bytes == 0
+    assert [t.trial_number for t in stats.trials] == [0]  # the call's first trial alone
