@@ -17,6 +17,7 @@ import_ray()  # fail here, with the install command, when Ray is missing
 
 from waterwave_hpo.cluster._hosted import HostedTrialStopped  # noqa: E402
 from waterwave_hpo.cluster._hosted import HostStats  # noqa: E402
+from waterwave_hpo.cluster._hosted import TuneBatchTrial  # noqa: E402
 from waterwave_hpo.cluster._leases import LeaseStats  # noqa: E402
 from waterwave_hpo.cluster._leases import MemoryLease  # noqa: E402
 from waterwave_hpo.cluster._shared_gpu import shared_gpu  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "LeaseTimeoutError",
     "MemoryLease",
     "SharedGPU",
+    "TuneBatchTrial",
     "TuneHosts",
     "lease_stats",
     "shared_gpu",

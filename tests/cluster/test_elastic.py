@@ -518,3 +518,69 @@ def test_a_node_lost_mid_fused_batch_loses_no_trial(nodes: Nodes, results: dict[
     assert failed and all(t.system_attrs[ATTR_NODE] == doomed_id for t in failed)
     batches = [t.system_attrs.get("waterwave:batch") for t in study.trials]
     assert any(b is not None and len(b) == 2 for b in batches)  # fused batches ran
+
+
+@ww.batched
+def _fused_train_with_checkpoints(trials: list[Any]) -> None:
+    """A batched trainable: each trial counts its own steps, checkpoints every step and resumes
+    from its own checkpoint when re-run (batch-mates may resume from different steps)."""
+    import tempfile
+
+    from ray import tune
+
+    starts = []
+    for t in trials:
+        start = 0
+        checkpoint = t.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as directory:
+                start = int(Path(directory, "step.txt").read_text())
+        starts.append(start)
+    node = ray.get_runtime_context().get_node_id()
+    for step in range(min(starts) + 1, N_STEPS + 1):
+        time.sleep(trials[0].config["sleep_s"])
+        for t, start in zip(trials, starts, strict=True):
+            if step <= start:
+                continue
+            with tempfile.TemporaryDirectory() as directory:
+                Path(directory, "step.txt").write_text(str(step))
+                t.report(
+                    {"step": step, "resumed_from": start, "node": node, "batch": len(trials)},
+                    checkpoint=tune.Checkpoint.from_directory(directory),
+                )
+
+
+def test_tune_hosts_a_node_lost_mid_fused_batch_loses_no_trial(
+    nodes: Nodes, tmp_path: Path, results: dict[str, Any]
+) -> None:
+    # tune_hosts(fuse=2) on a cluster_utils cluster (issue 24): the node of a running fused
+    # batch is removed; each of its Tune trials fails alone and Tune runs it again, from its
+    # own last checkpoint, on the other node's host. Nothing lost, nothing left RUNNING.
+    nodes.reset(2)
+    doomed = nodes.gpu_nodes[1]
+    doomed_id = nodes.node_id(doomed)
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.25, fuse=2, fuse_wait_s=10.0) as hosts:
+        assert hosts.n_hosts == 2 and hosts.max_concurrent_trials == 4
+        analysis = _run_tune(
+            tmp_path,
+            hosts.wrap(_fused_train_with_checkpoints),
+            hosts.resources,
+            4,
+            _on_result(
+                lambda r: r["node"] == doomed_id and r["step"] >= 2 and r["batch"] == 2,
+                partial(nodes.remove, doomed),
+            ),
+            max_concurrent_trials=hosts.max_concurrent_trials,
+        )
+        stats = hosts.stats()
+    _assert_all_finished(analysis, 4)
+    resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
+    assert len(resumed) >= 2, "the lost batch's trials were not run again from checkpoints"
+    assert all(t.last_result["node"] != doomed_id for t in resumed)
+    assert len(stats) == 1 and stats[0].running == 0
+    results["tune_hosts_node_lost_mid_fused_batch"] = {
+        "trials": 4,
+        "terminated": 4,
+        "re_run_from_checkpoint": len(resumed),
+        "trials_lost": 0,
+    }

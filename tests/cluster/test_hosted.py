@@ -257,3 +257,301 @@ def test_tune_hosts_memory_plans_plan_a_registered_model_that_does_not_fit() -> 
 def test_tune_hosts_checks_memory_plan_as_the_executor_does() -> None:
     with pytest.raises(ValueError, match="memory_plan"):
         ww.tune_hosts(memory_plan="yes")
+
+
+# -- fuse=K: a batched trainable runs up to K Tune trials per call (issue 24) -----------------
+
+
+def _fused_host(**kwargs: Any) -> TrialHost:
+    settings: dict[str, Any] = {"fuse": 2, "fuse_wait_s": 5.0, "heartbeat_ttl_s": 30.0}
+    settings.update(kwargs)
+    return TrialHost(torch.device("cpu"), 1, **settings)
+
+
+def _wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_fused_trials_that_arrive_together_run_as_one_call_and_report_alone() -> None:
+    calls: list[list[float]] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        calls.append([t.config["x"] for t in trials])
+        for step in range(1, 4):
+            for t in trials:
+                t.report({"score": t.config["x"] * step, "batch": len(trials)})
+
+    host = _fused_host()
+    try:
+        for i, x in enumerate((1.0, 2.0, 3.0)):
+            host.start(f"t{i}", train, {"x": x}, group="g")
+        events = {f"t{i}": _collect(host, f"t{i}") for i in range(3)}
+        stats = host.stats()
+    finally:
+        host.shutdown()
+    assert calls == [[1.0, 2.0], [3.0]]  # two arrived together; the third waited, then alone
+    for i, x in enumerate((1.0, 2.0, 3.0)):
+        assert [e.kind for e in events[f"t{i}"]] == ["result"] * 3 + ["done"]
+        assert [e.metrics["score"] for e in events[f"t{i}"][:-1]] == [x, 2 * x, 3 * x]
+    assert events["t0"][0].metrics["batch"] == 2 and events["t2"][0].metrics["batch"] == 1
+    assert stats.peak_running == 2 and stats.finished == 3  # one place, two trials in it
+
+
+def test_a_stopped_trial_drops_out_of_its_batch_and_its_batch_mate_goes_on() -> None:
+    # ASHA stopping one trial of a fused batch must not stop its batch-mate's reporting.
+    seen_stopped: list[bool] = []
+    release = threading.Event()
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        for step in range(1, 6):
+            for t in trials:
+                t.report({"step": step})
+            if step == 2:
+                release.wait(10)
+        seen_stopped.extend(t.stopped for t in trials)
+
+    host = _fused_host()
+    try:
+        host.start("weak", train, {}, group="g")
+        host.start("strong", train, {}, group="g")
+        _wait_until(lambda: host.stats().running == 2)
+        weak: list[HostedEvent] = []
+        while len(weak) < 2:  # the batch waits at step 2 for the release
+            weak += host.poll("weak", 0.2)
+        host.stop("weak")  # what _run_in_host does when Tune stops the trial
+        release.set()
+        strong = _collect(host, "strong")
+        _wait_until(lambda: host.stats().running == 0)
+        with pytest.raises(KeyError):
+            host.poll("weak", 0.0)  # forgotten once stopped
+    finally:
+        host.shutdown()
+    assert [e.kind for e in strong] == ["result"] * 5 + ["done"]
+    assert [e.metrics["step"] for e in strong[:-1]] == [1, 2, 3, 4, 5]
+    assert seen_stopped == [True, False]
+
+
+def test_a_batch_is_stopped_once_all_its_trials_are() -> None:
+    steps: list[int] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        for step in range(1000):
+            time.sleep(0.01)
+            steps.append(step)
+            for t in trials:
+                t.report({"step": step})
+
+    host = _fused_host()
+    try:
+        host.start("a", train, {}, group="g")
+        host.start("b", train, {}, group="g")
+        _wait_until(lambda: len(steps) > 3)
+        host.stop("a")
+        time.sleep(0.1)
+        assert host.stats().running == 2  # b still runs: the call goes on
+        host.stop("b")
+        _wait_until(lambda: host.stats().running == 0)
+    finally:
+        host.shutdown()
+    assert len(steps) < 1000
+
+
+def test_a_fused_batch_ends_each_trial_alone_or_together() -> None:
+    @ww.batched
+    def train(trials: list[Any]) -> list[Any]:
+        for t in trials:
+            t.report({"x": t.config["x"]})
+        if any(t.config["x"] == "all" for t in trials):
+            raise ValueError("the fused model diverged")
+        return [
+            ValueError(f"{t.config['x']} diverged") if t.config["x"] == "bad" else None
+            for t in trials
+        ]
+
+    @ww.batched
+    def uses_tune_report(trials: list[Any]) -> None:
+        tune.report({"x": 1})
+
+    host = _fused_host()
+    try:
+        host.start("bad", train, {"x": "bad"}, group="g1")
+        host.start("good", train, {"x": "good"}, group="g1")
+        host.start("all1", train, {"x": "all"}, group="g2")
+        host.start("all2", train, {"x": "ok"}, group="g2")
+        host.start("r1", uses_tune_report, {}, group="g3")
+        host.start("r2", uses_tune_report, {}, group="g3")
+        ends = {k: _collect(host, k)[-1] for k in ("bad", "good", "all1", "all2", "r1", "r2")}
+    finally:
+        host.shutdown()
+    assert ends["good"].kind == "done"
+    assert ends["bad"].kind == "error" and "ValueError: bad diverged" in (ends["bad"].error or "")
+    for key in ("all1", "all2"):
+        assert "the fused model diverged" in (ends[key].error or "")
+    for key in ("r1", "r2"):
+        assert "cannot tell which trial it is for" in (ends[key].error or "")
+
+
+def test_only_trials_of_one_group_share_a_batch_and_checkpoints_stay_each_trials(
+    tmp_path: Path,
+) -> None:
+    from waterwave_hpo.cluster._hosted import pack_directory
+
+    calls: list[list[str]] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        calls.append(sorted(t.config["name"] for t in trials))
+        for t in trials:
+            loaded = t.get_checkpoint()
+            start = "none"
+            if loaded is not None:
+                with loaded.as_directory() as directory:
+                    start = Path(directory, "s.txt").read_text()
+            t.report({"resumed_from": start})
+
+    saved = tmp_path / "ckpt"
+    saved.mkdir()
+    (saved / "s.txt").write_text("7")
+    host = _fused_host(fuse_wait_s=1.0)
+    try:
+        host.start("a", train, {"name": "a"}, pack_directory(saved), group="narrow")
+        host.start("b", train, {"name": "b"}, group="wide")
+        host.start("c", train, {"name": "c"}, group="narrow")
+        events = {k: _collect(host, k) for k in "abc"}
+    finally:
+        host.shutdown()
+    assert sorted(calls) == [["a", "c"], ["b"]]
+    assert events["a"][0].metrics == {"resumed_from": "7"}
+    assert events["c"][0].metrics == {"resumed_from": "none"}
+
+
+def test_a_fused_batchs_model_is_planned_as_one_under_tune_hosts() -> None:
+    # fuse + memory_plan="home" under tune_hosts() (issue 24): the fused call registers one
+    # model; it gets one plan for the memory left, and its footprint goes back at the end.
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning import remove_memory_plan
+    from waterwave_hpo.planning import step_profile_of
+
+    x = torch.randn(1024, 128)
+    probe = _mlp()
+    ww.fit_memory(probe, 1 << 40, example_input=x, planner="none")
+    profile = step_profile_of(probe)
+    remove_memory_plan(probe)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    plain = PLANNERS["none"](profile, 0, bandwidth_bytes_per_s=bw, seed=0).prediction.peak_bytes
+    smallest = PLANNERS["swap_all"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    budget = (plain + smallest.prediction.peak_bytes) // 2
+    seen: list[Any] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        model = ww.fit_trial_memory(_mlp(), example_input=x)  # stands for the fused model
+        model(x).sum().backward()
+        seen.append((ww.current().planning, len(ww.current().batch)))
+        for t in trials:
+            t.report({"ok": 1})
+
+    host = _fused_host(memory_budget_bytes=budget, memory_plan="home")
+    try:
+        host.start("p", train, {}, group="g")
+        host.start("q", train, {}, group="g")
+        assert [e.kind for e in _collect(host, "p")] == ["result", "done"]
+        assert [e.kind for e in _collect(host, "q")] == ["result", "done"]
+        assert host.memory.scheduler is not None
+        assert host.memory.scheduler.stats().used_bytes == 0
+    finally:
+        host.shutdown()
+    ((planning, batch_size),) = seen
+    assert batch_size == 2
+    assert planning is not None and planning.plan is not None
+    assert planning.footprint_bytes <= budget < plain
+
+
+def test_a_fused_gated_model_short_of_memory_runs_with_a_plan_under_tune_hosts() -> None:
+    # fuse + ww.pipeline gates + memory_plan="home" under tune_hosts() (issue 24): the fused
+    # call's gated model does not fit under its gates, so a plan for the budget replaces them.
+    from waterwave_hpo.nodegroup import trial_profile
+    from waterwave_hpo.nodegroup._internal import has_pipeline
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.models = torch.nn.ModuleList([_mlp(), _mlp()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([m(x) for m in self.models])
+
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning import remove_memory_plan
+    from waterwave_hpo.planning import step_profile_of
+
+    x = torch.randn(1024, 128)
+    claim = trial_profile(ww.pipeline(Fused(), example_input=x)).peak_bytes
+    probe = Fused()
+    ww.fit_memory(probe, 1 << 40, example_input=x, planner="none")
+    profile = step_profile_of(probe)
+    remove_memory_plan(probe)
+    bw = ww.planning.DEFAULT_BANDWIDTH_BYTES_PER_S
+    smallest = PLANNERS["swap_all"](profile, 0, bandwidth_bytes_per_s=bw, seed=0)
+    assert smallest.prediction.peak_bytes < claim
+    budget = (claim + smallest.prediction.peak_bytes) // 2
+    seen: list[Any] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        model = ww.fit_trial_memory(ww.pipeline(Fused()), example_input=x)
+        model(x).sum().backward()
+        seen.append((ww.current().planning, has_pipeline(model)))
+        for t in trials:
+            t.report({"ok": 1})
+
+    host = _fused_host(memory_budget_bytes=budget, memory_plan="home")
+    try:
+        host.start("p", train, {}, group="g")
+        host.start("q", train, {}, group="g")
+        assert [e.kind for e in _collect(host, "p")] == ["result", "done"]
+        assert [e.kind for e in _collect(host, "q")] == ["result", "done"]
+        assert host.memory.scheduler is not None
+        stats = host.memory.scheduler.stats()
+    finally:
+        host.shutdown()
+    ((planning, gated),) = seen
+    assert planning is not None and planning.plan is not None and not gated
+    assert planning.footprint_bytes <= budget < claim
+    assert stats.used_bytes == 0 and stats.peak_bytes <= budget
+
+
+def test_a_fused_call_under_gates_reserves_under_its_first_trial_alone() -> None:
+    # fuse + ww.pipeline gates under tune_hosts() (issue 24): one scheduler trial per call, so
+    # the scheduler's deadlock resolution never waits on a batch-mate that never asks.
+    peaks: list[int] = []
+
+    @ww.batched
+    def train(trials: list[Any]) -> None:
+        model = ww.pipeline(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+        for _ in range(2):  # the first step profiles the groups, the second is gated
+            model(torch.randn(4, 8)).sum().backward()
+        scheduler = ww.current().scheduler
+        assert scheduler is not None
+        peaks.append(scheduler.stats().peak_bytes)
+        for t in trials:
+            t.report({"ok": 1})
+
+    host = _fused_host(memory_budget_bytes=1 << 30)
+    try:
+        host.start("a", train, {}, group="g")
+        host.start("b", train, {}, group="g")
+        assert [e.kind for e in _collect(host, "a")] == ["result", "done"]
+        assert [e.kind for e in _collect(host, "b")] == ["result", "done"]
+        assert host.memory.scheduler is not None
+        stats = host.memory.scheduler.stats()
+    finally:
+        host.shutdown()
+    assert peaks[0] > 0 and stats.used_bytes == 0
+    assert [t.trial_number for t in stats.trials] == [0]  # the call's first trial alone

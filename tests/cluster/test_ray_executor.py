@@ -417,6 +417,75 @@ def test_fused_batches_with_memory_plans_run_on_ray_hosts() -> None:
     assert len({t.system_attrs[ATTR_HOST] for t in trials}) == 2
 
 
+@ww.batched
+def _fused_gated_planned(trials: list[optuna.trial.Trial]) -> list[float]:
+    from waterwave_hpo.nodegroup._internal import has_pipeline
+
+    xs = [t.suggest_float("x", -1.0, 1.0) for t in trials]
+    if len(trials) == 2:
+        model = ww.fit_trial_memory(
+            ww.pipeline(_two_mlps()), example_input=torch.randn(BATCH, WIDTH)
+        )
+        model(torch.randn(BATCH, WIDTH)).sum().backward()
+        for t in trials:
+            t.set_user_attr("gated", has_pipeline(model))
+    return [x * x for x in xs]
+
+
+def test_fused_gated_batches_short_of_memory_run_with_plans_on_ray_hosts() -> None:
+    # fuse=2 + ww.pipeline gates + memory_plan="home" on RayExecutor (issue 24): the batch's
+    # gated model does not fit under its gates' claim, so each host plans it as one instead.
+    from waterwave_hpo.executor import trial_memory_plan
+    from waterwave_hpo.nodegroup import trial_profile
+
+    claim = trial_profile(
+        ww.pipeline(_two_mlps(), example_input=torch.randn(BATCH, WIDTH))
+    ).peak_bytes
+    _, smallest = _fused_plain_and_smallest_bytes()
+    assert smallest < claim
+    budget = (claim + smallest) // 2
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=2, trials_per_device=1, fuse=2, memory_plan="home", memory_budget_bytes=budget
+    )
+    executor.optimize(study, _fused_gated_planned, n_trials=4)
+    trials = study.trials
+    assert _states(study) == {TrialState.COMPLETE: 4}
+    fused = [t for t in trials if len(t.system_attrs["waterwave:batch"]) == 2]
+    assert fused
+    for t in fused:
+        plan = trial_memory_plan(t)
+        assert plan is not None and plan.predicted_peak_bytes <= budget
+        assert t.user_attrs["gated"] is False  # the plan replaced the gates
+
+
+@ww.batched
+def _fused_gated(trials: list[optuna.trial.Trial]) -> list[float]:
+    model = ww.pipeline(_two_mlps())
+    for _ in range(2):  # the first step profiles the groups, the second is gated
+        model(torch.randn(BATCH, WIDTH)).sum().backward()
+    scheduler = ww.current().scheduler
+    assert scheduler is not None
+    stats = scheduler.stats()
+    for t in trials:
+        t.set_user_attr("ledger_peak_bytes", stats.peak_bytes)
+        t.set_user_attr("scheduler_trials", [s.trial_number for s in stats.trials])
+    return [0.0] * len(trials)
+
+
+def test_fused_batches_run_under_their_gates_on_ray_hosts() -> None:
+    # fuse=2 + ww.pipeline gates on RayExecutor (issue 24): each batch's gates reserve in its
+    # host's scheduler under the batch's first trial alone.
+    study = optuna.create_study()
+    executor = RayExecutor(n_hosts=1, trials_per_device=1, fuse=2, memory_budget_bytes=1 << 30)
+    executor.optimize(study, _fused_gated, n_trials=2)
+    assert _states(study) == {TrialState.COMPLETE: 2}
+    first = study.trials[0]
+    assert first.system_attrs["waterwave:batch"] == [0, 1]
+    assert first.user_attrs["ledger_peak_bytes"] > 0
+    assert first.user_attrs["scheduler_trials"] == [0]  # not the batch-mate
+
+
 def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be_placed() -> None:
     # Two logical GPUs but CPUs for one host of 2 CPUs (issue 24, item 3): the study must run on
     # the host that is up, not wait startup_timeout_s (here 600 s) for the other. The bound

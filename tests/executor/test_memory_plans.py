@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -18,6 +19,7 @@ from torch import nn
 
 import waterwave_hpo as ww
 from waterwave_hpo.executor import trial_memory_plan
+from waterwave_hpo.nodegroup._internal import has_pipeline
 from waterwave_hpo.planning import PLANNERS
 from waterwave_hpo.planning import memory_ledger
 from waterwave_hpo.planning import remove_memory_plan
@@ -330,27 +332,162 @@ def test_a_fused_batch_that_does_not_fit_runs_its_model_with_one_plan_for_all_it
     assert stats.used_bytes == 0 and stats.evictions == 0
 
 
-def test_a_model_with_pipeline_gates_runs_under_its_gates_when_plans_are_on(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # memory_plan="home" with ww.pipeline gates (issue 24): the executor picks the gates, which
-    # reserve the model's memory per NodeGroup; the trial is not failed and gets no plan.
+def _gated_claim() -> int:
+    """What the MLP's gates reserve at its step's peak (parameters, gradients, all groups)."""
+    from waterwave_hpo.nodegroup import trial_profile
+
+    model = ww.pipeline(_mlp(), example_input=_batch()[0])
+    return trial_profile(model).peak_bytes
+
+
+GATED_BYTES = _gated_claim()
+
+
+def test_the_gates_claim_less_than_a_plain_step_and_more_than_the_smallest_plan() -> None:
+    # The scenarios below need a budget between the smallest plan and the gates' claim.
+    assert SMALLEST_BYTES < GATED_BYTES <= PLAIN_BYTES
+
+
+def _gated_run(budget: int, caplog: pytest.LogCaptureFixture) -> tuple[optuna.Study, Any, list]:
+    still_gated: list[bool] = []
+
     def objective(trial: optuna.trial.Trial) -> float:
         model = _register(ww.pipeline(_mlp()))
+        still_gated.append(has_pipeline(model))
         return _train(model, 2)
 
     executor = ww.WaterwaveExecutor(
         "cpu",
         trials_per_device=1,
-        memory_budget_bytes=4 * PLAIN_BYTES,
+        memory_budget_bytes=budget,
         memory_plan="home",
         record_trial_attrs=True,
     )
     study = optuna.create_study()
     with caplog.at_level("INFO", logger="waterwave_hpo"):
         executor.optimize(study, objective, n_trials=1)
+    return study, executor.schedulers["cpu"].stats(), still_gated
+
+
+def test_a_gated_model_whose_gates_fit_runs_under_its_gates_unplanned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # memory_plan="home" with ww.pipeline gates (issue 24): the gates' claim fits the budget,
+    # so the gates govern its memory (no step time lost to a plan) and it gets no plan.
+    study, stats, still_gated = _gated_run(4 * PLAIN_BYTES, caplog)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE]
+    assert trial_memory_plan(study.trials[0]) is None and still_gated == [True]
+    assert any("fits the memory its neighbours leave" in r.message for r in caplog.records)
+    (trial,) = stats.trials
+    assert trial.peak_held_bytes == GATED_BYTES  # the gates' reservations, nothing else
+    assert trial.acquires > 1 and stats.used_bytes == 0
+
+
+def test_a_gated_model_whose_gates_do_not_fit_runs_with_a_plan_instead_of_its_gates(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Below the gates' claim the gates can never admit the step (before: the trial failed
+    # "out of device memory ... can never be admitted, even alone"); a plan for the budget
+    # replaces them, and the ledger holds the plan's footprint alone (one claim).
+    budget = (GATED_BYTES + SMALLEST_BYTES) // 2
+    study, stats, still_gated = _gated_run(budget, caplog)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE]
+    plan = trial_memory_plan(study.trials[0])
+    assert plan is not None and plan.predicted_peak_bytes <= budget
+    assert still_gated == [False]  # the plan replaced the gates
+    assert any("the gates are removed" in r.message for r in caplog.records)
+    (trial,) = stats.trials
+    assert trial.acquires == 1 and trial.peak_held_bytes == plan.predicted_peak_bytes
+    assert stats.peak_bytes <= budget and stats.used_bytes == 0
+
+
+def _gated_beside_a_neighbour(caplog: pytest.LogCaptureFixture) -> tuple[optuna.Study, list]:
+    # Trial 0 (no gates) holds its plain footprint; trial 1's gates' claim fits the budget
+    # but not the room trial 0 leaves (between the smallest plan and the claim).
+    budget = PLAIN_BYTES + (GATED_BYTES + SMALLEST_BYTES) // 2
+    registered = [threading.Event(), threading.Event()]
+    still_gated: list[bool] = []
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 1:
+            assert registered[0].wait(timeout=30)
+            model = _register(ww.pipeline(_mlp()))
+            still_gated.append(has_pipeline(model))
+        else:
+            model = _register(_mlp())
+        registered[trial.number].set()
+        assert registered[1 - trial.number].wait(timeout=30)  # both registered beside each other
+        return _train(model, 2)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu",
+        trials_per_device=2,
+        memory_budget_bytes=budget,
+        memory_plan="home",
+        record_trial_attrs=True,
+    )
+    study = optuna.create_study()
+    with caplog.at_level("INFO", logger="waterwave_hpo"):
+        executor.optimize(study, objective, n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert trial_memory_plan(study.trials[0]) is None
-    assert any("ww.pipeline gates, which govern its memory" in r.message for r in caplog.records)
-    stats = executor.schedulers["cpu"].stats()
-    assert stats.peak_bytes > 0 and stats.used_bytes == 0  # the gates reserved, then released
+    return study, still_gated
+
+
+def test_a_gated_model_short_of_room_beside_a_neighbour_takes_a_plan_that_costs_no_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The cost model predicts ~1.0x the step time for the plan (CPU: copies are cheap against
+    # the compute): the plan replaces the gates rather than waiting for the neighbour.
+    study, still_gated = _gated_beside_a_neighbour(caplog)
+    plan = trial_memory_plan(study.trials[1])
+    assert plan is not None and still_gated == [False]
+    assert plan.predicted_peak_bytes <= (GATED_BYTES + SMALLEST_BYTES) // 2
+
+
+def test_a_gated_model_short_of_room_beside_a_neighbour_keeps_its_gates_when_a_plan_is_slow(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any plan slower than the limit (here every plan: the limit is below 1x): its claim fits
+    # the budget, so it waits for the neighbour under its gates, unplanned.
+    monkeypatch.setattr("waterwave_hpo.executor._planning.GATED_PLAN_MAX_SLOWDOWN", 0.5)
+    study, still_gated = _gated_beside_a_neighbour(caplog)
+    assert trial_memory_plan(study.trials[1]) is None and still_gated == [True]
+    assert any("fits the budget but not beside its neighbours" in r.message for r in caplog.records)
+
+
+def test_a_fused_batch_under_gates_that_do_not_fit_fails_and_re_runs_unfused_without_hanging() -> (
+    None
+):
+    # fuse=2 + ww.pipeline gates, budget below the fused model's claim (issue 24): the batch's
+    # gates reserve under its first trial; its batch-mate is no scheduler trial of its own, so
+    # the scheduler evicts the batch instead of waiting for the batch-mate to ask for memory
+    # (before: the trial thread waited in the gate forever). Each trial re-runs unfused.
+    from waterwave_hpo import fusion
+    from waterwave_hpo.nodegroup import trial_profile
+
+    x = _batch()[0]
+    fused_claim = trial_profile(ww.pipeline(fusion.fuse([_mlp(), _mlp()]), example_input=x))
+    budget = int(0.8 * fused_claim.peak_bytes)
+    assert GATED_BYTES < budget  # one model alone fits under its gates
+
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        model = ww.pipeline(fusion.fuse([_mlp() for _ in trials]))
+        for _ in range(2):
+            model(x).sum().backward()
+        return [0.0] * len(trials)
+
+    executor = ww.WaterwaveExecutor(
+        "cpu", trials_per_device=1, fuse=2, memory_budget_bytes=budget, record_trial_attrs=True
+    )
+    study = optuna.create_study()
+    runner = threading.Thread(
+        target=executor.optimize, args=(study, objective), kwargs={"n_trials": 2}, daemon=True
+    )
+    runner.start()
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "the fused batch waited in its gates forever"
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert [len(t.system_attrs.get("waterwave:batch", [0])) for t in study.trials[2:]] == [1, 1]

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 import time
 from typing import Any
+import uuid
 
 import pytest
 
@@ -132,6 +133,100 @@ def test_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> None:
             assert Path(directory, "state.txt").read_text() == "2"
 
 
+@ww.batched
+def _fused_train(trials: list[Any]) -> None:
+    # One call for a fused batch of Tune trials; the strongest reports first, so that Tune
+    # hears the trials of a batch in a known order (ASHA's rungs depend on it).
+    batch_id = uuid.uuid4().hex
+    ordered = sorted(trials, key=lambda t: -t.config["x"])
+    for step in range(1, trials[0].config.get("steps", 4) + 1):
+        for t in ordered:
+            time.sleep(trials[0].config.get("sleep_s", 0.05))
+            t.report(
+                {
+                    "score": t.config["x"] * step,
+                    "batch": len(trials),
+                    "batch_id": batch_id,
+                    "host_pid": os.getpid(),
+                }
+            )
+
+
+def test_fused_trials_run_as_one_call_in_the_host_and_each_reports_to_tune(
+    tmp_path: Path,
+) -> None:
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=10.0) as hosts:
+        assert hosts.max_concurrent_trials == 2  # one place, a batch of two in it
+        analysis = tune.run(
+            hosts.wrap(_fused_train),
+            config={"x": tune.grid_search([0.1, 0.2, 0.3, 0.4])},
+            resources_per_trial=hosts.resources,
+            max_concurrent_trials=hosts.max_concurrent_trials,
+            storage_path=str(tmp_path),
+            verbose=0,
+        )
+        stats = hosts.stats()[0]
+    trials = analysis.trials
+    assert [t.status for t in trials] == ["TERMINATED"] * 4
+    results = [t.last_result for t in trials]
+    assert all(r["training_iteration"] == 4 for r in results)
+    assert [r["score"] for r in results] == pytest.approx([4 * t.config["x"] for t in trials])
+    assert [r["batch"] for r in results] == [2, 2, 2, 2]
+    assert len({r["batch_id"] for r in results}) == 2  # two calls ran the four trials
+    assert stats.peak_running == 2 and stats.finished == 4 and stats.running == 0
+
+
+def test_asha_stops_one_trial_of_a_fused_batch_and_its_batch_mate_reports_on(
+    tmp_path: Path,
+) -> None:
+    from ray.tune.schedulers import ASHAScheduler
+
+    pairs = {1.0: 0, 0.1: 0, 0.9: 1, 0.2: 1}  # a strong and a weak trial in each batch
+    with ww.tune_hosts(
+        trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=10.0, heartbeat_ttl_s=5.0
+    ) as hosts:
+        tuner = tune.Tuner(
+            tune.with_resources(
+                hosts.wrap(_fused_train, batch_key=lambda c: pairs[c["x"]]), hosts.resources
+            ),
+            param_space={"x": tune.grid_search(list(pairs)), "steps": 8, "sleep_s": 0.15},
+            tune_config=tune.TuneConfig(
+                scheduler=ASHAScheduler(
+                    metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
+                ),
+                max_concurrent_trials=hosts.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+        )
+        grid = tuner.fit()
+        deadline = time.monotonic() + 5.0
+        while hosts.stats()[0].running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = hosts.stats()[0]
+    assert grid.num_errors == 0
+    iterations = {r.config["x"]: r.metrics["training_iteration"] for r in grid}
+    batches = {r.config["x"]: r.metrics["batch_id"] for r in grid}
+    assert iterations[1.0] == 8  # the best ran to max_t
+    assert all(r.metrics["batch"] == 2 for r in grid)
+    assert batches[1.0] == batches[0.1] and batches[0.9] == batches[0.2] != batches[1.0]
+    # ASHA stopped a weak trial early while its strong batch-mate reported on, in one call.
+    assert any(
+        iterations[weak] < iterations[strong] == 8 for strong, weak in ((1.0, 0.1), (0.9, 0.2))
+    )
+    assert stats.running == 0 and stats.waiting == 0  # the batches ended in the host too
+
+
+def test_wrap_checks_fuse_against_the_trainable() -> None:
+    with ww.tune_hosts(trials_per_gpu=1, fuse=2) as hosts:
+        with pytest.raises(TypeError, match=r"trainable=.*a batched trainable, since fuse=2"):
+            hosts.wrap(_train)
+        with pytest.raises(TypeError, match="batch_key=3"):
+            hosts.wrap(_fused_train, batch_key=3)  # type: ignore[arg-type]
+    with ww.tune_hosts(trials_per_gpu=1) as hosts:
+        with pytest.raises(ValueError, match="fuse=None: must be set"):
+            hosts.wrap(_fused_train)
+
+
 def test_the_hosts_go_with_the_with_block() -> None:
     with ww.tune_hosts(trials_per_gpu=1) as hosts:
         assert len(hosts.stats()) == 1
@@ -167,6 +262,8 @@ def test_wrap_needs_started_hosts_and_a_function() -> None:
         ({"heartbeat_ttl_s": 0}, ValueError, "heartbeat_ttl_s=0"),
         ({"n_hosts": 0}, ValueError, "n_hosts=0: must be >= 1"),
         ({"memory_budget_bytes": 1.5}, TypeError, "memory_budget_bytes=1.5"),
+        ({"fuse": 0}, ValueError, "fuse=0: must be >= 1"),
+        ({"fuse_wait_s": -1}, ValueError, "fuse_wait_s=-1"),
     ],
 )
 def test_bad_arguments_name_the_argument(

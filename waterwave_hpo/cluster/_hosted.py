@@ -9,12 +9,19 @@ NodeGroups ordered by one pipeline scheduler (in-process co-hosting, the full Wa
 TC 2023, Secs. 3-4). :class:`TrialHost` is that host without Ray, so that it is tested
 directly; :mod:`waterwave_hpo.cluster._tune_hosts` puts it in a Ray actor and streams each
 trial's ``tune.report`` results back to its Tune trial.
+
+With ``fuse=K`` and a batched trainable (:func:`waterwave_hpo.batched`), the host gathers up to
+K Tune trials of one fusion group that arrive together and runs them as one call of the
+trainable, one fused batch (HFTA, arXiv:2102.02344), through the executor's one run path
+(``run_attempt``); each Tune trial keeps its own reports, checkpoints and end, and a trial Tune
+stops drops out of its batch while its batch-mates go on (:class:`TuneBatchTrial`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence
 import contextlib
 import ctypes
 from dataclasses import dataclass
@@ -41,6 +48,7 @@ from waterwave_hpo.executor._internal import MemoryPlanMode
 from waterwave_hpo.executor._internal import NoOptunaTrial
 from waterwave_hpo.executor._internal import TrialPlanning
 from waterwave_hpo.executor._internal import acquire_stream
+from waterwave_hpo.executor._internal import is_batched
 from waterwave_hpo.executor._internal import make_device_memory
 from waterwave_hpo.executor._internal import plan_settings
 from waterwave_hpo.executor._internal import release_stream
@@ -105,7 +113,7 @@ class HostStats:
 class _Hosted:
     key: str
     number: int
-    fn: Callable[[dict[str, Any]], Any]
+    fn: Callable[[Any], Any]  # a config, or a batched trainable's list of trials
     config: dict[str, Any]
     checkpoint: bytes | None
     last_seen: float
@@ -116,6 +124,13 @@ class _Hosted:
     ended: bool = False
     thread: threading.Thread | None = None
     loaded_checkpoint: Any = None
+    arrived: float = 0.0
+    group: str | None = None  # a batched trainable's fusion group: who may share its batch
+    batch: list[_Hosted] | None = None  # a batched trainable's batch, itself included
+
+    @property
+    def batched(self) -> bool:
+        return is_batched(self.fn)
 
 
 class TrialHost:
@@ -134,6 +149,11 @@ class TrialHost:
         heartbeat_ttl_s: A trial whose Tune process has not polled for this long is stopped.
         memory_plan, memory_planner: As for ``WaterwaveExecutor``: each hosted trial's
             attempt gets its own memory planning, which ``fit_trial_memory`` reads.
+        fuse: ``None``: one trial per call. ``K >= 1``: a batched trainable
+            (:func:`waterwave_hpo.batched`) is called with up to K trials of one fusion group
+            at once; such a batch takes one of the ``trials_per_device`` places.
+        fuse_wait_s: How long the first trial of a group waits for batch-mates (seconds >= 0)
+            before it runs with fewer than ``fuse``.
     """
 
     def __init__(
@@ -148,9 +168,13 @@ class TrialHost:
         heartbeat_ttl_s: float = 30.0,
         memory_plan: str = "off",
         memory_planner: str = "pso",
+        fuse: int | None = None,
+        fuse_wait_s: float = 2.0,
     ) -> None:
         self.device = device
         self.trials_per_device = trials_per_device
+        self.fuse = fuse
+        self.fuse_wait_s = fuse_wait_s
         self.auto = auto
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.memory = make_device_memory(
@@ -167,6 +191,7 @@ class TrialHost:
         self._numbers = itertools.count()
         self._queue: deque[_Hosted] = deque()
         self._running = 0
+        self._calls = 0  # calls of a trainable running now: a fused batch is one
         self._peak_running = 0
         self._finished = 0
         self._closed = False
@@ -179,19 +204,24 @@ class TrialHost:
     def start(
         self,
         key: str,
-        fn: Callable[[dict[str, Any]], Any],
+        fn: Callable[[Any], Any],
         config: dict[str, Any],
         checkpoint: bytes | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue trial ``key``: run ``fn(config)`` once the device has room.
 
         Args:
             key: The Tune trial's id (unique on this host).
             fn: A function trainable; it may call ``ray.tune.report`` and
-                ``ray.tune.get_checkpoint`` as in any Tune trial.
+                ``ray.tune.get_checkpoint`` as in any Tune trial. Or a batched trainable
+                (:func:`waterwave_hpo.batched`), called as ``fn(trials)`` with a list of
+                :class:`TuneBatchTrial` (up to ``fuse`` of them).
             config: Its config.
             checkpoint: The checkpoint to resume from (a gzipped tar of its directory), or
                 ``None``.
+            group: A batched trainable's fusion group: only trials of one group share a
+                batch (``None``: the trial's own group).
 
         Raises:
             RuntimeError: If the host is shut down.
@@ -204,6 +234,8 @@ class TrialHost:
             if old is not None and not old.ended:
                 raise ValueError(f"Trial {key!r} is already running or waiting on {self.device}.")
             hosted = _Hosted(key, next(self._numbers), fn, config, checkpoint, time.monotonic())
+            hosted.group = group if group is not None else f"trial:{key}"
+            hosted.arrived = hosted.last_seen
             self._trials[key] = hosted
             self._queue.append(hosted)
             self._cond.notify_all()
@@ -238,7 +270,9 @@ class TrialHost:
 
         Stop trial ``key``: a waiting trial never starts; a running one gets
         :class:`HostedTrialStopped` at its next ``tune.report`` (or at once, in Python code).
-        Unknown keys are ignored.
+        A trial of a fused batch whose batch-mates still run drops out of the batch instead:
+        its :attr:`TuneBatchTrial.stopped` turns true and its reports are dropped; the batch
+        is stopped as above once all its trials are. Unknown keys are ignored.
         """
         with self._cond:
             hosted = self._trials.pop(key, None)
@@ -282,6 +316,8 @@ class TrialHost:
             self._queue.remove(hosted)
             hosted.ended = True
             self._finished += 1
+        elif hosted.batch is not None and not all(mate.stopped for mate in hosted.batch):
+            pass  # its batch-mates go on: the trainable sees trial.stopped, its reports drop
         elif hosted.in_fn and hosted.thread is not None and hosted.thread.ident is not None:
             # Arrives at the thread's next bytecode; a long native call finishes first.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -290,11 +326,21 @@ class TrialHost:
         self._cond.notify_all()
 
     def _has_room_locked(self) -> bool:
-        if self._running >= self.trials_per_device:
+        if self._calls >= self.trials_per_device:
             return False
-        if self.auto and self._running > 0:
+        if self.auto and self._calls > 0:
             return self.memory.has_room()
         return True
+
+    def _next_call_locked(self, now: float) -> list[_Hosted] | None:
+        """The queue's head and its batch-mates, or ``None`` while the head waits for them."""
+        head = self._queue[0]
+        if not head.batched or self.fuse is None or self.fuse <= 1:
+            return [head]
+        mates = [h for h in self._queue if h.batched and h.group == head.group][: self.fuse]
+        if len(mates) < self.fuse and now - head.arrived < self.fuse_wait_s:
+            return None
+        return mates
 
     def _admit_loop(self) -> None:
         with self._cond:
@@ -306,111 +352,235 @@ class TrialHost:
                         if not hosted.ended:
                             self._stop_locked(hosted)
                 while self._queue and self._has_room_locked():
-                    hosted = self._queue.popleft()
-                    hosted.running = True
-                    self._running += 1
-                    self._peak_running = max(self._peak_running, self._running)
-                    self.memory.trial_admitted(SimpleNamespace(number=hosted.number))
-                    hosted.thread = threading.Thread(
+                    members = self._next_call_locked(now)
+                    if members is None:
+                        break  # the head waits a little for batch-mates
+                    thread = threading.Thread(
                         target=self._run,
-                        args=(hosted,),
-                        name=f"waterwave-tune-{self.device}-{hosted.key}",
+                        args=(members,),
+                        name=f"waterwave-tune-{self.device}-{members[0].key}",
                         daemon=True,
                     )
-                    hosted.thread.start()
+                    for i, hosted in enumerate(members):
+                        self._queue.remove(hosted)
+                        hosted.running = True
+                        hosted.thread = thread
+                        if members[0].batched:
+                            hosted.batch = members
+                        self.memory.trial_admitted(  # a batch reserves under its first trial
+                            SimpleNamespace(number=hosted.number), scheduled=i == 0
+                        )
+                    self._running += len(members)
+                    self._calls += 1
+                    self._peak_running = max(self._peak_running, self._running)
+                    thread.start()
                 self._cond.wait(_WAIT_S)
 
-    def _run(self, hosted: _Hosted) -> None:
+    def _run(self, members: list[_Hosted]) -> None:
         # The executor's one run path (executor/_run.py): context, pool account, stream, and
-        # the scheduler's share ended however the trial ends; only the reporting is Tune's.
+        # the scheduler's share ended however the trial ends; only the reporting is Tune's. A
+        # fused batch is one call of a batched trainable for all its trials.
         device = self.device
+        lead = members[0]
         stream = None
-        event = HostedEvent("done")
-        checkpoint_dir: str | None = None
+        events = {hosted.key: HostedEvent("done") for hosted in members}
+        checkpoint_dirs: list[str] = []
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 stream = acquire_stream(device)
-            if hosted.checkpoint is not None:
-                checkpoint_dir = unpack_directory(hosted.checkpoint)
-                hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(checkpoint_dir)
+            for hosted in members:
+                if hosted.checkpoint is not None:
+                    checkpoint_dirs.append(unpack_directory(hosted.checkpoint))
+                    hosted.loaded_checkpoint = _ray_compat.checkpoint_from_directory(
+                        checkpoint_dirs[-1]
+                    )
             planning = None
             if self.plan_settings.mode is not MemoryPlanMode.OFF:
+                # A fused batch's model is planned as one (one registration, one footprint).
                 planning = TrialPlanning(self.plan_settings, device_plans=self.memory.plans)
             context = TrialContext(
                 trial=NoOptunaTrial("tune_hosts()"),
-                trial_number=hosted.number,
+                trial_number=lead.number,
                 device=device,
                 stream=stream,
                 slot=0,
                 scheduler=self.memory.scheduler,
                 planning=planning,
+                batch=tuple(NoOptunaTrial("tune_hosts()") for _ in members) if lead.batched else (),
             )
-            self._local.hosted = hosted
+            if lead.batched:
+                trials = [TuneBatchTrial(self, hosted) for hosted in members]
+                call: Callable[[], Any] = lambda: lead.fn(trials)  # noqa: E731
+            else:
+                call = lambda: lead.fn(lead.config)  # noqa: E731
+            self._local.hosted = members
             try:
                 attempt = run_attempt(
-                    lambda: hosted.fn(hosted.config),
+                    call,
                     context=context,
                     memory=self.memory,
-                    seat=_HostedSeat(self, hosted),
+                    seat=_HostedSeat(self, members),
+                    numbers=[hosted.number for hosted in members],
                 )
             finally:
                 self._local.hosted = None
             error = attempt.error
             if error is not None and not isinstance(error, HostedTrialStopped):
-                event = _error_event(error, attempt.out_of_memory)
+                shared = _error_event(error, attempt.out_of_memory)
+                events = {hosted.key: shared for hosted in members}
+            elif error is None and lead.batched:
+                events.update(_entry_events(members, attempt.result))
         except HostedTrialStopped:
             pass  # a stop that landed outside the objective: the trial is done
-        except BaseException as error:  # the host's own setup failed: the trial fails alone
-            event = _error_event(error, isinstance(error, Exception) and is_out_of_memory(error))
+        except BaseException as error:  # the host's own setup failed: the trials fail alone
+            shared = _error_event(error, isinstance(error, Exception) and is_out_of_memory(error))
+            events = {hosted.key: shared for hosted in members}
         finally:
-            with contextlib.suppress(Exception):
-                self.memory.trial_ended(hosted.number)  # idempotent; run_attempt ended it
+            for hosted in members:
+                with contextlib.suppress(Exception):
+                    self.memory.trial_ended(hosted.number)  # idempotent; run_attempt ended it
             if stream is not None:
                 with contextlib.suppress(Exception):
                     release_stream(stream)
-            if checkpoint_dir is not None:
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            for directory in checkpoint_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
         with self._cond:
-            hosted.events.append(event)
-            hosted.running = False
-            hosted.ended = True
-            self._running -= 1
-            self._finished += 1
+            for hosted in members:
+                hosted.events.append(events[hosted.key])
+                hosted.running = False
+                hosted.ended = True
+            self._running -= len(members)
+            self._calls -= 1
+            self._finished += len(members)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ tune.report, inside
-    def _session_trial(self) -> _SessionTrial | None:
-        hosted: _Hosted | None = getattr(self._local, "hosted", None)
-        if hosted is None:
+    def _session_trial(self) -> _SessionTrial | _BatchSession | None:
+        members: list[_Hosted] | None = getattr(self._local, "hosted", None)
+        if members is None:
             return None
-        return _SessionTrial(self, hosted)
+        if members[0].batched:
+            return _BatchSession(len(members))
+        return _SessionTrial(self, members[0])
 
 
 class _HostedSeat:
-    """A hosted trial's thread as :func:`run_attempt` sees it: stoppable only inside ``fn``."""
+    """A hosted call's thread as :func:`run_attempt` sees it: stoppable only inside ``fn``."""
 
-    def __init__(self, host: TrialHost, hosted: _Hosted) -> None:
+    def __init__(self, host: TrialHost, members: list[_Hosted]) -> None:
         self.host = host
-        self.hosted = hosted
+        self.members = members
 
     def enter(self) -> None:
         # A stop is raised in this thread only while in_fn, set and cleared under the lock, so
         # it arrives inside run_attempt's try (at the latest while taking the lock in leave).
         with self.host._cond:
-            if self.hosted.stopped:
+            if all(hosted.stopped for hosted in self.members):
                 raise HostedTrialStopped
-            self.hosted.in_fn = True
+            for hosted in self.members:
+                hosted.in_fn = True
 
     def leave(self) -> int:
         try:
-            with self.host._cond:
-                self.hosted.in_fn = False
-                return max(0, self.host._running - 1)
+            return self._leave()
         except HostedTrialStopped:  # sent just before in_fn was cleared: the trial is done
-            with self.host._cond:
-                self.hosted.in_fn = False
-                return max(0, self.host._running - 1)
+            return self._leave()
+
+    def _leave(self) -> int:
+        with self.host._cond:
+            for hosted in self.members:
+                hosted.in_fn = False
+            return max(0, self.host._running - 1)
+
+
+class TuneBatchTrial:
+    """One Ray Tune trial of a fused batch, as a batched trainable sees it (``tune_hosts(fuse=K)``).
+
+    A batched trainable (:func:`waterwave_hpo.batched`) run by ``tune_hosts(fuse=K)`` is called
+    with a list of these, one per Tune trial of its batch (HFTA, arXiv:2102.02344). Each reports
+    and checkpoints for its own Tune trial (``ray.tune.report`` cannot tell which trial of the
+    batch it is for, so it is refused in a batched trainable). When Tune stops a trial (ASHA,
+    a stopper, PBT's exploit) it drops out of the batch: :attr:`stopped` turns true and its
+    further reports are dropped, while its batch-mates go on; the call is stopped once every
+    trial of the batch is.
+
+    Attributes:
+        config: The Tune trial's config.
+    """
+
+    def __init__(self, host: TrialHost, hosted: _Hosted) -> None:
+        self._host = host
+        self._hosted = hosted
+        self.config = hosted.config
+
+    @property
+    def stopped(self) -> bool:
+        """Whether Tune stopped this trial: its reports are dropped; skip its work if you can."""
+        return self._hosted.stopped
+
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        """``ray.tune.report(metrics, checkpoint=...)`` for this trial; dropped once stopped.
+
+        Args:
+            metrics: The trial's metrics for this step.
+            checkpoint: A ``ray.tune.Checkpoint`` of this trial's own state, or ``None``.
+        """
+        _SessionTrial(self._host, self._hosted).report(metrics, checkpoint)
+
+    def get_checkpoint(self) -> Any:
+        """``ray.tune.get_checkpoint()`` for this trial: where it resumes from, or ``None``."""
+        return self._hosted.loaded_checkpoint
+
+    def __repr__(self) -> str:
+        return f"TuneBatchTrial({self._hosted.key!r}, stopped={self.stopped})"
+
+
+@dataclass(frozen=True)
+class _BatchSession:
+    """``ray.tune.report``/``get_checkpoint`` in a batched trainable: ambiguous, so refused."""
+
+    size: int
+
+    def _refuse(self, call: str) -> RuntimeError:
+        return RuntimeError(
+            f"ray.tune.{call}() was called in a batched trainable running {self.size} Tune "
+            f"trial(s) at once: it cannot tell which trial it is for. Call trials[i].{call}() "
+            "on the TuneBatchTrial of the trial it is for."
+        )
+
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        raise self._refuse("report")
+
+    @property
+    def loaded_checkpoint(self) -> Any:
+        raise self._refuse("get_checkpoint")
+
+
+def _entry_events(members: list[_Hosted], result: object) -> dict[str, HostedEvent]:
+    """The events of a batch whose batched trainable returned ``result``, by trial key.
+
+    ``None``: every trial is done. A sequence of one entry per trial: an exception instance
+    fails that trial alone; anything else is done. Anything else fails every trial.
+    """
+    if result is None:
+        return {}
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
+        reason = f"returned {type(result).__name__} {result!r:.80}"
+    elif len(result) != len(members):
+        reason = f"returned {len(result)} entries for a batch of {len(members)} trials"
+    else:
+        return {
+            hosted.key: _error_event(entry, is_out_of_memory(entry))
+            for hosted, entry in zip(members, result, strict=True)
+            if isinstance(entry, BaseException)
+        }
+    text = (
+        f"The batched trainable {reason}; return None, or one entry per trial in the order "
+        "of the trials (an exception instance fails that trial alone)."
+    )
+    event = HostedEvent("error", error=text)
+    return {hosted.key: event for hosted in members}
 
 
 def _error_event(error: BaseException, out_of_memory: bool) -> HostedEvent:
@@ -430,6 +600,8 @@ class _SessionTrial:
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if self.hosted.stopped:
+            if self.hosted.batch is not None:
+                return  # dropped out of its fused batch; the batch-mates go on
             raise HostedTrialStopped
         packed = None if checkpoint is None else _ray_compat.pack_checkpoint(checkpoint)
         with self.host._cond:

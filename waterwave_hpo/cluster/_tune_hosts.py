@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from collections.abc import Hashable
 import contextlib
 import functools
 import logging
@@ -20,6 +21,7 @@ import uuid
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
+from waterwave_hpo import _checks
 from waterwave_hpo.cluster._broker import NAMESPACE
 from waterwave_hpo.cluster._hosted import HostedEvent
 from waterwave_hpo.cluster._hosted import HostStats
@@ -31,6 +33,7 @@ from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
 from waterwave_hpo.cluster._nodes import interleave
+from waterwave_hpo.executor._internal import is_batched
 
 _POLL_S = 1.0
 _WATCH_S = 1.0
@@ -67,8 +70,15 @@ class _HostActor:
             device = torch.device("cuda", 0)  # Ray made this actor's GPU the only one visible
         self._host = TrialHost(device, **settings)
 
-    def start(self, key: str, fn: Any, config: dict[str, Any], checkpoint: bytes | None) -> None:
-        self._host.start(key, fn, config, checkpoint)
+    def start(
+        self,
+        key: str,
+        fn: Any,
+        config: dict[str, Any],
+        checkpoint: bytes | None,
+        group: str | None = None,
+    ) -> None:
+        self._host.start(key, fn, config, checkpoint, group)
 
     def poll(self, key: str, timeout_s: float) -> list[HostedEvent]:
         return self._host.poll(key, timeout_s)
@@ -124,12 +134,26 @@ class TuneHosts:
     checkpoint. Hosts that join add room, but ``max_concurrent_trials`` stays what was passed
     to Tune: pass a larger value to let Tune start more trials when nodes join.
 
+    With ``tune_hosts(fuse=K)``, wrap a batched trainable (HFTA, arXiv:2102.02344)::
+
+        @ww.batched
+        def train(trials):  # up to K TuneBatchTrial, one per Tune trial
+            model = fusion.fuse([build(t.config) for t in trials])
+            for step in range(steps):
+                losses = ...  # one fused step for all
+                for t, loss in zip(trials, losses):
+                    t.report({"loss": float(loss)})  # each to its own Tune trial
+
+        with ww.tune_hosts(trials_per_gpu=2, fuse=8) as hosts:
+            tune.run(hosts.wrap(train), max_concurrent_trials=hosts.max_concurrent_trials, ...)
+
     Attributes:
         trials_per_gpu: Trials each host runs at once (the cap with ``auto``).
         auto: Whether hosts admit by measured memory, as ``trials_per_device="auto"``.
         cpus_per_trial: CPUs each Tune trial reserves for the work its function does in a host.
         n_hosts: Host actors that started when entered (one per GPU of the alive nodes, or
             the ``n_hosts`` asked for, less those that failed to start); ``None`` before.
+        fuse: Tune trials a batched trainable runs per call (``None``: one).
     """
 
     def __init__(
@@ -139,8 +163,10 @@ class TuneHosts:
         cpus_per_trial: float,
         host_settings: dict[str, Any],
         n_hosts: int | None,
+        fuse: int | None = None,
     ) -> None:
         self.trials_per_gpu = trials_per_gpu
+        self.fuse = fuse
         self.auto = auto
         self.cpus_per_trial = cpus_per_trial
         self._host_settings = host_settings
@@ -169,8 +195,9 @@ class TuneHosts:
     def max_concurrent_trials(self) -> int:
         """The most trials Tune should run at once.
 
-        ``n_hosts * trials_per_gpu``: pass it to ``tune.run``/``TuneConfig`` so that Tune
-        starts no more trials than the hosts run (more would wait in a host, shown RUNNING).
+        ``n_hosts * trials_per_gpu`` (times ``fuse``: each place runs a batch of up to
+        ``fuse`` trials): pass it to ``tune.run``/``TuneConfig`` so that Tune starts no more
+        trials than the hosts run (more would wait in a host, shown RUNNING).
 
         Raises:
             RuntimeError: Before ``__enter__``.
@@ -180,7 +207,7 @@ class TuneHosts:
                 "max_concurrent_trials is known once the hosts started: use "
                 "`with ww.tune_hosts(...) as hosts:`."
             )
-        return self.n_hosts * self.trials_per_gpu
+        return self.n_hosts * self.trials_per_gpu * (self.fuse or 1)
 
     def __enter__(self) -> TuneHosts:
         ray = import_ray()
@@ -319,11 +346,31 @@ class TuneHosts:
                 stats.append(ray.get(actor.stats.remote()))
         return stats
 
-    def wrap(self, trainable: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    def wrap(
+        self,
+        trainable: Callable[[Any], Any],
+        *,
+        batch_key: Callable[[dict[str, Any]], Hashable] | None = None,
+    ) -> Callable[[dict[str, Any]], Any]:
         """A function trainable that runs ``trainable(config)`` in a host.
 
+        With ``tune_hosts(fuse=K)``, ``trainable`` is a batched trainable
+        (:func:`waterwave_hpo.batched`): each host calls it with a list of up to K
+        :class:`~waterwave_hpo.cluster._hosted.TuneBatchTrial` (Tune trials that arrived
+        together), each with its ``config``, ``report``, ``get_checkpoint`` and ``stopped``. It
+        returns ``None``, or one entry per trial where an exception instance fails that trial
+        alone. A function that raises fails every trial of its batch.
+
+        Args:
+            trainable: A function trainable taking a config, or with ``fuse`` a batched one.
+            batch_key: With ``fuse``: trials whose configs give equal keys may share a batch
+                (e.g. ``lambda c: c["width"]`` when the width changes the model's structure);
+                ``None``: any trials of this trainable may.
+
         Raises:
-            TypeError: If ``trainable`` is a class (only function trainables are hosted).
+            TypeError: If ``trainable`` is a class (only function trainables are hosted), is
+                not batched while ``fuse`` is set, or ``batch_key`` is not callable.
+            ValueError: If ``trainable`` is batched while ``fuse`` is not set.
             RuntimeError: Before ``__enter__`` (no hosts yet).
         """
         if isinstance(trainable, type) or not callable(trainable):
@@ -331,20 +378,31 @@ class TuneHosts:
                 f"wrap() takes a function trainable, got {trainable!r}; class trainables cannot "
                 "be hosted (use shared_gpu() for them)."
             )
+        _check_fuse_matches(trainable, self.fuse)
+        if batch_key is not None and not callable(batch_key):
+            raise _checks.type_error(
+                "batch_key", batch_key, "callable", "pass a function of the config, or None"
+            )
         if self.n_hosts is None:
             raise RuntimeError(
                 "wrap() needs started hosts: call it inside `with ww.tune_hosts(...) as hosts:`."
             )
         prefix = self._prefix
+        token = uuid.uuid4().hex[:12]  # this wrap's trials share batches only with each other
 
         @functools.wraps(trainable)
         def hosted(config: dict[str, Any]) -> None:
-            _run_in_host(prefix, trainable, config)
+            group = None
+            if is_batched(trainable):
+                group = f"{token}/{'' if batch_key is None else repr(batch_key(config))}"
+            _run_in_host(prefix, trainable, config, group)
 
         return hosted
 
 
-def _run_in_host(prefix: str, fn: Callable[[dict[str, Any]], Any], config: dict[str, Any]) -> None:
+def _run_in_host(
+    prefix: str, fn: Callable[[Any], Any], config: dict[str, Any], group: str | None = None
+) -> None:
     """The Tune trial's side: start ``fn`` in the least loaded alive host and replay its events.
 
     Hosts are found by name (``prefix`` + index) when the trial starts, so that hosts started
@@ -367,7 +425,7 @@ def _run_in_host(prefix: str, fn: Callable[[dict[str, Any]], Any], config: dict[
             packed = pack_directory(directory)
     finished = False
     try:
-        ray.get(host.start.remote(key, fn, config, packed))
+        ray.get(host.start.remote(key, fn, config, packed, group))
         while not finished:
             for event in ray.get(host.poll.remote(key, _POLL_S)):
                 if event.kind == "result":
@@ -440,6 +498,25 @@ def _report(event: HostedEvent) -> None:
         tune.report(event.metrics, checkpoint=tune.Checkpoint.from_directory(directory))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _check_fuse_matches(trainable: object, fuse: int | None) -> None:
+    if is_batched(trainable) and fuse is None:
+        raise _checks.value_error(
+            "fuse",
+            fuse,
+            f"must be set, since trainable {trainable!r} is batched (it takes a list of trials)",
+            "pass ww.tune_hosts(fuse=K) to run up to K Tune trials per call, or drop "
+            "waterwave_hpo.batched to run one trial per call",
+        )
+    if fuse is not None and not is_batched(trainable):
+        raise _checks.type_error(
+            "trainable",
+            trainable,
+            f"a batched trainable, since fuse={fuse} runs up to {fuse} Tune trials per call",
+            "mark a function taking a list of trials with waterwave_hpo.batched(train), or "
+            "pass tune_hosts(fuse=None) for a trainable taking one config",
+        )
 
 
 def _gpus(node: NodeView) -> int:

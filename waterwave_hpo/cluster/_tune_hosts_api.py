@@ -33,6 +33,8 @@ def tune_hosts(
     n_hosts: int | None = None,
     memory_plan: str = "off",
     memory_planner: str = "pso",
+    fuse: int | None = None,
+    fuse_wait_s: float = 2.0,
 ) -> TuneHosts:
     """Ray Tune trials whose training functions run co-hosted, in one process per GPU.
 
@@ -62,6 +64,15 @@ def tune_hosts(
             beside its neighbours on the host.
         memory_planner: The planner for ``memory_plan="home"`` (``"pso"``, ``"capuchin"``,
             ``"exhaustive"``).
+        fuse: ``None``: each hosted call runs one Tune trial. ``K >= 1``: wrap a batched
+            trainable (:func:`waterwave_hpo.batched`, taking a list of
+            :class:`~waterwave_hpo.cluster._hosted.TuneBatchTrial`): a host gathers up to K
+            Tune trials of one fusion group that arrive together and runs them as one call,
+            e.g. one fused model (HFTA, arXiv:2102.02344); a batch takes one of the
+            ``trials_per_gpu`` places, so Tune may run ``n_hosts * trials_per_gpu * K``
+            trials at once (``max_concurrent_trials``).
+        fuse_wait_s: Seconds the first trial of a group waits in its host for batch-mates
+            (>= 0) before it runs in a smaller batch.
 
     Returns:
         A :class:`TuneHosts`; enter it (``with``) to start the hosts.
@@ -84,6 +95,14 @@ def tune_hosts(
         _check_int("memory_budget_bytes", memory_budget_bytes, 1)
     if n_hosts is not None:
         _check_int("n_hosts", n_hosts, 1)
+    fuse = _checks.check_optional_int(
+        "fuse",
+        fuse,
+        minimum=1,
+        fix="pass the number of Tune trials a batched trainable runs at once, e.g. fuse=8, "
+        "or None for one trial per call",
+    )
+    _check_number("fuse_wait_s", fuse_wait_s, allow_zero=True)
     plan_settings(memory_plan, memory_planner)  # checked here, made again in each host
     import_ray()
     from waterwave_hpo.cluster._tune_hosts import TuneHosts
@@ -92,6 +111,7 @@ def tune_hosts(
         trials_per_gpu=k,
         auto=auto,
         cpus_per_trial=float(cpus_per_trial),
+        fuse=fuse,
         host_settings={
             "trials_per_device": k,
             "auto": auto,
@@ -101,6 +121,8 @@ def tune_hosts(
             "heartbeat_ttl_s": float(heartbeat_ttl_s),
             "memory_plan": memory_plan,
             "memory_planner": memory_planner,
+            "fuse": fuse,
+            "fuse_wait_s": float(fuse_wait_s),
         },
         n_hosts=n_hosts,
     )

@@ -67,7 +67,10 @@ def batched(
     trial and propagates from ``optimize`` (Optuna's semantics). A result that is not a
     sequence of ``len(trials)`` entries fails every trial, with a reason naming both lengths.
 
-    Not supported yet by :class:`waterwave_hpo.RayExecutor` or Ray Tune (they raise).
+    :class:`waterwave_hpo.RayExecutor` takes ``fuse=K`` too. Under Ray Tune,
+    ``waterwave_hpo.tune_hosts(fuse=K)`` calls a batched trainable with a list of up to K
+    ``TuneBatchTrial`` (``waterwave_hpo.integrations.ray_tune``), one per Tune trial, each with
+    its ``config``, ``report``, ``get_checkpoint`` and ``stopped``.
 
     >>> import optuna
     >>> import waterwave_hpo as ww

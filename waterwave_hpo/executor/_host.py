@@ -108,8 +108,9 @@ class DeviceHost:
     def submit(self, slot: _Slot, job: TrialJob) -> None:
         """Hand ``job`` to the idle ``slot``; starts the slot's thread on first use."""
         assert slot.job is None, "submit() to a busy slot"
-        for member in job.members():
-            self.memory.trial_admitted(member.trial)
+        for i, member in enumerate(job.members()):
+            # A fused batch reserves under its first trial only (the one call's context).
+            self.memory.trial_admitted(member.trial, scheduled=i == 0)
         slot.job = job
         slot.start()
         slot.inbox.put(job)

@@ -16,6 +16,7 @@ from waterwave_hpo.executor._attrs import ATTR_MEMORY_PLAN
 from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
 from waterwave_hpo.executor._attrs import ATTR_SLOT
+from waterwave_hpo.executor._batch import is_batched
 from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
@@ -59,6 +60,7 @@ __all__ = [
     "TrialOutcome",
     "TrialPlanning",
     "acquire_stream",
+    "is_batched",
     "make_device_memory",
     "on_trial_stream",
     "plan_settings",

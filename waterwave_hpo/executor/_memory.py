@@ -129,13 +129,16 @@ class DeviceMemory:
         self._peaks: deque[int] = deque(maxlen=_HISTORY)
         self._running: dict[int, Any] = {}  # trial number -> open pool account
 
-    def trial_admitted(self, trial: Any) -> None:
+    def trial_admitted(self, trial: Any, *, scheduled: bool = True) -> None:
         """Count ``trial`` as running from the moment the executor hands it to a slot.
 
         Called in the executor's thread, so that admission (:meth:`has_room`) never sees a
-        trial that was started but whose thread has not registered it yet.
+        trial that was started but whose thread has not registered it yet. ``scheduled=False``
+        for a fused batch's other trials: the batch's one call reserves memory under its first
+        trial alone, and a scheduler trial that never asks for memory would stall the
+        scheduler's deadlock resolution (it waits until every running trial waits).
         """
-        if self.scheduler is not None:
+        if self.scheduler is not None and scheduled:
             self.scheduler.trial_started(trial.number, trial)
         with self._lock:
             self._running.setdefault(trial.number, None)

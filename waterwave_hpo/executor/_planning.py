@@ -43,6 +43,13 @@ from waterwave_hpo.trial import current_or_none
 
 _logger = logging.getLogger("waterwave_hpo")
 
+#: A gated model whose gates' claim fits the budget but not beside its neighbours now keeps its
+#: gates (and waits for the neighbours) when a plan for the room would make its step slower
+#: than this; else the plan replaces the gates. On the simulated device
+#: (``experiments/gates_vs_plans.py``), a plan of ~1.0x won or tied against waiting under the
+#: gates at every capacity, and one of 1.5x lost at all but one (saturated device: always).
+GATED_PLAN_MAX_SLOWDOWN = 1.05
+
 
 class MemoryPlanMode(str, enum.Enum):
     """Whether the executor plans the memory of trials that do not fit.
@@ -207,9 +214,17 @@ def fit_trial_memory(
             positional arguments).
         optimizer: The optimizer whose state counts towards the footprint, or ``None``.
 
-    A model with ``ww.pipeline`` gates is returned unplanned: the executor picks the gates,
-    which reserve its memory per NodeGroup (Waterwave, Sec. 4) and do not combine with a plan's
-    recomputes (see :func:`waterwave_hpo.fit_memory`).
+    A model with ``ww.pipeline`` gates (Waterwave, Sec. 4) gets one of the two, picked by the
+    bytes: the gates when their claim at the step's peak (parameters, gradients and every
+    NodeGroup's saved bytes) fits the memory its neighbours leave, since they then cost no step
+    time and release each group as its backward ends; else a plan for that memory, and the
+    gates are removed from the model (its planned footprint is then its one claim, as for a
+    model without gates). When the claim fits the budget and only the neighbours leave too
+    little, the plan is taken only if it costs at most ``GATED_PLAN_MAX_SLOWDOWN`` (1.05x) of
+    the step's time; else the gates wait for the neighbours. The gates are kept when they
+    already reserve for this trial (a training step ran before this call) or when no plan
+    fits. A re-run after an out-of-memory error or an eviction is planned, as any re-run.
+    Measured in ``experiments/results/2026-11-25-gates-vs-plans/``.
 
     Returns:
         ``model`` (the same object), with a plan installed if it needed one.
@@ -222,7 +237,11 @@ def fit_trial_memory(
         waterwave_hpo.scheduler.BudgetExceededError: If the scheduler evicts the trial while it
             waits for its footprint (the executor re-runs it with a smaller plan).
     """
+    from waterwave_hpo.nodegroup._internal import gated_claim_bytes
+    from waterwave_hpo.nodegroup._internal import gates_declared
+    from waterwave_hpo.nodegroup._internal import gates_muted
     from waterwave_hpo.nodegroup._internal import has_pipeline
+    from waterwave_hpo.nodegroup._internal import remove_pipeline
 
     if not isinstance(model, nn.Module):
         raise _checks.type_error("model", model, "a torch.nn.Module", "pass the trial's model")
@@ -230,25 +249,21 @@ def fit_trial_memory(
     planning: TrialPlanning | None = None if context is None else context.planning
     if context is None or planning is None or planning.settings.mode is MemoryPlanMode.OFF:
         return model
-    if has_pipeline(model):
-        # The executor picks the gates: they already reserve the model's memory NodeGroup by
-        # NodeGroup (the scheduler orders, evicts and re-runs), while a plan would hold one
-        # static footprint beside them, and its recomputes re-run module forwards inside
-        # backward, where the gates would fire again (see waterwave_hpo.fit_memory).
-        _logger.info(
-            "Trial %d: its model has ww.pipeline gates, which govern its memory; "
-            "memory_plan=%r leaves it unplanned.",
-            context.trial_number,
-            planning.settings.mode.value,
-        )
+    scheduler = context.scheduler
+    gated = has_pipeline(model)
+    if gated and scheduler is not None and gates_declared(model, scheduler, context.trial_number):
+        _keep_gates(context.trial_number, "they already reserve its memory for this trial")
         return model
+    # The gates' own profile first: profiling for a plan installs saved-tensor hooks of its
+    # own, under which the gates' profiler would see no saved bytes.
+    claim = gated_claim_bytes(model, example_input) if gated else None
     settings = planning.settings
     bandwidth = settings.bandwidth_bytes_per_s
-    profile, modules = profile_units(model, example_input, optimizer)
+    with gates_muted():  # the two profiling steps reserve nothing
+        profile, modules = profile_units(model, example_input, optimizer)
     plain = plan_none(profile, 0, bandwidth_bytes_per_s=bandwidth).prediction
     smallest = plan_smallest(profile, bandwidth_bytes_per_s=bandwidth).prediction
     planning.smallest_peak_bytes = smallest.peak_bytes
-    scheduler = context.scheduler
     # A registered model holds its footprint for the trial's life (no NodeGroup gates release
     # activations per step), so its claim is all resident: one empty group for the simulator.
     plain_profile = TrialProfile.of(plain.peak_bytes, (0,))
@@ -258,13 +273,63 @@ def fit_trial_memory(
             SimPlan(smallest.peak_bytes, max(1.0, smallest.step_s / max(plain.step_s, 1e-12))),
         )
     budget = None if scheduler is None else int(scheduler.budget_bytes)
+    plan: MemoryPlan | None = None
+    if gated and budget is not None and smallest.peak_bytes > budget:
+        _keep_gates(context.trial_number, "no memory plan fits the budget")
+        return model
     if budget is not None and smallest.peak_bytes > budget:
         raise NoPlanFitsError(
             profile.static_bytes + profile.other_saved_bytes, smallest.peak_bytes, budget
         )
-    target = _target_bytes(planning, scheduler, context.trial_number, plain.peak_bytes)
-    plan = None
-    if target is not None and target < plain.peak_bytes:
+    if gated:
+        claim = claim or plain.peak_bytes
+        target = _target_bytes(planning, scheduler, context.trial_number, claim)
+        if target is None:
+            # The gates' claim fits beside the neighbours: they govern its memory. A re-run
+            # after an OOM or an eviction is planned for PLAN_SHRINK of this claim.
+            planning.footprint_bytes = claim
+            _keep_gates(
+                context.trial_number,
+                f"their claim at the step's peak, {_checks.format_bytes(claim)}, fits the "
+                "memory its neighbours leave",
+            )
+            return model
+        if target < plain.peak_bytes:
+            plan = _install(
+                model,
+                profile,
+                modules,
+                max(target, smallest.peak_bytes),
+                settings,
+                context.trial_number,
+            )
+            slowdown = plan.predicted_step_seconds / max(plain.step_s, 1e-12)
+            fits_alone = budget is None or claim <= budget
+            if planning.cap_bytes is None and fits_alone and slowdown > GATED_PLAN_MAX_SLOWDOWN:
+                # Short of room only because of its neighbours, who will leave: waiting under
+                # the gates beats a plan this slow (experiments/results/2026-11-25-gates-vs-plans).
+                remove_memory_plan(model)
+                planning.footprint_bytes = claim
+                _keep_gates(
+                    context.trial_number,
+                    f"their claim, {_checks.format_bytes(claim)}, fits the budget but not "
+                    f"beside its neighbours now, and a plan for the room would take "
+                    f"{slowdown:.2f}x the step's time (over {GATED_PLAN_MAX_SLOWDOWN}x)",
+                )
+                return model
+        remove_pipeline(model)  # the plan's footprint replaces the gates' claims
+        _logger.info(
+            "Trial %d: its ww.pipeline gates would claim %s at the step's peak, more than the "
+            "%s it may use: the gates are removed and it runs with a memory plan instead.",
+            context.trial_number,
+            _checks.format_bytes(claim),
+            _checks.format_bytes(max(target, 0)),
+        )
+    else:
+        target = _target_bytes(planning, scheduler, context.trial_number, plain.peak_bytes)
+    if plan is not None:
+        footprint = plan.predicted_peak_bytes
+    elif target is not None and target < plain.peak_bytes:
         target = max(target, smallest.peak_bytes)
         plan = _install(model, profile, modules, target, settings, context.trial_number)
         footprint = plan.predicted_peak_bytes
@@ -291,6 +356,12 @@ def fit_trial_memory(
         scheduler.declare_profile(context.trial_number, TrialProfile.of(footprint, (0,)), key=key)
         scheduler.acquire(context.trial_number, -1, footprint, Phase.RESIDENT)
     return model
+
+
+def _keep_gates(trial_number: int, why: str) -> None:
+    _logger.info(
+        "Trial %d: its model runs under its ww.pipeline gates, unplanned: %s.", trial_number, why
+    )
 
 
 def _target_bytes(

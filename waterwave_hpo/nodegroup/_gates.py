@@ -20,6 +20,9 @@ inside a trial whose context carries a scheduler:
   is released when the next forward of the model starts in that thread; and
   ``trial_finished`` releases everything.
 * Outside a trial (no context, or a context without scheduler) every gate returns at once.
+* While :func:`gates_muted` is entered in the thread every gate returns at once: the executor
+  profiles a gated model for a memory plan that way (``fit_trial_memory``), whose two
+  profiling steps must not reserve anything.
 * Inside a backward pass every gate returns at once (:func:`in_backward`): a checkpointed
   forward re-run by ``torch.utils.checkpoint`` during backward holds memory its original
   forward's reservation already covers, and on CUDA it runs on autograd's device thread, which
@@ -35,6 +38,8 @@ bare model's exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 from typing import Any
@@ -61,6 +66,23 @@ def in_backward() -> bool:
     same ``torch._C._current_graph_task_id()`` (-1 outside backward).
     """
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+_MUTED = threading.local()
+
+
+@contextlib.contextmanager
+def gates_muted() -> Iterator[None]:
+    """Every gate returns at once in this thread for the block (nothing reserved or waited)."""
+    _MUTED.depth = getattr(_MUTED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _MUTED.depth -= 1
+
+
+def _muted() -> bool:
+    return bool(getattr(_MUTED, "depth", 0))
 
 
 def _current_scheduler() -> tuple[PipelineScheduler, int] | None:
@@ -167,6 +189,8 @@ class GateSet:
     def root_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         """Group 0's gate: the start of a forward pass."""
         if in_backward():  # a checkpointed forward re-run during backward: already reserved
+            return
+        if _muted():
             return
         stale: _Pass | None = getattr(self._local, "current", None)
         if stale is not None:  # the previous forward in this thread raised

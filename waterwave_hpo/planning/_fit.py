@@ -106,9 +106,10 @@ def fit_memory(
     )
     if has_pipeline(model):
         raise ValueError(
-            "model has ww.pipeline gates; fit_memory does not combine with them yet: the gates "
-            "reserve the profiled (unplanned) saved bytes, and a recompute re-runs module "
-            "forwards inside backward, where the gates would fire again. Use one or the other."
+            "model has ww.pipeline gates; fit_memory does not combine with them: the gates "
+            "reserve each NodeGroup's profiled (unplanned) saved bytes, which a plan changes. "
+            "Use one or the other; under WaterwaveExecutor(memory_plan='home'), "
+            "ww.fit_trial_memory picks one by bytes."
         )
     if example_input is None:
         raise _checks.type_error(
