@@ -345,3 +345,31 @@ def test_workers_exit_when_their_driver_is_killed(tmp_path: Path) -> None:
         assert alive == []
     finally:
         driver.kill()
+
+
+def _seeded_mlp(trial: optuna.trial.Trial | optuna.trial.FixedTrial) -> float:
+    """Seeds torch, trains a small MLP with dropout (which draws from torch's generator)."""
+    seed = trial.suggest_int("seed", 0, 10_000)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 1)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(128, 16), torch.randn(128, 1)
+    loss = torch.zeros(())
+    for _ in range(40):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return float(loss.item())
+
+
+def test_seeded_trials_give_bit_identical_values_at_k4_as_alone() -> None:
+    seeds = [3, 14, 15, 92, 65, 35, 89, 79]
+    alone = [_seeded_mlp(optuna.trial.FixedTrial({"seed": seed})) for seed in seeds]
+    study = optuna.create_study()
+    for seed in seeds:
+        study.enqueue_trial({"seed": seed})
+    _process(4).optimize(study, _seeded_mlp, n_trials=len(seeds))
+    assert [t.value for t in study.trials] == alone  # exact: the same bits
