@@ -405,3 +405,23 @@ def test_a_worker_that_cannot_load_the_objective_fails_the_trial_and_raises(
         sys.modules.pop("gone_module", None)
     assert _states(study) == [TrialState.FAIL]
     assert "could not start" in study.trials[0].system_attrs["waterwave:fail_reason"]
+
+
+@pytest.mark.gpu
+def test_workers_run_on_the_slots_device_each_on_its_own_current_stream() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        context = ww.current()
+        assert context.stream is not None
+        trial.set_user_attr("device", str(context.device))
+        trial.set_user_attr("stream", int(context.stream.cuda_stream))
+        trial.set_user_attr("current", int(torch.cuda.current_stream().cuda_stream))
+        trial.set_user_attr("pid", os.getpid())
+        return float(torch.ones(1 << 20, device=context.device).sum())
+
+    study = optuna.create_study()
+    ww.WaterwaveExecutor("cuda:0", 2, isolation="process").optimize(study, objective, n_trials=4)
+    assert _states(study) == [TrialState.COMPLETE] * 4
+    for trial in study.trials:
+        assert trial.user_attrs["device"] == "cuda:0"
+        assert trial.user_attrs["current"] == trial.user_attrs["stream"]
+    assert len({t.user_attrs["pid"] for t in study.trials}) == 2
