@@ -11,7 +11,7 @@ is no device memory to share and no lease is taken.
 While a trial holds its lease, its process is bounded by it: the trial's pool account gets the
 lease as its quota (the worker's ``StreamAwarePool``, which CuPy allocates from when it uses the
 pool's allocator); without the pool, PyTorch's per-process memory fraction; and CuPy's own
-default pool, when CuPy is imported, gets the lease as its limit.
+default pool, when CuPy is installed, gets the lease as its limit.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
 import functools
+import importlib.util
 import sys
 import threading
 import time
@@ -127,7 +128,7 @@ def bound_process(device: torch.device, nbytes: int, account: Any) -> None:
 
     With the pool, the trial's account (``account``) gets ``nbytes`` as its quota; without it,
     PyTorch's per-process memory fraction of ``device`` is set to the lease; CuPy's default
-    pool, if CuPy is imported, gets it as its limit.
+    pool, if CuPy is installed, gets it as its limit.
     """
     if account is not None:
         account.set_quota(nbytes)
@@ -135,10 +136,24 @@ def bound_process(device: torch.device, nbytes: int, account: Any) -> None:
         total = int(torch.cuda.get_device_properties(device).total_memory)
         torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
         torch.cuda.reset_peak_memory_stats(device)
-    cupy = sys.modules.get("cupy")
+    cupy = _cupy_if_installed()
     if cupy is not None:
         with cupy.cuda.Device(device.index if device.index is not None else 0):
             cupy.get_default_memory_pool().set_limit(size=nbytes)
+
+
+def _cupy_if_installed() -> Any:
+    """CuPy's module if it is imported or installed (a trial may import it after its lease)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        return cupy
+    if importlib.util.find_spec("cupy") is None:
+        return None
+    try:
+        import cupy
+    except Exception:  # installed for another CUDA version: the trial cannot use it either
+        return None
+    return cupy
 
 
 def _renew(call: Call, holder: str, stop: threading.Event) -> None:
