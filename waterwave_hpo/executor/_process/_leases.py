@@ -20,6 +20,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
 import functools
+import importlib
 import importlib.util
 import sys
 import threading
@@ -144,16 +145,14 @@ def bound_process(device: torch.device, nbytes: int, account: Any) -> None:
 
 def _cupy_if_installed() -> Any:
     """CuPy's module if it is imported or installed (a trial may import it after its lease)."""
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        return cupy
+    if "cupy" in sys.modules:
+        return sys.modules["cupy"]
     if importlib.util.find_spec("cupy") is None:
         return None
     try:
-        import cupy
+        return importlib.import_module("cupy")
     except Exception:  # installed for another CUDA version: the trial cannot use it either
         return None
-    return cupy
 
 
 def _renew(call: Call, holder: str, stop: threading.Event) -> None:
