@@ -425,3 +425,22 @@ def test_workers_run_on_the_slots_device_each_on_its_own_current_stream() -> Non
         assert trial.user_attrs["device"] == "cuda:0"
         assert trial.user_attrs["current"] == trial.user_attrs["stream"]
     assert len({t.user_attrs["pid"] for t in study.trials}) == 2
+
+
+def test_a_cuda_error_that_may_poison_the_context_retires_its_worker() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        trial.set_user_attr("pid", os.getpid())
+        if trial.number == 0:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 0.0
+
+    study = optuna.create_study()
+    _process(1, record_trial_attrs=True).optimize(
+        study, objective, n_trials=3, catch=(RuntimeError,)
+    )
+    trials = study.trials
+    assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert "illegal memory access" in trials[0].system_attrs["waterwave:fail_reason"]
+    pids = [t.user_attrs["pid"] for t in trials]
+    assert pids[1] != pids[0]  # a new worker after the poisoning error
+    assert pids[2] == pids[1]  # reused again afterwards

@@ -13,7 +13,9 @@ run's queue.
 A worker that dies (a segmentation fault, ``abort()``, ``os._exit``, SIGKILL from outside or
 from the OOM killer) fails the trial it ran alone: the trial is told FAIL with the signal or
 exit code in its ``waterwave:fail_reason`` attribute, and the slot's next job starts a new
-worker; the study goes on.
+worker; the study goes on. A trial whose CUDA error may have poisoned its worker's context
+(anything but out of memory) ends as its exception says, and its worker retires: the slot's
+next trial starts a new one.
 """
 
 from __future__ import annotations
@@ -173,7 +175,10 @@ class _Worker:
 
             self.send(("answer", call_id, *sendable(ok, payload, cloudpickle.dumps)))
         elif kind == "records":
-            _, records, snapshot = message
+            _, records, snapshot, retire = message
+            if retire:  # before the outcomes: the slot's next job must go to a new worker
+                with self._lock:
+                    self.dead = True
             if snapshot.stop_requested:
                 _optuna_compat.request_stop(self.slot.host.settings.study)
             for record in records:

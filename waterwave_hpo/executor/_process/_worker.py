@@ -10,7 +10,9 @@ the records of how they ended go back over the same pipe.
 Messages (tuples, first item the kind). Driver to worker: ``("submit", members, fused, cap)``,
 ``("neighbours", n)``, ``("interrupt",)``, ``("stop",)``, ``("answer", call_id, ok, payload)``.
 Worker to driver: ``("ready", pid)``, ``("setup_error", error)``, ``("records", records,
-snapshot)``, ``("call", call_id, target, method, args)`` (target ``"storage"`` or ``"lease"``).
+snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned the worker's context,
+so it exits and the slot's next trial gets a new worker), ``("call", call_id, target, method,
+args)`` (target ``"storage"`` or ``"lease"``).
 
 The worker ends with its driver: when the pipe closes (the driver exited or was killed) the
 reader sees EOF and the process exits at once; on Linux the kernel also sends it SIGKILL when
@@ -135,11 +137,36 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
     try:
         while True:
             records, snapshot = runner.poll(_POLL_S)
+            retire = any(poisons_context(record.error) for record in records)
             if records or snapshot.stop_requested:
-                link.send(("records", records, snapshot))
+                link.send(("records", records, snapshot, retire))
+            if retire:  # the driver starts a new worker for the slot's next trial
+                os._exit(0)
     except BaseException as error:  # the pipe broke: the driver is gone
         print(f"waterwave-hpo worker {os.getpid()}: {error!r}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def poisons_context(error: BaseException | None) -> bool:
+    """Whether a trial's ``error`` may have left this process's CUDA context unusable.
+
+    Any CUDA error other than out of memory (an illegal address, a device-side assert, a
+    launch failure are sticky: every later CUDA call of the process fails), and the pool's
+    backend errors. The worker is then replaced instead of reused.
+    """
+    if error is None:
+        return False
+    from waterwave_hpo.executor._oom import is_out_of_memory
+    from waterwave_hpo.memory import PoolBackendError
+
+    if isinstance(error, PoolBackendError):
+        return True
+    if not isinstance(error, Exception) or is_out_of_memory(error):
+        return False
+    accelerator_error = getattr(__import__("torch"), "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and "CUDA error" in str(error)
 
 
 def _read(link: PipeLink, runner: Callable[[], Any]) -> None:
