@@ -444,3 +444,26 @@ def test_a_cuda_error_that_may_poison_the_context_retires_its_worker() -> None:
     pids = [t.user_attrs["pid"] for t in trials]
     assert pids[1] != pids[0]  # a new worker after the poisoning error
     assert pids[2] == pids[1]  # reused again afterwards
+
+
+def test_memory_plans_run_in_workers_each_within_its_share_of_the_budget() -> None:
+    from test_memory_plans import PLAIN_BYTES
+    from test_memory_plans import SMALLEST_BYTES
+    from test_memory_plans import _mlp
+    from test_memory_plans import _register
+    from test_memory_plans import _train
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        return _train(_register(_mlp()), 1)
+
+    budget = PLAIN_BYTES  # two workers: half each, below the plain step, above the smallest plan
+    assert budget // 2 >= SMALLEST_BYTES
+    study = optuna.create_study()
+    _process(2, memory_budget_bytes=budget, memory_plan="home", record_trial_attrs=True).optimize(
+        study, objective, n_trials=2
+    )
+    assert _states(study) == [TrialState.COMPLETE] * 2
+    for trial in study.trials:
+        plan = ww.executor.trial_memory_plan(trial)
+        assert plan is not None
+        assert plan.predicted_peak_bytes <= plan.budget_bytes <= budget // 2

@@ -152,10 +152,11 @@ class WaterwaveExecutor:
             seeded trial gives the same result as alone, whatever its neighbours do. On CUDA
             each trial holds a lease of the device's memory (``memory_budget_bytes`` or the
             device's total less a reserve, split over ``trials_per_device``) and is bounded by
-            it. The objective, the sampler, the pruner and ``catch`` are pickled (cloudpickle:
-            closures and lambdas work); a script that starts workers needs the
-            ``if __name__ == "__main__":`` guard, as for any spawned process.
-            ``trials_per_device="auto"`` is not supported with it.
+            it; each worker's pipeline scheduler and memory plans get
+            ``memory_budget_bytes // trials_per_device``. The objective, the sampler, the
+            pruner and ``catch`` are pickled (cloudpickle: closures and lambdas work); a
+            script that starts workers needs the ``if __name__ == "__main__":`` guard, as for
+            any spawned process. ``trials_per_device="auto"`` is not supported with it.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message

@@ -86,7 +86,8 @@ def process_hosts(
         n_slots=1,
         admit_by_memory=False,
         memory_pool=memory_pool,
-        memory_budget_bytes=memory_budget_bytes,
+        # Each worker's scheduler (and memory plans) gets its share; its lease is the same.
+        memory_budget_bytes=None if memory_budget_bytes is None else memory_budget_bytes // n_slots,
         policy=policy,
         memory_plan=memory_plan,
         record_trial_attrs=settings.record_trial_attrs,
