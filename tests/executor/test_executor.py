@@ -25,9 +25,14 @@ def _cpu(k: int = 4, **kwargs: object) -> ww.WaterwaveExecutor:
     return ww.WaterwaveExecutor(devices="cpu", trials_per_device=k, **kwargs)  # type: ignore[arg-type]
 
 
-def test_runs_exactly_n_trials_all_complete(storage: optuna.storages.BaseStorage) -> None:
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_runs_exactly_n_trials_all_complete(
+    storage: optuna.storages.BaseStorage, isolation: str
+) -> None:
     study = optuna.create_study(storage=storage)
-    _cpu(3).optimize(study, lambda t: t.suggest_float("x", -1, 1) ** 2, n_trials=10)
+    _cpu(3, isolation=isolation).optimize(
+        study, lambda t: t.suggest_float("x", -1, 1) ** 2, n_trials=10
+    )
     assert _states(study) == [TrialState.COMPLETE] * 10
 
 
@@ -150,13 +155,16 @@ def test_callbacks_see_every_finished_trial_in_the_calling_thread(
         assert state is (TrialState.PRUNED if number % 3 == 0 else TrialState.COMPLETE)
 
 
-def test_study_stop_in_callback_stops_the_study(storage: optuna.storages.BaseStorage) -> None:
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_study_stop_in_callback_stops_the_study(
+    storage: optuna.storages.BaseStorage, isolation: str
+) -> None:
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if trial.number >= 2:
             study.stop()
 
     study = optuna.create_study(storage=storage)
-    _cpu(1).optimize(study, lambda t: 0.0, n_trials=50, callbacks=[callback])
+    _cpu(1, isolation=isolation).optimize(study, lambda t: 0.0, n_trials=50, callbacks=[callback])
     assert len(study.trials) == 3
     assert all(state is TrialState.COMPLETE for state in _states(study))
 
@@ -341,9 +349,12 @@ def test_keyboard_interrupt_tells_every_running_trial_fail(
     assert "interrupted" in study.trials[0].system_attrs["waterwave:fail_reason"]
 
 
-def test_multi_objective_study(storage: optuna.storages.BaseStorage) -> None:
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_multi_objective_study(storage: optuna.storages.BaseStorage, isolation: str) -> None:
     study = optuna.create_study(storage=storage, directions=["minimize", "maximize"])
-    _cpu(2).optimize(study, lambda t: (t.suggest_float("x", 0, 1), 1.0), n_trials=4)
+    _cpu(2, isolation=isolation).optimize(
+        study, lambda t: (t.suggest_float("x", 0, 1), 1.0), n_trials=4
+    )
     assert _states(study) == [TrialState.COMPLETE] * 4
     assert all(len(t.values) == 2 for t in study.trials)
 
@@ -363,8 +374,11 @@ def test_nested_optimize_is_refused(storage: optuna.storages.BaseStorage) -> Non
     assert _states(study) == [TrialState.FAIL]
 
 
-def test_executor_can_be_reused_for_several_studies(storage: optuna.storages.BaseStorage) -> None:
-    executor = _cpu(2)
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_executor_can_be_reused_for_several_studies(
+    storage: optuna.storages.BaseStorage, isolation: str
+) -> None:
+    executor = _cpu(2, isolation=isolation)
     for _ in range(2):
         study = optuna.create_study(storage=storage)
         executor.optimize(study, lambda t: 0.0, n_trials=3)

@@ -31,6 +31,12 @@ from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import TrialPlanning
 from waterwave_hpo.executor._planning import plan_settings
+from waterwave_hpo.executor._remote import HostRunner
+from waterwave_hpo.executor._remote import HostSnapshot
+from waterwave_hpo.executor._remote import HostSpec
+from waterwave_hpo.executor._remote import TrialRecord
+from waterwave_hpo.executor._remote import fail_trial
+from waterwave_hpo.executor._remote import tell_record
 from waterwave_hpo.executor._run import on_trial_stream
 from waterwave_hpo.executor._run import run_attempt
 from waterwave_hpo.executor._streams import acquire_stream
@@ -50,6 +56,9 @@ __all__ = [
     "Callback",
     "DeviceHost",
     "Host",
+    "HostRunner",
+    "HostSnapshot",
+    "HostSpec",
     "MemoryPlanMode",
     "NoOptunaTrial",
     "ObjectiveFunc",
@@ -59,7 +68,9 @@ __all__ = [
     "TrialJob",
     "TrialOutcome",
     "TrialPlanning",
+    "TrialRecord",
     "acquire_stream",
+    "fail_trial",
     "is_batched",
     "make_device_memory",
     "on_trial_stream",
@@ -67,4 +78,5 @@ __all__ = [
     "release_stream",
     "resolve_devices",
     "run_attempt",
+    "tell_record",
 ]
