@@ -1,0 +1,129 @@
+"""RayExecutor(isolation="process") on a local Ray cluster with logical GPUs: one single-slot
+host actor per trial slot, its memory leased from the GPU's broker; a crash fails its trial
+alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+import ctypes
+import os
+import time
+
+import optuna
+from optuna.trial import TrialState
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import waterwave_hpo as ww  # noqa: E402
+from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402
+from waterwave_hpo.cluster import RayExecutor  # noqa: E402
+from waterwave_hpo.cluster._broker import find_broker  # noqa: E402
+from waterwave_hpo.cluster._isolated import summarize_crash_report  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
+
+RAY_GPUS = 1  # one logical GPU: K host actors share it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+CRASHING = {2, 5}
+
+
+def _states(study: optuna.Study) -> Counter[TrialState]:
+    return Counter(t.state for t in study.get_trials(deepcopy=False))
+
+
+def _segfaults_on_some(trial: optuna.trial.Trial) -> float:
+    x = trial.suggest_float("x", -1.0, 1.0)
+    time.sleep(0.1)
+    if trial.number in CRASHING:
+        ctypes.string_at(0)  # a segmentation fault in native code
+    assert ww.current().trial_number == trial.number
+    trial.set_user_attr("pid", os.getpid())
+    return x * x
+
+
+def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> None:
+    study = optuna.create_study()
+    executor = RayExecutor(
+        n_hosts=1, trials_per_device=2, isolation="process", memory_budget_bytes=1 << 30
+    )
+    executor.optimize(study, _segfaults_on_some, n_trials=8)
+    states = _states(study)
+    assert states == {TrialState.COMPLETE: 6, TrialState.FAIL: 2}
+    for t in study.trials:
+        if t.number in CRASHING:
+            assert t.state is TrialState.FAIL
+            reason = t.system_attrs[ATTR_FAIL_REASON]
+            assert "SIGSEGV" in reason and "crashed" in reason, reason
+            assert "_segfaults_on_some" in reason  # where, from faulthandler's stack
+        else:
+            assert t.state is TrialState.COMPLETE
+    assert not any(ATTR_RETRY_OF in t.system_attrs for t in study.trials)  # not re-run
+    assert executor.cluster_stats is not None
+    assert executor.cluster_stats.hosts_lost == 2
+    assert executor.cluster_stats.hosts_started >= 3  # the first two and a replacement
+    # Each trial ran in a process of its own slot: two at once, never two in one process.
+    assert max_concurrent_trials(study.trials) == 2
+    done = [t for t in study.trials if t.state is TrialState.COMPLETE]
+    assert len({t.system_attrs[ATTR_HOST] for t in study.trials}) >= 3
+    assert len({t.user_attrs["pid"] for t in done}) >= 2
+
+
+def _lease_of_this_process(trial: optuna.trial.Trial) -> float:
+    time.sleep(0.3)
+    gpu = str(ray.get_gpu_ids()[0])
+    stats = ray.get(find_broker(ray.get_runtime_context().get_node_id(), gpu).stats.remote())
+    trial.set_user_attr("held", stats.n_held)
+    trial.set_user_attr("granted", stats.granted_bytes)
+    return 0.0
+
+
+def test_each_host_process_holds_its_share_of_the_gpu_budget() -> None:
+    study = optuna.create_study()
+    budget = 1 << 30
+    RayExecutor(
+        n_hosts=1, trials_per_device=2, isolation="process", memory_budget_bytes=budget
+    ).optimize(study, _lease_of_this_process, n_trials=4)
+    assert _states(study) == {TrialState.COMPLETE: 4}
+    for t in study.trials:
+        # Both host processes of the GPU hold budget // 2 each, while the trials run.
+        assert t.user_attrs["held"] == 2
+        assert t.user_attrs["granted"] == budget
+
+
+def _exits(trial: optuna.trial.Trial) -> float:
+    time.sleep(0.1)
+    if trial.number == 1:
+        os._exit(3)
+    return 1.0
+
+
+def test_a_process_that_exits_fails_its_trial_with_the_reason_and_nothing_stays_running() -> None:
+    study = optuna.create_study()
+    RayExecutor(n_hosts=1, trials_per_device=2, isolation="process").optimize(
+        study, _exits, n_trials=5
+    )
+    assert _states(study) == {TrialState.COMPLETE: 4, TrialState.FAIL: 1}
+    reason = study.trials[1].system_attrs[ATTR_FAIL_REASON]
+    assert "died without a fatal-error report" in reason, reason
+
+
+def test_isolation_arguments_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="isolation='forks': is not a choice"):
+        RayExecutor(isolation="forks")
+    with pytest.raises(ValueError, match=r"trials_per_device='auto'.*pass an int"):
+        RayExecutor(trials_per_device="auto", isolation="process")
+
+
+def test_summary_names_the_signal_and_where() -> None:
+    report = (
+        "Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n"
+        '  File "a.py", line 1 in wait\n\nCurrent thread 0x02 (most recent call first):\n'
+        '  File "b.py", line 2 in objective\n  File "c.py", line 3 in run\n\n'
+        "Extension modules: numpy (total: 1)"
+    )
+    assert summarize_crash_report(report) == (
+        'SIGABRT (Aborted) at File "b.py", line 2 in objective; File "c.py", line 3 in run'
+    )
