@@ -518,6 +518,102 @@ def _every_sim_device(n: int) -> CheckResult:
     )
 
 
+# -- a worker process that crashes -------------------------------------------------------------
+
+_CRASHING_TRIAL = 1
+
+
+def crash_one_worker(trial: Any) -> float:
+    """The worker-crash check's objective: trial 1 kills its worker with a segmentation fault.
+
+    Module-level, so a spawned worker process imports it. Each trial records its process and
+    runs a small step on its device first (the crash comes while the device is in use).
+    """
+    import ctypes
+    import os
+
+    import waterwave_hpo as ww
+
+    trial.set_user_attr("pid", os.getpid())
+    x = trial.suggest_float("x", -1.0, 1.0)
+    w = torch.full((64, 64), x, device=ww.current().device)
+    value = float((w @ w).sum().item())
+    if trial.number == _CRASHING_TRIAL:
+        if trial.study.user_attrs.get("crash") == "exit":
+            os._exit(3)  # a process that ends without a signal (the check must then fail)
+        ctypes.string_at(0)  # reads address 0: SIGSEGV in native code
+    return value
+
+
+def check_worker_crash(
+    device: torch.device, k: int = 2, n_trials: int = 5, crash: str = "segfault"
+) -> CheckResult:
+    """A worker process killed by a segmentation fault fails its trial alone (issue 28).
+
+    A study of ``n_trials`` trials with ``isolation="process"`` and ``k`` slots on the device:
+    trial 1 segfaults in native code (``ctypes.string_at(0)``) while its worker holds the
+    device. Pass: that trial is FAIL with the signal in its fail reason, every other trial
+    COMPLETE, nothing RUNNING, and a new worker (another process) ran a later trial in the
+    crashed trial's slot. The figure is the seconds from the crashed trial's end to the start of
+    the next trial in its slot (the replacement worker's start-up). ``crash="exit"`` makes the
+    trial ``os._exit(3)`` instead (no signal: the check must fail; its own test).
+    """
+    import optuna
+
+    import waterwave_hpo as ww
+    from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+    from waterwave_hpo.executor._internal import ATTR_SLOT
+
+    study = optuna.create_study()
+    study.set_user_attr("crash", crash)
+    executor = ww.WaterwaveExecutor(
+        str(device), trials_per_device=k, record_trial_attrs=True, isolation="process"
+    )
+    executor.optimize(study, crash_one_worker, n_trials=n_trials)
+    trials = study.get_trials(deepcopy=False)
+    crashed = trials[_CRASHING_TRIAL]
+    reason = str(crashed.system_attrs.get(ATTR_FAIL_REASON, ""))
+    others = [t for t in trials if t.number != _CRASHING_TRIAL]
+    slot = crashed.system_attrs.get(ATTR_SLOT)
+    crashed_pid = crashed.user_attrs.get("pid")
+    later = sorted(
+        (
+            t
+            for t in others
+            if t.system_attrs.get(ATTR_SLOT) == slot
+            and t.datetime_start is not None
+            and crashed.datetime_complete is not None
+            and t.datetime_start >= crashed.datetime_complete
+        ),
+        key=lambda t: t.number,
+    )
+    replaced = bool(later) and all(t.user_attrs.get("pid") != crashed_pid for t in later)
+    respawn_s = (
+        (later[0].datetime_start - crashed.datetime_complete).total_seconds()  # type: ignore[operator]
+        if later
+        else None
+    )
+    signalled = "SIGSEGV" in reason
+    ok = (
+        crashed.state is optuna.trial.TrialState.FAIL
+        and signalled
+        and len(trials) == n_trials
+        and all(t.state is optuna.trial.TrialState.COMPLETE for t in others)
+        and replaced
+    )
+    return CheckResult(
+        "worker_crash",
+        _passed(ok),
+        respawn_s,
+        "s to the slot's next trial",
+        f"isolation='process', {k} slots on {device}, trial {_CRASHING_TRIAL} segfaults: "
+        f"states {[t.state.name for t in trials]}, reason {reason[:160]!r}, slot {slot}: "
+        f"crashed pid {crashed_pid}, later pids {[t.user_attrs.get('pid') for t in later]}; "
+        "pass: that trial FAIL with SIGSEGV in its reason, the others COMPLETE, a new worker "
+        "in its slot",
+    )
+
+
 #: The feature checks, in the order the doctor runs them (name, check of a device).
 FEATURE_CHECKS = (
     ("home_plans", check_home_plans),
@@ -526,4 +622,5 @@ FEATURE_CHECKS = (
     ("laysa_bf16", check_laysa_bf16),
     ("fused_batch", check_fused_batch),
     ("every_gpu", check_every_gpu),
+    ("worker_crash", check_worker_crash),
 )
