@@ -5,6 +5,7 @@ from waterwave_hpo.executor._attrs import trial_memory_plan
 from waterwave_hpo.executor._batch import BatchedObjective
 from waterwave_hpo.executor._batch import batched
 from waterwave_hpo.executor._executor import WaterwaveExecutor
+from waterwave_hpo.executor._isolation import Isolation
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import trial_memory_stats
 from waterwave_hpo.executor._oom import is_out_of_memory
@@ -22,6 +23,7 @@ from waterwave_hpo.trial import trial_scope
 
 __all__ = [
     "BatchedObjective",
+    "Isolation",
     "MemoryPlanMode",
     "MemoryPoolMode",
     "NoPlanFitsError",

@@ -22,6 +22,7 @@ from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host_protocol import Host
+from waterwave_hpo.executor._isolation import Isolation
 from waterwave_hpo.executor._memory import DeviceMemory
 from waterwave_hpo.executor._memory import MemoryPoolMode
 from waterwave_hpo.executor._memory import make_device_memory
@@ -139,6 +140,22 @@ class WaterwaveExecutor:
             With ``memory_plan="home"`` the batch is one attempt: the model it registers with
             :func:`waterwave_hpo.fit_trial_memory` (the fused model) is planned as one, and
             the plan is recorded on each of its trials.
+        isolation: ``"threads"`` (default): each slot is a thread of this process, with its
+            own CUDA stream, and all trials of a device share one stream-aware pool (memory
+            flows between them). ``"process"``: each slot runs its trials in a worker process
+            of its own (spawned on first use, reused for the slot's later trials), on the
+            slot's device and its own stream, reaching the study through this process (which
+            tells every outcome, runs the callbacks and writes the heartbeats). A worker that
+            dies (segmentation fault, ``abort()``, ``os._exit``, SIGKILL, the OOM killer)
+            fails its trial alone, with the signal or exit code in the trial's
+            ``waterwave:fail_reason`` system attribute, and the slot gets a new worker; a
+            seeded trial gives the same result as alone, whatever its neighbours do. On CUDA
+            each trial holds a lease of the device's memory (``memory_budget_bytes`` or the
+            device's total less a reserve, split over ``trials_per_device``) and is bounded by
+            it. The objective, the sampler, the pruner and ``catch`` are pickled (cloudpickle:
+            closures and lambdas work); a script that starts workers needs the
+            ``if __name__ == "__main__":`` guard, as for any spawned process.
+            ``trials_per_device="auto"`` is not supported with it.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -152,6 +169,9 @@ class WaterwaveExecutor:
         study = ww.create_study(direction="maximize")
         study.optimize(objective, n_trials=64, executor=ww.WaterwaveExecutor(trials_per_device=4))
     """
+
+    isolation: Isolation = Isolation.THREADS
+    """How the trials of a device are kept apart (``isolation=``)."""
 
     def __init__(
         self,
@@ -168,8 +188,10 @@ class WaterwaveExecutor:
         memory_plan: MemoryPlanMode | str = MemoryPlanMode.OFF,
         memory_planner: str = "pso",
         fuse: int | None = None,
+        isolation: Isolation | str = Isolation.THREADS,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
+        self.isolation = _check_isolation(isolation, trials_per_device)
         self._init_trial_settings(
             trials_per_device,
             on_oom=on_oom,
@@ -264,7 +286,23 @@ class WaterwaveExecutor:
         :class:`Host` implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote
         hosts). The loop reads the returned list on every turn, so a subclass may append hosts
         to it later from another thread (a host that joins mid-study).
+
+        Raises:
+            TypeError: With ``isolation="process"``, if the objective, the sampler, the pruner
+                or ``catch`` cannot be pickled (before any trial is asked).
         """
+        if self.isolation is Isolation.PROCESS:
+            from waterwave_hpo.executor._process import process_hosts
+
+            return process_hosts(
+                self.devices,
+                self.trials_per_device,
+                settings,
+                memory_pool=self.memory_pool,
+                memory_budget_bytes=self.memory_budget_bytes,
+                policy=self.policy,
+                memory_plan=self.memory_plan,
+            )
         return [
             DeviceHost(
                 device,
@@ -313,7 +351,8 @@ class WaterwaveExecutor:
             f"on_oom={self.on_oom.value!r}, max_oom_retries={self.max_oom_retries}, "
             f"memory_budget_bytes={self.memory_budget_bytes}, "
             f"memory_pool={self.memory_pool.value!r}, "
-            f"memory_plan={self.memory_plan.mode.value!r}, fuse={self.fuse})"
+            f"memory_plan={self.memory_plan.mode.value!r}, fuse={self.fuse}, "
+            f"isolation={self.isolation.value!r})"
         )
 
     def _check_run(
@@ -492,6 +531,25 @@ def _check_fuse_matches(func: object, fuse: int | None) -> None:
             "mark a function taking a list of trials with waterwave_hpo.batched(objective), "
             "or pass fuse=None for an objective taking one trial",
         )
+
+
+def _check_isolation(value: object, trials_per_device: object) -> Isolation:
+    isolation = _checks.check_choice(
+        "isolation",
+        value,
+        Isolation,
+        "pass 'threads' (default: trials share one process and its memory pool) or 'process' "
+        "(each slot runs its trials in a worker process of its own)",
+    )
+    if isolation is Isolation.PROCESS and trials_per_device == "auto":
+        raise _checks.value_error(
+            "trials_per_device",
+            trials_per_device,
+            "is not supported with isolation='process' (worker processes do not share the "
+            "memory measurements 'auto' admits trials by)",
+            "pass the number of worker processes per device, e.g. trials_per_device=4",
+        )
+    return isolation
 
 
 def _check_on_oom(value: object) -> OnOOM:

@@ -69,6 +69,8 @@ class DeviceHost:
             :class:`TrialContext`); ``None`` for neither.
         admit_by_memory: ``trials_per_device="auto"``: start another trial only while
             :meth:`DeviceMemory.has_room` says so.
+        slot_indices: The indices its slots carry (default ``0 .. n_slots - 1``): a worker
+            process of process isolation runs one slot of the driver's host.
     """
 
     def __init__(
@@ -78,13 +80,18 @@ class DeviceHost:
         settings: RunSettings,
         memory: DeviceMemory | None = None,
         admit_by_memory: bool = False,
+        slot_indices: list[int] | None = None,
     ) -> None:
         self.device = device
         self.settings = settings
         self.memory = memory if memory is not None else DeviceMemory(device)
         self.scheduler = self.memory.scheduler
         self.admit_by_memory = admit_by_memory
-        self.slots = [_Slot(self, index) for index in range(n_slots)]
+        indices = list(range(n_slots)) if slot_indices is None else list(slot_indices)
+        self.slots = [_Slot(self, index) for index in indices]
+        self.outside_neighbours = 0
+        """Trials running on the device outside this host (the other worker processes of the
+        driver's host, under process isolation); they count as every trial's neighbours."""
 
     @property
     def n_running(self) -> int:
@@ -162,7 +169,8 @@ class _Slot:
 
     def neighbours(self) -> int:
         """How many other slots of this host are inside an objective now."""
-        return sum(1 for slot in self.host.slots if slot is not self and slot.busy)
+        inside = sum(1 for slot in self.host.slots if slot is not self and slot.busy)
+        return inside + self.host.outside_neighbours
 
     def enter(self) -> None:
         """The slot's objective starts: from now on :meth:`interrupt` reaches it."""

@@ -30,6 +30,12 @@ from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import TrialPlanning
 from waterwave_hpo.executor._planning import plan_settings
+from waterwave_hpo.executor._remote import HostRunner
+from waterwave_hpo.executor._remote import HostSnapshot
+from waterwave_hpo.executor._remote import HostSpec
+from waterwave_hpo.executor._remote import TrialRecord
+from waterwave_hpo.executor._remote import fail_trial
+from waterwave_hpo.executor._remote import tell_record
 from waterwave_hpo.executor._run import on_trial_stream
 from waterwave_hpo.executor._run import run_attempt
 from waterwave_hpo.executor._streams import acquire_stream
@@ -49,6 +55,9 @@ __all__ = [
     "Callback",
     "DeviceHost",
     "Host",
+    "HostRunner",
+    "HostSnapshot",
+    "HostSpec",
     "MemoryPlanMode",
     "NoOptunaTrial",
     "ObjectiveFunc",
@@ -58,11 +67,14 @@ __all__ = [
     "TrialJob",
     "TrialOutcome",
     "TrialPlanning",
+    "TrialRecord",
     "acquire_stream",
+    "fail_trial",
     "make_device_memory",
     "on_trial_stream",
     "plan_settings",
     "release_stream",
     "resolve_devices",
     "run_attempt",
+    "tell_record",
 ]

@@ -1,0 +1,165 @@
+"""Memory leases for the worker processes of one device (process isolation).
+
+Threads of one process share one stream-aware pool, so memory flows between co-hosted trials;
+worker processes cannot share it. Their peaks are kept from colliding as Ray's packed trials
+are (``shared_gpu()``): each trial holds a lease of device memory from the device's
+:class:`~waterwave_hpo.memory._leases.LeaseBook` (first come, first served while the leases fit
+the budget; Waterwave's admission, IEEE TC 2023, Sec. 4, across processes). Here the book lives
+in the driver, one per CUDA device, and the workers reach it over their pipes; on the CPU there
+is no device memory to share and no lease is taken.
+
+While a trial holds its lease, its process is bounded by it: the trial's pool account gets the
+lease as its quota (the worker's ``StreamAwarePool``, which CuPy allocates from when it uses the
+pool's allocator); without the pool, PyTorch's per-process memory fraction; and CuPy's own
+default pool, when CuPy is imported, gets the lease as its limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
+import functools
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from waterwave_hpo import _experimental
+from waterwave_hpo.executor._memory import _TRIAL_ACCOUNT
+from waterwave_hpo.executor._memory import default_budget_bytes
+from waterwave_hpo.memory._internal import LeaseBook
+
+LEASE_TTL_S = 10.0
+"""A lease its worker stops renewing (the worker died) expires after this many seconds."""
+_POLL_S = 0.05
+
+
+class LeaseServer:
+    """The driver's side: one device's :class:`LeaseBook`, called from the workers' pipes.
+
+    Args:
+        device: The device.
+        n_slots: Its workers; a lease is ``budget // n_slots`` bytes.
+        budget_bytes: The bytes the leases share (``memory_budget_bytes``); ``None``: on CUDA,
+            the device's total less the reserve for CUDA contexts; on the CPU, no leases.
+    """
+
+    def __init__(self, device: torch.device, n_slots: int, budget_bytes: int | None) -> None:
+        self.enabled = device.type == "cuda"
+        self.book: LeaseBook | None = None
+        if self.enabled:
+            if budget_bytes is None:
+                total = int(torch.cuda.get_device_properties(device).total_memory)
+                budget_bytes = default_budget_bytes(total)
+            self.book = LeaseBook(budget_bytes, n_slots, LEASE_TTL_S)
+        self._lock = threading.Lock()
+
+    def run(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        """One call of a worker: ``(True, result)`` or ``(False, exception)``. Never raises."""
+        if self.book is None or method not in ("request", "poll", "renew", "release"):
+            return False, PermissionError(f"No lease call {method!r} on this device.")
+        try:
+            with self._lock:
+                return True, getattr(self.book, method)(*args)
+        except Exception as error:
+            return False, error
+
+
+Call = Callable[[str, str, tuple[Any, ...]], tuple[bool, Any]]
+
+
+def _checked(call: Call, method: str, *args: Any) -> Any:
+    ok, payload = call("lease", method, args)
+    if not ok:
+        raise payload
+    return payload
+
+
+@contextlib.contextmanager
+def hold_lease(call: Call, holder: str, device: torch.device) -> Iterator[int | None]:
+    """Hold a memory lease of ``device`` for the block, bounding this process by it.
+
+    Waits (first come, first served) until the driver's book grants it; renews it from a
+    thread; releases it with the measured peak on the way out.
+
+    Args:
+        call: The worker's call to the driver (``PipeLink.call``).
+        holder: A name unique to this attempt.
+        device: The trial's CUDA device.
+
+    Yields:
+        The lease's bytes, or ``None`` when the book has no budget.
+    """
+    _checked(call, "request", holder, None)
+    while (lease := _checked(call, "poll", holder)) is None:
+        time.sleep(_POLL_S)
+    nbytes: int | None = lease.nbytes
+    stop = threading.Event()
+    renewer = threading.Thread(
+        target=_renew, args=(call, holder, stop), name=f"waterwave-lease-{holder}", daemon=True
+    )
+    renewer.start()
+    peak: int | None = None
+    try:
+        account = _TRIAL_ACCOUNT.get()
+        if nbytes is not None:
+            _experimental.warn_experimental(_experimental.ExperimentalPath.EXECUTOR_CUDA)
+            bound_process(device, nbytes, account)
+        yield nbytes
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            account = _TRIAL_ACCOUNT.get()
+            peak = (
+                int(account.stats().peak_allocated_bytes)
+                if account is not None and not account.closed
+                else int(torch.cuda.max_memory_reserved(device))
+            )
+        with contextlib.suppress(Exception):
+            _checked(call, "release", holder, peak)
+
+
+def bound_process(device: torch.device, nbytes: int, account: Any) -> None:
+    """Bound this process's device memory by a lease of ``nbytes``.
+
+    With the pool, the trial's account (``account``) gets ``nbytes`` as its quota; without it,
+    PyTorch's per-process memory fraction of ``device`` is set to the lease; CuPy's default
+    pool, if CuPy is imported, gets it as its limit.
+    """
+    if account is not None:
+        account.set_quota(nbytes)
+    else:
+        total = int(torch.cuda.get_device_properties(device).total_memory)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with cupy.cuda.Device(device.index if device.index is not None else 0):
+            cupy.get_default_memory_pool().set_limit(size=nbytes)
+
+
+def _renew(call: Call, holder: str, stop: threading.Event) -> None:
+    every_s = LEASE_TTL_S / 4
+    while not stop.wait(every_s):
+        try:
+            ttl_s = _checked(call, "renew", holder)
+        except Exception:
+            return
+        if ttl_s is None:
+            return
+        every_s = float(ttl_s) / 4
+
+
+def leased(func: Any, call: Call, device: torch.device, pid: int) -> Any:
+    """``func`` that holds a lease of ``device`` while it runs (the objective of worker ``pid``)."""
+    counter = iter(range(sys.maxsize))
+
+    @functools.wraps(func)
+    def run(arg: Any) -> Any:
+        with hold_lease(call, f"pid{pid}-{next(counter)}", device):
+            return func(arg)
+
+    return run

@@ -1,0 +1,107 @@
+"""What a worker process starts from: the objective and the run's settings, pickled by value.
+
+Worker processes are spawned (a fresh interpreter: no CUDA context, no lock, no thread inherited
+from the driver), so everything they run crosses as bytes. ``cloudpickle`` carries closures,
+lambdas and functions defined in ``__main__`` or a notebook by value; a function of an
+importable module goes by reference and is imported in the worker. What cannot be pickled (an
+objective holding a lock, an open file, a database connection) is refused before any trial is
+asked, naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import torch
+
+from waterwave_hpo import _checks
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._planning import PlanSettings
+from waterwave_hpo.executor._process._host import ProcessHost
+from waterwave_hpo.executor._process._leases import LeaseServer
+from waterwave_hpo.executor._remote import HostSpec
+from waterwave_hpo.relay import StorageService
+
+if TYPE_CHECKING:
+    import optuna
+
+
+def pickle_for_workers(name: str, value: object) -> bytes:
+    """``value`` pickled with cloudpickle, or the argument's error in the one format.
+
+    Raises:
+        TypeError: If ``value`` cannot be pickled; the message names ``name``,
+            ``isolation="process"`` and the fix.
+    """
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps(value))
+    except Exception as error:
+        raise _checks.type_error(
+            name,
+            value,
+            f"picklable, since isolation='process' sends it to worker processes (cloudpickle "
+            f"said: {type(error).__name__}: {error})",
+            "create what it holds that cannot be pickled (a lock, an open file or connection, "
+            "a CUDA tensor) inside the objective, or use isolation='threads'",
+        ) from error
+
+
+def process_hosts(
+    devices: Sequence[torch.device],
+    n_slots: int,
+    settings: RunSettings,
+    *,
+    memory_pool: MemoryPoolMode,
+    memory_budget_bytes: int | None,
+    policy: Any,
+    memory_plan: PlanSettings,
+) -> list[ProcessHost]:
+    """The process hosts of one ``optimize`` call, one per device.
+
+    Raises:
+        TypeError: If the objective, the sampler, the pruner or ``catch`` cannot be pickled.
+    """
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    study: optuna.Study = settings.study
+    pickle_for_workers("func", settings.func)
+    pickle_for_workers("study.sampler", study.sampler)
+    pickle_for_workers("study.pruner", study.pruner)
+    spec = HostSpec(
+        storage=None,
+        study_name=study.study_name,
+        sampler=study.sampler,
+        pruner=study.pruner,
+        func=settings.func,
+        catch=settings.catch,
+        on_oom=settings.on_oom,
+        max_oom_retries=settings.max_oom_retries,
+        gc_after_trial=settings.gc_after_trial,
+        n_slots=1,
+        admit_by_memory=False,
+        memory_pool=memory_pool,
+        memory_budget_bytes=memory_budget_bytes,
+        policy=policy,
+        memory_plan=memory_plan,
+        record_trial_attrs=settings.record_trial_attrs,
+    )
+    heartbeat = is_heartbeat_enabled(_optuna_compat.storage_of(study))
+    payload = pickle_for_workers("catch", (spec, heartbeat))
+    service = StorageService(study)
+    return [
+        ProcessHost(
+            device,
+            n_slots,
+            settings,
+            payload,
+            service,
+            LeaseServer(device, n_slots, memory_budget_bytes),
+        )
+        for device in devices
+    ]

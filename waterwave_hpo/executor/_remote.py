@@ -1,0 +1,372 @@
+"""A device host in another process, whatever carries its messages (Ray, or a pipe).
+
+The run of a trial outside the driver is one thing, wherever it happens: the host process opens
+the study through a relay of the driver's storage (``waterwave_hpo.relay``) with the driver's
+pickled sampler and pruner, runs the jobs the driver hands it on a
+:class:`~waterwave_hpo.executor._host.DeviceHost` (the one run path, ``executor/_run.py``), and
+reports how each attempt ended as a :class:`TrialRecord`; the driver then tells the study from
+the record (:func:`tell_record`), so the user's callbacks, logs and the run loop see every
+outcome in the driver's process. Two transports use it: a Ray host actor
+(``cluster/_actor.py``) and a worker process of process isolation (``executor/_process/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from dataclasses import field
+import queue
+import threading
+from typing import Any
+from typing import Protocol
+
+import optuna
+from optuna.trial import TrialState
+import torch
+
+from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.executor._host import DeviceHost
+from waterwave_hpo.executor._host import RunSettings
+from waterwave_hpo.executor._memory import MemoryPoolMode
+from waterwave_hpo.executor._memory import make_device_memory
+from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.executor._outcome import OutcomeKind
+from waterwave_hpo.executor._outcome import TrialJob
+from waterwave_hpo.executor._outcome import TrialOutcome
+from waterwave_hpo.executor._planning import MemoryPlanMode
+from waterwave_hpo.executor._planning import PlanSettings
+from waterwave_hpo.executor._planning import TrialPlanning
+
+_REASON_MAX_CHARS = 500
+
+
+class StorageConnector(Protocol):
+    """How a host process reaches the run's study (e.g. ``cluster``'s ``StorageChannel``)."""
+
+    def connect(self) -> optuna.storages.BaseStorage:
+        """The host's ``BaseStorage`` for the run's study."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Everything a host process needs to build its device host (sent once, at its start).
+
+    Attributes:
+        storage: How the host reaches the study (a Ray relay's channel), or ``None`` when the
+            host's transport brings its own (a worker process's pipe).
+        study_name: The study to open.
+        sampler: The driver's sampler (pickled; reseeded in each host).
+        pruner: The driver's pruner (pickled).
+        func: The objective.
+        n_slots: Slots of the host (trials at once).
+    """
+
+    storage: StorageConnector | None
+    study_name: str
+    sampler: optuna.samplers.BaseSampler
+    pruner: optuna.pruners.BasePruner
+    func: Any
+    catch: tuple[type[BaseException], ...]
+    on_oom: OnOOM
+    max_oom_retries: int
+    gc_after_trial: bool
+    n_slots: int
+    admit_by_memory: bool
+    memory_pool: MemoryPoolMode
+    memory_budget_bytes: int | None
+    policy: Any
+    memory_plan: PlanSettings = field(default_factory=PlanSettings)
+    """``memory_plan=`` of the executor: each attempt's planning is made on the host."""
+    record_trial_attrs: bool = True
+    """``record_trial_attrs=`` of the executor (device, slot, peak bytes, fail reason)."""
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """How one trial attempt ended on a host, for the driver to tell the study.
+
+    Attributes:
+        slot: The slot that ran it.
+        number: The trial's number.
+        kind: How it ended (the slot's classification).
+        state: The state the host would have told (``None``: COMPLETE with ``values``).
+        values: The objective's value(s) as floats, or its ``repr`` when they are not numbers
+            (the driver's ``study.tell`` then fails the trial, as Optuna does).
+        error: The exception (or a ``RuntimeError`` describing it when it cannot be pickled).
+        neighbours: Trials running beside it on the host when it ended.
+        footprint_bytes: With ``memory_plan="home"``: the footprint its registered model ran
+            with (the driver plans a re-run from it), else ``None``.
+        smallest_peak_bytes: The registered model's smallest planned peak, else ``None``.
+        fail_message: Why the study marked a returned value FAIL, else ``None``.
+    """
+
+    slot: int
+    number: int
+    kind: OutcomeKind
+    state: TrialState | None
+    values: float | list[float] | str | None
+    error: BaseException | None
+    neighbours: int
+    footprint_bytes: int | None = None
+    smallest_peak_bytes: int | None = None
+    fail_message: str | None = None
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """A host's state after a poll: admission room and stop requests."""
+
+    has_room: bool
+    """Whether the host's measured memory demand leaves room for one more trial."""
+    stop_requested: bool
+    """Whether an objective on this host called ``study.stop()``."""
+
+
+class _HostStudy(optuna.Study):
+    """The host's view of the study: ``tell`` is recorded for the driver, then read back."""
+
+    _told: dict[int, tuple[TrialState | None, Any]]
+    _told_lock: threading.Lock
+
+    def tell(
+        self,
+        trial: optuna.trial.Trial | int,
+        values: Any = None,
+        state: TrialState | None = None,
+        skip_if_finished: bool = False,
+    ) -> optuna.trial.FrozenTrial:
+        number = trial if isinstance(trial, int) else trial.number
+        with self._told_lock:
+            self._told.setdefault(number, (state, values))
+        storage = _optuna_compat.storage_of(self)
+        trial_id = (
+            storage.get_trial_id_from_study_id_trial_number(_optuna_compat.study_id(self), number)
+            if isinstance(trial, int)
+            else _optuna_compat.trial_id(trial)
+        )
+        return storage.get_trial(trial_id)
+
+
+class HostRunner:
+    """The host side: a study opened through a relay, a device host, records for the driver.
+
+    Only the transport's threads call it: :meth:`submit`, :meth:`interrupt` and
+    :meth:`shutdown` from the one that takes the driver's requests, :meth:`poll` from the one
+    that sends records (they may be the same).
+
+    Args:
+        spec: The study, the objective and the executor's settings.
+        storage: The relayed storage of the run's study.
+        device: The device its trials run on.
+        slot_indices: The indices its slots carry (default ``range(spec.n_slots)``): a worker
+            process runs one slot of the driver's host, and its trials record that slot's index.
+
+    Raises:
+        StoragePermissionError: If the study is not the one the driver's relay serves.
+    """
+
+    def __init__(
+        self,
+        spec: HostSpec,
+        storage: optuna.storages.BaseStorage,
+        device: torch.device,
+        slot_indices: list[int] | None = None,
+    ) -> None:
+        study = optuna.load_study(
+            study_name=spec.study_name, storage=storage, sampler=spec.sampler, pruner=spec.pruner
+        )
+        # Every host got the same pickled sampler; without a new seed they would all draw the
+        # same parameters (Optuna reseeds for n_jobs > 1 the same way).
+        study.sampler.reseed_rng()
+        study.__class__ = _HostStudy
+        assert isinstance(study, _HostStudy)
+        study._told = {}
+        study._told_lock = threading.Lock()
+        self.study: optuna.Study = study
+        self._study = study
+        settings = RunSettings(
+            study=study,
+            func=spec.func,
+            catch=spec.catch,
+            on_oom=spec.on_oom,
+            max_oom_retries=spec.max_oom_retries,
+            gc_after_trial=spec.gc_after_trial,
+            outcomes=queue.SimpleQueue(),
+            record_trial_attrs=spec.record_trial_attrs,
+            memory_plan=spec.memory_plan,
+        )
+        self._memory_plan = spec.memory_plan
+        memory = make_device_memory(
+            device,
+            spec.memory_pool,
+            spec.memory_budget_bytes,
+            spec.policy,
+            max_trials=spec.n_slots,
+            plans=spec.memory_plan.mode is not MemoryPlanMode.OFF,
+        )
+        self.host = DeviceHost(
+            device,
+            spec.n_slots,
+            settings,
+            memory=memory,
+            admit_by_memory=spec.admit_by_memory,
+            slot_indices=slot_indices,
+        )
+        self._slots = {slot.index: slot for slot in self.host.slots}
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}  # id(job) -> members not recorded yet
+
+    def submit(
+        self,
+        slot: int,
+        members: list[tuple[int, int, int | None]],
+        fused: bool = False,
+        plan_cap_bytes: int | None = None,
+    ) -> None:
+        """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
+
+        The job goes the executor's one run path (``executor/_run.py``), as on one machine.
+
+        Args:
+            slot: The slot's index.
+            members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
+            fused: A fused batch (``fuse=K``): the objective takes the list of trials.
+            plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
+
+        Precondition: the driver only submits to a slot whose previous job it has seen end.
+        """
+        planning = (
+            None
+            if self._memory_plan.mode is MemoryPlanMode.OFF
+            else TrialPlanning(self._memory_plan, cap_bytes=plan_cap_bytes)
+        )
+        jobs = [
+            TrialJob(optuna.trial.Trial(self._study, trial_id), attempt, retry_of, planning)
+            for trial_id, attempt, retry_of in members
+        ]
+        first = jobs[0]
+        job = (
+            TrialJob(first.trial, first.attempt, first.retry_of, planning, batch=tuple(jobs))
+            if fused
+            else first
+        )
+        with self._lock:
+            self._pending[id(job)] = len(jobs)
+            self.host.submit(self._slots[slot], job)
+
+    def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
+        """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""
+        outcomes: list[TrialOutcome] = []
+        with contextlib.suppress(queue.Empty):
+            outcomes.append(self.host.settings.outcomes.get(timeout=timeout_s))
+            while True:
+                outcomes.append(self.host.settings.outcomes.get_nowait())
+        records = []
+        with self._lock:
+            for outcome in outcomes:
+                records.append(self._record(outcome))
+            snapshot = HostSnapshot(
+                has_room=self.host.memory.has_room(),
+                stop_requested=_optuna_compat.stop_requested(self._study),
+            )
+        return records, snapshot
+
+    def interrupt(self, slot: int) -> None:
+        """Stop the trial running in ``slot`` (the driver has told it FAIL already)."""
+        self._slots[slot].interrupt()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop the slot threads, waiting up to ``timeout_s`` seconds."""
+        self.host.shutdown(timeout_s=timeout_s)
+
+    def _record(self, outcome: TrialOutcome) -> TrialRecord:
+        number = outcome.job.trial.number
+        slot_index = -1
+        for slot in self.host.slots:
+            if slot.job is not None and any(m is outcome.job for m in slot.job.members()):
+                slot_index = slot.index
+                self._pending[id(slot.job)] -= 1
+                if not self._pending[id(slot.job)]:  # every trial of its job recorded
+                    del self._pending[id(slot.job)]
+                    slot.job = None
+        self.host.memory.trial_ended(number)
+        with self._study._told_lock:
+            state, values = self._study._told.pop(number, (TrialState.FAIL, None))
+        planning = outcome.job.planning
+        return TrialRecord(
+            slot=slot_index,
+            number=number,
+            kind=outcome.kind,
+            state=state,
+            values=plain_values(values) if state is None else None,
+            error=picklable_error(outcome.error),
+            neighbours=outcome.neighbours,
+            footprint_bytes=None if planning is None else planning.footprint_bytes,
+            smallest_peak_bytes=None if planning is None else planning.smallest_peak_bytes,
+            fail_message=outcome.fail_message,
+        )
+
+
+def plain_values(values: Any) -> float | list[float] | str | None:
+    """``values`` as floats: a CUDA tensor or a numpy scalar must not cross to the driver."""
+    if values is None:
+        return None
+    try:
+        if isinstance(values, (list, tuple)):
+            return [float(v) for v in values]
+        return float(values)
+    except (TypeError, ValueError):
+        return repr(values)
+
+
+def picklable_error(error: BaseException | None) -> BaseException | None:
+    """``error`` without its traceback, or a ``RuntimeError`` naming it when it cannot cross."""
+    if error is None:
+        return None
+    import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    error.__traceback__ = None
+    return error
+
+
+def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> TrialOutcome:
+    """Tell the driver's study how ``job`` ended on a host; the outcome for the run loop.
+
+    The host may have written the trial's end through the relay already; the driver's tell then
+    skips it and reads the trial back. A tell that fails fails the trial (nothing is left
+    RUNNING) and makes the outcome FATAL.
+    """
+    study = settings.study
+    kind = record.kind
+    error = record.error
+    fail_message = record.fail_message
+    frozen = None
+    try:
+        frozen, message = _optuna_compat.tell_as_optimize(
+            study, job.trial, record.values, record.state
+        )
+        fail_message = fail_message or message
+    except Exception as tell_error:  # the driver could not tell: fail it, never leave it
+        kind, error = OutcomeKind.FATAL, tell_error
+        frozen = fail_trial(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
+    return TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
+
+
+def fail_trial(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:
+    """Tell ``job``'s trial FAIL with ``reason`` in its fail-reason attribute; never raises.
+
+    The reason is recorded whatever ``record_trial_attrs`` says: the trial's host is gone, and
+    the reason (a signal, an exit code, a lost node) is nowhere else.
+    """
+    with contextlib.suppress(Exception):
+        _optuna_compat.set_system_attr(
+            study, _optuna_compat.trial_id(job.trial), ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS]
+        )
+    with contextlib.suppress(Exception):
+        return study.tell(job.trial, state=TrialState.FAIL, skip_if_finished=True)
+    return None
