@@ -111,7 +111,7 @@ def test_a_process_that_exits_fails_its_trial_with_the_reason_and_nothing_stays_
 
 
 def test_isolation_arguments_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="isolation='forks': is not a choice"):
+    with pytest.raises(ValueError, match=r"isolation=.forks.: is not one of"):
         RayExecutor(isolation="forks")
     with pytest.raises(ValueError, match=r"trials_per_device='auto'.*pass an int"):
         RayExecutor(trials_per_device="auto", isolation="process")

@@ -26,6 +26,7 @@ from waterwave_hpo.cluster._isolated import IsolatedSpec
 from waterwave_hpo.cluster._isolated import describe_loss
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
+from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
@@ -38,7 +39,6 @@ from waterwave_hpo.scheduler import PolicyName
 
 _logger = logging.getLogger("waterwave_hpo")
 _ACTOR_CONCURRENCY = 4  # poll (blocking) + submit + interrupt + shutdown
-_ISOLATIONS = ("threads", "process")
 
 
 class AllHostsLostError(RuntimeError):
@@ -160,14 +160,17 @@ class RayExecutor(WaterwaveExecutor):
         memory_plan: str = "off",
         memory_planner: str = "pso",
         fuse: int | None = None,
-        isolation: str = "threads",
+        isolation: Isolation | str = Isolation.THREADS,
     ) -> None:
         import_ray()
-        if isolation not in _ISOLATIONS:
-            raise _checks.value_error(
-                "isolation", isolation, "is not a choice", "pass 'threads' or 'process'"
-            )
-        if isolation == "process" and trials_per_device == "auto":
+        checked = _checks.check_choice(
+            "isolation",
+            isolation,
+            Isolation,
+            "pass 'threads' (default: one host actor per GPU, its trials threads) or 'process' "
+            "(one single-slot host actor per trial slot)",
+        )
+        if checked is Isolation.PROCESS and trials_per_device == "auto":
             raise _checks.value_error(
                 "trials_per_device",
                 trials_per_device,
@@ -175,7 +178,7 @@ class RayExecutor(WaterwaveExecutor):
                 "up front",
                 "pass an int, e.g. trials_per_device=4",
             )
-        self.isolation = isolation
+        self.isolation = checked
         # Not WaterwaveExecutor.__init__: the driver resolves no device; each host actor
         # resolves its own ("auto") where Ray placed it.
         self._init_trial_settings(
@@ -238,7 +241,7 @@ class RayExecutor(WaterwaveExecutor):
             f"num_gpus_per_host={self.num_gpus_per_host}, "
             f"num_cpus_per_host={self.num_cpus_per_host}, max_devices={self.max_devices}, "
             f"on_oom={self.on_oom.value!r}, memory_plan={self.memory_plan.mode.value!r}, "
-            f"fuse={self.fuse}, isolation={self.isolation!r})"
+            f"fuse={self.fuse}, isolation={self.isolation.value!r})"
         )
 
     @property
@@ -366,7 +369,7 @@ class RayExecutor(WaterwaveExecutor):
             policy=self.policy,
             memory_plan=self.memory_plan,
         )
-        isolated = self.isolation == "process"
+        isolated = self.isolation is Isolation.PROCESS
         per_gpu = self.trials_per_device if isolated else 1
         actor_options = {
             "num_gpus": _share(self.num_gpus_per_host, per_gpu),
