@@ -127,3 +127,34 @@ def test_summary_names_the_signal_and_where() -> None:
     assert summarize_crash_report(report) == (
         'SIGABRT (Aborted) at File "b.py", line 2 in objective; File "c.py", line 3 in run'
     )
+
+
+def test_on_cuda_each_trial_is_bounded_by_its_process_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The CUDA path (never run on a GPU here): each trial of an isolated host bounds its
+    # process by the lease before the objective runs, with the trial's pool account.
+    from waterwave_hpo.cluster import _isolated
+    from waterwave_hpo.executor._internal import TRIAL_ACCOUNT
+
+    calls: list[tuple[object, int, object]] = []
+    monkeypatch.setattr(
+        _isolated,
+        "bound_process",
+        lambda device, nbytes, account: calls.append((device, nbytes, account)),
+    )
+    seen: list[int] = []
+
+    def objective(trial: object) -> float:
+        seen.append(len(calls))  # bounded before the objective starts
+        return 1.0
+
+    run = _isolated.bounded(objective, "cuda:0", 1 << 28)
+    account = object()
+    token = TRIAL_ACCOUNT.set(account)
+    try:
+        assert run(None) == 1.0
+    finally:
+        TRIAL_ACCOUNT.reset(token)
+    assert calls == [("cuda:0", 1 << 28, account)] and seen == [1]
+    assert run.__name__ == "objective"

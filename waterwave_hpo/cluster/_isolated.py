@@ -5,8 +5,10 @@ its own process is a host actor with one slot. Each GPU gets ``trials_per_device
 (fractional ``num_gpus = 1 / trials_per_device``, Ray's placement), and each holds, for its
 lifetime, a memory lease from the GPU's broker (the one :func:`~waterwave_hpo.shared_gpu`'s
 Tune trials use, ``cluster/_broker.py``): ``budget / trials_per_device`` bytes, which become its
-device's memory budget (the scheduler's ledger; on CUDA without the pool, PyTorch's
-per-process memory fraction too), so the K processes' peaks do not collide.
+device's memory budget (the scheduler's ledger) and, on CUDA, bound each of its trials as
+process isolation on one machine bounds a worker (``executor``'s ``bound_process``: the trial's
+pool account gets the lease as its quota; without the pool, PyTorch's per-process memory
+fraction; CuPy's default pool its limit), so the K processes' peaks do not collide.
 
 A trial that crashes its process (a segmentation fault in native code, ``abort()``,
 ``os._exit``, the OOM killer) kills its actor only. The actor wrote its fatal-error report
@@ -25,6 +27,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 import faulthandler
+import functools
 import logging
 import os
 import threading
@@ -35,7 +38,6 @@ from typing import Any
 from waterwave_hpo.cluster._actor import HostActor
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._broker import CUDA_BUDGET_FRACTION
-from waterwave_hpo.cluster._broker import cap_cuda
 from waterwave_hpo.cluster._broker import crash_report_path
 from waterwave_hpo.cluster._broker import cuda_device
 from waterwave_hpo.cluster._broker import find_broker
@@ -44,7 +46,8 @@ from waterwave_hpo.cluster._broker import renew_lease
 from waterwave_hpo.cluster._leases import MemoryLease
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._remote import RemoteHost
-from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.executor._internal import TRIAL_ACCOUNT
+from waterwave_hpo.executor._internal import bound_process
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.05
@@ -120,7 +123,7 @@ class IsolatedHostActor(HostActor):
             budget = int(total * CUDA_BUDGET_FRACTION)
         self._broker = get_broker(node_id, gpu_id, budget, spec.trials_per_gpu, _LEASE_TTL_S)
         self._holder = f"host/{node_id[:8]}/pid{pid}"
-        self._cuda = cuda if spec.host.memory_pool is MemoryPoolMode.OFF else None
+        self._cuda = cuda
         self._renewing = threading.Event()
         lease = self._lease(budget, spec)
         try:
@@ -130,12 +133,10 @@ class IsolatedHostActor(HostActor):
                 name="waterwave-lease",
                 daemon=True,
             ).start()
-            if self._cuda is not None:
-                # Without the pool, PyTorch's caching allocator is this process's: cap it.
-                cap_cuda(self._cuda, lease)
-            super().__init__(
-                dataclasses.replace(spec.host, n_slots=1, memory_budget_bytes=lease.nbytes)
-            )
+            host = dataclasses.replace(spec.host, n_slots=1, memory_budget_bytes=lease.nbytes)
+            if cuda is not None and lease.nbytes is not None:
+                host = dataclasses.replace(host, func=bounded(host.func, cuda, lease.nbytes))
+            super().__init__(host)
         except BaseException:
             self._release()
             raise
@@ -182,9 +183,25 @@ class IsolatedHostActor(HostActor):
             with contextlib.suppress(Exception):
                 import torch
 
-                peak = int(torch.cuda.max_memory_reserved(self._cuda))
+                peak = int(torch.cuda.max_memory_reserved(self._cuda))  # without the pool
         with contextlib.suppress(Exception):
             ray.get(self._broker.release.remote(self._holder, peak), timeout=_BROKER_TIMEOUT_S)
+
+
+def bounded(func: Any, device: Any, nbytes: int) -> Any:
+    """``func`` that, in each trial, bounds this process's memory on ``device`` by ``nbytes``.
+
+    The trial's pool account gets ``nbytes`` as its quota (without the pool: PyTorch's
+    per-process memory fraction; CuPy's default pool: its limit), as a worker process of
+    ``WaterwaveExecutor(isolation="process")`` is bounded by its lease.
+    """
+
+    @functools.wraps(func)
+    def run(arg: Any) -> Any:
+        bound_process(device, nbytes, TRIAL_ACCOUNT.get())
+        return func(arg)
+
+    return run
 
 
 def _report_crashes(pid: int) -> IO[str]:
