@@ -141,6 +141,22 @@ def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads((out / "summary.json").read_text())["n_trials"] == 3
 
 
+def test_cli_demo_with_process_isolation_runs_trials_in_worker_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "process"
+    flags = ["--trials", "3", "--concurrency", "2", "--epochs", "1", "--device", "cpu"]
+    code = main(["demo", *flags, "--isolation", "process", "--out", str(out), "--no-progress"])
+    assert code == 0
+    assert "3 trials" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n_trials"] == 3
+    assert summary["isolation"] == "process"
+    study = optuna.load_study(study_name=STUDY_NAME, storage=open_journal(out / "study.log"))
+    assert {t.system_attrs["waterwave:slot"] for t in study.trials} <= {0, 1}
+    assert all(t.state.is_finished() for t in study.trials)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         "momentum, dropout); each slot trains up to K trials as one fused model (HFTA), each "
         "trial still reported, pruned and ended on its own (default: off, the NAS search)",
     )
+    demo.add_argument(
+        "--isolation",
+        choices=("threads", "process"),
+        default="threads",
+        help="threads (default): trials share this process and its memory pool; process: each "
+        "slot trains its trials in a worker process of its own, so a crash fails one trial",
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     _add_bench(commands)
@@ -253,6 +260,7 @@ def _demo(args: argparse.Namespace) -> int:
         out=args.out,
         show_progress_bar=not args.no_progress,
         fuse=args.fuse,
+        isolation=args.isolation,
     )
     try:
         result = run_demo(config)
@@ -295,7 +303,8 @@ def _demo(args: argparse.Namespace) -> int:
             "running do not count and run again with their parameters on resume. Resume with:\n"
             f"  waterwave-hpo demo --trials {args.trials} --epochs {args.epochs} "
             f"--seed {args.seed} --out {shlex.quote(str(result.out))}"
-            + ("" if args.fuse is None else f" --fuse {args.fuse}"),
+            + ("" if args.fuse is None else f" --fuse {args.fuse}")
+            + ("" if args.isolation == "threads" else f" --isolation {args.isolation}"),
             file=sys.stderr,
         )
         return 130

@@ -42,6 +42,7 @@ from waterwave_hpo.demo._liveness import stale_trials
 from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.demo._process import this_process
+from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import batched
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
@@ -79,6 +80,8 @@ class DemoConfig:
             search (learning rate, weight decay, momentum, dropout) of one MLP structure,
             each slot training up to K trials as one fused model
             (:func:`waterwave_hpo.demo.make_fused_objective`, ``WaterwaveExecutor(fuse=K)``).
+        isolation: ``"threads"`` (default) or ``"process"``: each slot trains its trials in a
+            worker process (``WaterwaveExecutor(isolation="process")``).
     """
 
     trials: int = 16
@@ -89,6 +92,7 @@ class DemoConfig:
     out: Path = field(default_factory=lambda: Path("waterwave-demo"))
     show_progress_bar: bool = True
     fuse: int | None = None
+    isolation: str = "threads"
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
             trials_per_device=config.concurrency,
             record_trial_attrs=True,
             fuse=config.fuse,
+            isolation=config.isolation,
         )
     except (TypeError, ValueError) as error:
         raise _setting_error(config, error) from error
@@ -233,7 +238,9 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
             )
         except KeyboardInterrupt:
             interrupted = True
-            _requeue_interrupted(study, objective, me, numbers_before)
+            _requeue_interrupted(
+                study, objective, me, numbers_before, executor.isolation is Isolation.PROCESS
+            )
         wall_time_s = time.perf_counter() - started
 
     trials = study.get_trials(deepcopy=False)
@@ -265,6 +272,16 @@ class _OwnedObjective:
         self._lock = threading.Lock()
         self.failed_by_itself: set[int] = set()
         """Trials whose objective raised (its own error) or returned no finite float."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to worker processes (isolation="process"): a lock cannot be pickled.
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __call__(self, trial: optuna.trial.Trial) -> float:
         record_owner(trial, self._me)
@@ -330,10 +347,12 @@ def _requeue_interrupted(
     objective: _OwnedObjective,
     me: ProcessIdentity,
     numbers_before: set[int],
+    isolated: bool = False,
 ) -> None:
     # The executor told every running trial FAIL (also one asked but not yet in the objective,
     # which names no owner); queue their parameters again. A trial that failed by itself stays a
-    # counted FAIL.
+    # counted FAIL. In worker processes (isolated) the objective's own record of that stays in
+    # the worker: the executor's reason tells an interrupted trial instead.
     trials = study.get_trials(deepcopy=False)
     has_rerun = {n for n in map(rerun_of, trials) if n is not None}
     for trial in trials:
@@ -342,6 +361,12 @@ def _requeue_interrupted(
             trial.state is TrialState.FAIL
             and (owner == me or (owner is None and trial.number not in numbers_before))
             and trial.number not in objective.failed_by_itself
+            and (
+                not isolated
+                or str(trial.system_attrs.get(ATTR_FAIL_REASON, "")).startswith(
+                    "optimize() was interrupted"
+                )
+            )
             and trial.number not in has_rerun
         ):
             requeue(study, trial)
@@ -409,7 +434,12 @@ def _check_objective_settings(study: optuna.Study, config: DemoConfig, out: Path
             )
 
 
-_EXECUTOR_SETTINGS = {"devices": "device", "trials_per_device": "concurrency", "fuse": "fuse"}
+_EXECUTOR_SETTINGS = {
+    "devices": "device",
+    "trials_per_device": "concurrency",
+    "fuse": "fuse",
+    "isolation": "isolation",
+}
 
 
 def _setting_error(config: DemoConfig, error: Exception) -> DemoSettingError:
@@ -463,6 +493,7 @@ def _summary(
         "device_name": _device_names(executor),
         "trials_per_device": executor.trials_per_device,
         "fuse": config.fuse,
+        "isolation": executor.isolation.value,
         "settings": settings,
         "versions": {
             "waterwave_hpo": __version__,

@@ -1,0 +1,375 @@
+"""``WaterwaveExecutor(isolation="process")``: trials in worker processes, on the CPU (issue 28).
+
+Workers are real spawned processes; crashes are real signals. Trials that must be inside at the
+same moment meet through files (a barrier across processes), never through sleeps.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import optuna
+from optuna.trial import TrialState
+import psutil
+import pytest
+import torch
+
+import waterwave_hpo as ww
+from waterwave_hpo.executor._process import exit_reason
+
+_WAIT_S = 120.0  # a worker's first trial waits for its interpreter and torch to import
+
+
+def _process(k: int = 2, **kwargs: object) -> ww.WaterwaveExecutor:
+    return ww.WaterwaveExecutor(
+        devices="cpu",
+        trials_per_device=k,
+        isolation="process",
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _states(study: optuna.Study) -> list[TrialState]:
+    return [t.state for t in study.get_trials(deepcopy=False)]
+
+
+def _arrive(directory: Path, name: str, n: int) -> None:
+    """A barrier across processes: wait until ``n`` callers arrived at ``name``."""
+    (directory / f"{name}.{uuid.uuid4().hex}").touch()
+    deadline = time.monotonic() + _WAIT_S
+    while len(list(directory.glob(f"{name}.*"))) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: fewer than {n} arrived")
+        time.sleep(0.01)
+
+
+def _workers() -> list[psutil.Process]:
+    """This process's live worker processes (multiprocessing's spawned children)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_trials_run_in_worker_processes_with_optuna_semantics(
+    storage: optuna.storages.BaseStorage,
+) -> None:
+    offset = 10.0  # a closure: cloudpickle sends it by value
+    seen: list[tuple[int, str]] = []
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0.0, 1.0)
+        trial.set_user_attr("pid", os.getpid())
+        context = ww.current()
+        trial.set_user_attr("context", [context.trial_number, str(context.device), context.slot])
+        trial.report(1.0 if trial.number % 3 == 0 else 0.1, step=0)
+        if trial.should_prune():  # ThresholdPruner(upper=0.5): trials 0, 3, 6
+            raise optuna.TrialPruned()
+        return x + offset
+
+    def callback(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+        seen.append((frozen.number, threading.current_thread().name))
+
+    study = optuna.create_study(storage=storage, pruner=optuna.pruners.ThresholdPruner(upper=0.5))
+    _process(2, record_trial_attrs=True).optimize(
+        study, objective, n_trials=7, callbacks=[callback]
+    )
+    trials = study.get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [
+        TrialState.PRUNED if t.number % 3 == 0 else TrialState.COMPLETE for t in trials
+    ]
+    for trial in trials:
+        assert trial.user_attrs["pid"] != os.getpid()
+        assert trial.user_attrs["context"][:2] == [trial.number, "cpu"]
+        assert trial.user_attrs["context"][2] == trial.system_attrs["waterwave:slot"]
+        assert trial.system_attrs["waterwave:device"] == "cpu"
+        assert trial.intermediate_values == {0: 1.0 if trial.number % 3 == 0 else 0.1}
+        if trial.state is TrialState.COMPLETE:
+            assert trial.value == pytest.approx(trial.params["x"] + offset)
+    # One worker per slot, reused across its trials.
+    assert len({t.user_attrs["pid"] for t in trials}) == 2
+    # Callbacks run in the driver's calling thread, once per trial.
+    assert sorted(number for number, _ in seen) == list(range(7))
+    assert {name for _, name in seen} == {threading.current_thread().name}
+    assert _workers() == []  # optimize ended its workers
+
+
+def test_a_crashed_worker_fails_its_trial_alone_with_the_signal_or_exit_code() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0.0, 1.0)
+        if trial.number == 1:
+            ctypes.string_at(0)  # segmentation fault
+        elif trial.number == 2:
+            os.abort()
+        elif trial.number == 3:
+            os._exit(3)
+        elif trial.number == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        trial.set_user_attr("pid", os.getpid())
+        return x
+
+    study = optuna.create_study()
+    _process(2).optimize(study, objective, n_trials=9)
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 9
+    reasons = {t.number: t.system_attrs.get("waterwave:fail_reason", "") for t in trials}
+    assert [t.number for t in trials if t.state is TrialState.FAIL] == [1, 2, 3, 4]
+    assert "killed by signal SIGSEGV" in reasons[1]
+    assert "killed by signal SIGABRT" in reasons[2]
+    assert "exit code 3" in reasons[3]
+    assert "killed by signal SIGKILL" in reasons[4]
+    assert [t.state for t in trials if t.number == 0 or t.number > 4] == [TrialState.COMPLETE] * 5
+    assert _workers() == []
+
+
+def test_the_exit_reason_names_the_signal_or_the_code() -> None:
+    assert exit_reason(-signal.SIGSEGV, 7) == (
+        "its worker process (pid 7) died: killed by signal SIGSEGV (Segmentation fault)"
+    )
+    assert "(kill -9, or the kernel's OOM killer)" in exit_reason(-signal.SIGKILL, 7)
+    assert exit_reason(3, 7) == "its worker process (pid 7) died: exit code 3"
+
+
+def test_an_objective_that_cannot_be_pickled_is_refused_before_any_trial() -> None:
+    lock = threading.Lock()
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        with lock:
+            return 0.0
+
+    study = optuna.create_study()
+    with pytest.raises(TypeError, match=r"func=.*picklable, since isolation='process'.*lock"):
+        _process(2).optimize(study, objective, n_trials=2)
+    assert study.trials == []
+
+
+def test_isolation_is_checked_with_the_argument_named() -> None:
+    with pytest.raises(ValueError, match=r"isolation='fork': is not one of 'threads', 'process'"):
+        ww.WaterwaveExecutor("cpu", isolation="fork")
+    with pytest.raises(ValueError, match=r"trials_per_device='auto'.*isolation='process'"):
+        ww.WaterwaveExecutor("cpu", trials_per_device="auto", isolation="process")
+    assert "isolation='process'" in repr(_process(2))
+    assert ww.WaterwaveExecutor("cpu").isolation is ww.executor.Isolation.THREADS
+
+
+def test_caught_and_uncaught_exceptions_end_as_with_threads(tmp_path: Path) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 1:
+            raise ValueError("bad hyperparameters")
+        if trial.number == 3:
+            _arrive(tmp_path, "three", 2)  # its neighbour is running when it fails
+            raise KeyError("objective bug")
+        if trial.number == 4:
+            _arrive(tmp_path, "three", 2)
+            time.sleep(0.3)
+        return 1.0
+
+    study = optuna.create_study()
+    with pytest.raises(KeyError, match="objective bug"):
+        _process(2, record_trial_attrs=True).optimize(
+            study, objective, n_trials=20, catch=(ValueError,)
+        )
+    trials = study.get_trials(deepcopy=False)
+    assert trials[1].state is TrialState.FAIL
+    assert "ValueError: bad hyperparameters" in trials[1].system_attrs["waterwave:fail_reason"]
+    assert trials[3].state is TrialState.FAIL
+    assert trials[4].state is TrialState.COMPLETE  # the neighbour finished and was told
+    assert TrialState.RUNNING not in _states(study)
+    assert len(trials) <= 6  # no trial is started after the failure is seen
+
+
+def test_study_stop_in_an_objective_and_invalid_values_and_multi_objective() -> None:
+    def objective(trial: optuna.trial.Trial) -> object:
+        if trial.number == 1:
+            return None  # invalid: the trial fails, optimize goes on
+        if trial.number == 2:
+            trial.study.stop()
+        return (1.0, 2.0)
+
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    _process(1).optimize(study, objective, n_trials=50)  # type: ignore[arg-type]
+    assert _states(study) == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[0].values == [1.0, 2.0]
+
+
+def test_fused_batches_run_in_one_worker_each() -> None:
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[float]:
+        return [float(os.getpid()) for _ in trials]
+
+    study = optuna.create_study()
+    _process(2, fuse=3).optimize(study, objective, n_trials=6)
+    values = [t.value for t in study.trials]
+    assert _states(study) == [TrialState.COMPLETE] * 6
+    assert 1 <= len(set(values)) <= 2
+    assert all(value != float(os.getpid()) for value in values)
+
+
+def test_out_of_memory_beside_another_worker_is_retried(tmp_path: Path) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0, 1)
+        if trial.number < 2:
+            _arrive(tmp_path, "both", 2)
+        if trial.number == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        if trial.number == 1:  # still running when trial 0 ends
+            time.sleep(1.0)
+        return x
+
+    study = optuna.create_study()
+    _process(2, record_trial_attrs=True).optimize(study, objective, n_trials=2)
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 3
+    assert trials[0].state is TrialState.FAIL
+    assert (
+        "out of device memory with 1 neighbour(s)"
+        in trials[0].system_attrs["waterwave:fail_reason"]
+    )
+    assert trials[2].state is TrialState.COMPLETE
+    assert trials[2].params == trials[0].params
+    assert trials[2].system_attrs["waterwave:retry_of"] == 0
+
+
+def test_ctrl_c_fails_every_running_trial_and_ends_the_workers(tmp_path: Path) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        (tmp_path / f"inside.{trial.number}").touch()
+        for step in range(3000):  # a long training loop
+            time.sleep(0.02)
+            trial.report(float(step), step)
+        return 1.0
+
+    def interrupt_when_both_run() -> None:
+        deadline = time.monotonic() + _WAIT_S
+        while len(list(tmp_path.glob("inside.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _thread.interrupt_main()
+
+    study = optuna.create_study()
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        _process(2, record_trial_attrs=True).optimize(study, objective, n_trials=10)
+    assert _states(study) == [TrialState.FAIL] * 2
+    assert "interrupted" in study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert _workers() == []
+
+
+def _sigkill_workers(n_kills: int, n_trials: int, seed: int, tmp_path: Path) -> None:
+    """Kill a random worker at random moments while a study runs; nothing may be lost."""
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0.0, 1.0)
+        time.sleep(0.2 + 0.3 * x)
+        return x
+
+    rng = random.Random(seed)
+    kills: list[int] = []
+    done = threading.Event()
+
+    def killer() -> None:
+        while len(kills) < n_kills and not done.is_set():
+            time.sleep(rng.uniform(0.1, 1.0))
+            workers = _workers()
+            if workers:
+                victim = rng.choice(workers)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    victim.kill()
+                kills.append(victim.pid)
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    _process(2, record_trial_attrs=True).optimize(study, objective, n_trials=n_trials)
+    done.set()
+    thread.join()
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == n_trials
+    assert TrialState.RUNNING not in _states(study)
+    failed = [t for t in trials if t.state is TrialState.FAIL]
+    assert len(failed) <= len(kills)
+    for trial in failed:
+        assert "killed by signal SIGKILL" in trial.system_attrs["waterwave:fail_reason"]
+    assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+    assert len(trials) - len(failed) > 0
+    assert _workers() == []
+
+
+def test_sigkill_of_workers_mid_trial_loses_nothing(tmp_path: Path) -> None:
+    _sigkill_workers(n_kills=3, n_trials=12, seed=0, tmp_path=tmp_path)
+
+
+@pytest.mark.slow
+def test_many_sigkills_of_workers_at_random_moments_lose_nothing(tmp_path: Path) -> None:
+    _sigkill_workers(n_kills=25, n_trials=60, seed=1, tmp_path=tmp_path)
+
+
+_DRIVER = """
+import sys, time, optuna, waterwave_hpo as ww
+def objective(trial):
+    print("worker", __import__("os").getpid(), flush=True)
+    time.sleep(600)
+    return 0.0
+if __name__ == "__main__":
+    study = optuna.create_study()
+    ww.WaterwaveExecutor("cpu", 2, isolation="process").optimize(study, objective, n_trials=2)
+"""
+
+
+def test_workers_exit_when_their_driver_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(driver.stdout.readline().split()[1]) for _ in range(2)]
+        workers = [psutil.Process(pid) for pid in pids]
+        driver.kill()
+        driver.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert alive == []
+    finally:
+        driver.kill()
+
+
+def _seeded_mlp(trial: optuna.trial.Trial | optuna.trial.FixedTrial) -> float:
+    """Seeds torch, trains a small MLP with dropout (which draws from torch's generator)."""
+    seed = trial.suggest_int("seed", 0, 10_000)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 1)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(128, 16), torch.randn(128, 1)
+    loss = torch.zeros(())
+    for _ in range(40):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return float(loss.item())
+
+
+def test_seeded_trials_give_bit_identical_values_at_k4_as_alone() -> None:
+    seeds = [3, 14, 15, 92, 65, 35, 89, 79]
+    alone = [_seeded_mlp(optuna.trial.FixedTrial({"seed": seed})) for seed in seeds]
+    study = optuna.create_study()
+    for seed in seeds:
+        study.enqueue_trial({"seed": seed})
+    _process(4).optimize(study, _seeded_mlp, n_trials=len(seeds))
+    assert [t.value for t in study.trials] == alone  # exact: the same bits
