@@ -10,7 +10,7 @@ Issue 28, item 4. Trivial trials (``x**2`` of one suggested float, in-memory sto
 
 for K = 1 and 4. Per configuration and repeat:
 
-* ``first_trial_s``: seconds from the ``optimize`` call to the first trial's start (what a
+* ``first_trial_s``: seconds from the ``optimize`` call to the first objective's start (what a
   user waits before anything runs; for processes: spawning the workers, importing torch and the
   library in them, opening the study through the relay);
 * ``worker_start_s``: per worker (a distinct pid for processes, the one driver for threads),
@@ -65,8 +65,10 @@ def _memory() -> tuple[int, int | None]:
 
 def trivial(trial: optuna.trial.Trial) -> float:
     """A trivial trial that records where it ran and that process's memory (first trial only)."""
+    started = time.time()
     x = trial.suggest_float("x", -1.0, 1.0)
     trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("t", started)
     if trial.number < 16:  # psutil's USS walks the process's mappings: not on every trial
         rss, uss = _memory()
         trial.set_user_attr("rss", rss)
@@ -94,13 +96,14 @@ def run_one(method: str, k: int, n_trials: int) -> dict[str, Any]:
     total_s = time.time() - t0
     trials = study.get_trials(deepcopy=False)
     assert all(t.state is optuna.trial.TrialState.COMPLETE for t in trials), method
-    starts = [t.datetime_start.timestamp() for t in trials if t.datetime_start]
+    # When each objective started, by its own clock: a trial's datetime_start is set when the
+    # driver asks it, before a worker process exists to run it.
+    starts = [float(t.user_attrs["t"]) for t in trials]
     ends = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
     first_by_pid: dict[int, float] = {}
     for t in trials:
-        assert t.datetime_start is not None
         pid = int(t.user_attrs["pid"])
-        first_by_pid[pid] = min(first_by_pid.get(pid, 1e300), t.datetime_start.timestamp() - t0)
+        first_by_pid[pid] = min(first_by_pid.get(pid, 1e300), float(t.user_attrs["t"]) - t0)
     rss = [int(t.user_attrs["rss"]) for t in trials if "rss" in t.user_attrs]
     uss = [int(t.user_attrs["uss"]) for t in trials if t.user_attrs.get("uss") is not None]
     driver_rss, driver_uss = _memory()
@@ -122,26 +125,42 @@ def run_one(method: str, k: int, n_trials: int) -> dict[str, Any]:
     }
 
 
+def _pids_before(trials: list[optuna.trial.FrozenTrial], when_s: float) -> set[int]:
+    return {int(t.user_attrs["pid"]) for t in trials if t.user_attrs.get("t", 1e300) <= when_s}
+
+
 def crash_at_3(trial: optuna.trial.Trial) -> float:
     """Trial 3 segfaults its process once every first host process has run a trial.
 
-    (The study starts on the first host up; waiting for the others makes every pid seen after
-    the crash a replacement's.) The others sleep 50 ms.
+    (The study starts on the first host up; waiting for the others makes every process that
+    starts a trial after the crash a replacement.) The others sleep 50 ms; a later trial in a
+    process that was there before the crash holds its slot until a replacement has run a
+    trial, so the replacement's first trial is measured however long it takes to start.
     """
     import ctypes
 
     trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("t", time.time())
     time.sleep(0.05)
+    study = trial.study
+    deadline = time.monotonic() + 120
     if trial.number == 3:
-        k = int(trial.study.user_attrs["k"])
-        deadline = time.monotonic() + 120
+        k = int(study.user_attrs["k"])
         while time.monotonic() < deadline:
-            pids = {t.user_attrs.get("pid") for t in trial.study.get_trials(deepcopy=False)}
-            if len(pids - {None}) >= k:
+            if len(_pids_before(study.get_trials(deepcopy=False), time.time())) >= k:
                 break
             time.sleep(0.05)
         trial.set_user_attr("crash_s", time.time())
         ctypes.string_at(0)
+    while trial.number > 3 and time.monotonic() < deadline:
+        trials = study.get_trials(deepcopy=False)
+        crash_s = trials[3].user_attrs.get("crash_s")
+        if crash_s is None:
+            break
+        old = _pids_before(trials, float(crash_s))
+        if os.getpid() not in old or _pids_before(trials, time.time()) - old:
+            break
+        time.sleep(0.05)
     return 0.0
 
 
@@ -154,7 +173,7 @@ def run_ray(isolation: str, k: int, n_trials: int) -> dict[str, Any]:
     executor.optimize(study, trivial, n_trials=n_trials)
     total_s = time.time() - t0
     trials = study.get_trials(deepcopy=False)
-    starts = [t.datetime_start.timestamp() for t in trials if t.datetime_start]
+    starts = [float(t.user_attrs["t"]) for t in trials]
     ends = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
     rss = [int(t.user_attrs["rss"]) for t in trials if "rss" in t.user_attrs]
     uss = [int(t.user_attrs["uss"]) for t in trials if t.user_attrs.get("uss") is not None]
@@ -187,16 +206,13 @@ def ray_respawn_s(k: int, n_trials: int) -> float:
     crashed = trials[3]
     assert crashed.state is optuna.trial.TrialState.FAIL
     crash_s = float(crashed.user_attrs["crash_s"])
-    old = {
-        t.user_attrs.get("pid")
-        for t in trials
-        if t.datetime_start is not None and t.datetime_start.timestamp() <= crash_s
-    }
-    new = [
-        t.datetime_start.timestamp()
-        for t in trials
-        if t.datetime_start is not None and t.user_attrs.get("pid") not in old
-    ]
+    old = _pids_before(trials, crash_s)
+    new = [float(t.user_attrs["t"]) for t in trials if int(t.user_attrs["pid"]) not in old]
+    if not new:
+        raise RuntimeError(
+            "no trial ran in a new host process: "
+            + repr([(t.number, t.state.name, t.user_attrs, t.system_attrs) for t in trials])
+        )
     return round(min(new) - crash_s, 3)
 
 
