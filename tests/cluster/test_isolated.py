@@ -158,3 +158,57 @@ def test_on_cuda_each_trial_is_bounded_by_its_process_lease(
         TRIAL_ACCOUNT.reset(token)
     assert calls == [("cuda:0", 1 << 28, account)] and seen == [1]
     assert run.__name__ == "objective"
+
+
+class _FakeRay:
+    """``ray.nodes()`` and ``ray.get`` for :func:`describe_loss`, without a cluster."""
+
+    def __init__(self, alive: list[str], report: str | None) -> None:
+        self.alive = alive
+        self.report = report
+
+    def nodes(self) -> list[dict[str, object]]:
+        return [{"NodeID": node, "Alive": True} for node in self.alive]
+
+    def get(self, ref: object, timeout: float | None = None) -> object:
+        return self.report
+
+
+class _FakeBroker:
+    class holder_died:  # Ray's actor-method shape: broker.holder_died.remote(...)
+        @staticmethod
+        def remote(holder: str, pid: int) -> object:
+            return (holder, pid)
+
+
+@pytest.mark.parametrize(
+    ("alive", "report", "message", "re_queue", "words"),
+    [
+        (["n1"], "Fatal Python error: Aborted\n", "died", False, "crashed: SIGABRT (Aborted)"),
+        (["n1"], None, "died", False, "died without a fatal-error report"),
+        ([], None, "died", True, "was lost with its node"),
+        (["n1"], None, "The actor died because its node has died.", True, "with its node"),
+    ],
+)
+def test_a_crash_on_an_alive_node_fails_its_trial_and_a_lost_node_re_queues_it(
+    monkeypatch: pytest.MonkeyPatch,
+    alive: list[str],
+    report: str | None,
+    message: str,
+    re_queue: bool,
+    words: str,
+) -> None:
+    from types import SimpleNamespace
+
+    from waterwave_hpo.cluster import _isolated
+
+    monkeypatch.setattr(_isolated, "find_broker", lambda node, gpu: _FakeBroker)
+    info = _isolated.LeasedHostInfo("10.0.0.2/pid7/cpu", "cpu", "n1", 7, "0", "host/n1/pid7")
+    host = SimpleNamespace(info=info, device=info.label)
+    reason, again = _isolated.describe_loss(
+        _FakeRay(alive, report),
+        host,
+        RuntimeError(message),  # type: ignore[arg-type]
+    )
+    assert again is re_queue
+    assert words in reason and "pid 7" in reason
