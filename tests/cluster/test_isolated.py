@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections import Counter
 import ctypes
 import os
+import signal
 import time
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -100,10 +102,21 @@ def _exits(trial: optuna.trial.Trial) -> float:
     return 1.0
 
 
-def test_a_process_that_exits_fails_its_trial_with_the_reason_and_nothing_stays_running() -> None:
+def _sigkilled(trial: optuna.trial.Trial) -> float:
+    time.sleep(0.1)
+    if trial.number == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or `kill -9` would
+        time.sleep(10)
+    return 1.0
+
+
+@pytest.mark.parametrize("objective", [_exits, _sigkilled], ids=["os._exit", "SIGKILL"])
+def test_a_process_that_exits_fails_its_trial_with_the_reason_and_nothing_stays_running(
+    objective: Any,
+) -> None:
     study = optuna.create_study()
     RayExecutor(n_hosts=1, trials_per_device=2, isolation="process").optimize(
-        study, _exits, n_trials=5
+        study, objective, n_trials=5
     )
     assert _states(study) == {TrialState.COMPLETE: 4, TrialState.FAIL: 1}
     reason = study.trials[1].system_attrs[ATTR_FAIL_REASON]
