@@ -73,6 +73,15 @@ def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> No
     assert len({t.user_attrs["pid"] for t in done}) >= 2
 
 
+def test_cpu_hosts_replace_a_crashed_process_too() -> None:
+    study = optuna.create_study()
+    executor = RayExecutor(n_hosts=1, num_gpus_per_host=0, trials_per_device=2, isolation="process")
+    executor.optimize(study, _segfaults_on_some, n_trials=8)
+    assert _states(study) == {TrialState.COMPLETE: 6, TrialState.FAIL: 2}
+    assert all("SIGSEGV" in study.trials[n].system_attrs[ATTR_FAIL_REASON] for n in CRASHING)
+    assert executor.cluster_stats is not None and executor.cluster_stats.hosts_started >= 3
+
+
 def _lease_of_this_process(trial: optuna.trial.Trial) -> float:
     time.sleep(0.3)
     gpu = str(ray.get_gpu_ids()[0])
