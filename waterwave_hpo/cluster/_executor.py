@@ -81,9 +81,11 @@ class RayExecutor(WaterwaveExecutor):
     With ``isolation="process"`` each trial runs in a process of its own: every GPU gets
     ``trials_per_device`` single-slot host actors (Ray's fractional GPUs, ``num_gpus=1/K``),
     each holding for its lifetime a memory lease of ``budget / K`` bytes from the GPU's broker
-    (the one :func:`~waterwave_hpo.shared_gpu` uses), which is its memory budget, so the K
-    processes' peaks do not collide. Trials no longer share one pool (no memory flows between
-    them) nor any process-wide state (random generators, framework singletons, ``os.environ``).
+    (the one :func:`~waterwave_hpo.shared_gpu` uses): its memory budget and, on CUDA, the
+    bound of each of its trials (the pool account's quota, else PyTorch's per-process memory
+    fraction), so the K processes' peaks do not collide. Trials no longer share one pool (no
+    memory flows between them) nor any process-wide state (random generators, framework
+    singletons, ``os.environ``).
     A trial that crashes its process (segmentation fault, ``abort()``, ``os._exit``, the OOM
     killer) kills its actor only: it is told FAIL with the reason (the signal and where, from
     the process's :mod:`faulthandler` report), it is not re-run, its slot gets a new actor, and
