@@ -9,6 +9,9 @@ Usage: ``python _driver_crash_harness.py DB random KILLS SEED RESUME_EVERY`` (ki
 after a seeded random delay; resume after every ``RESUME_EVERY``-th kill and after the last) or
 ``python _driver_crash_harness.py DB after-ask`` (the driver kills itself right after
 ``study.ask()`` created its second trial while the first one sleeps: the issue's scenario).
+With ``WW_ISOLATION=process`` in the environment the drivers run their trials in worker
+processes, kills wait up to ``WW_MAX_KILL_DELAY_S`` seconds (workers take seconds to start),
+and the report also counts the workers still alive after the last resume (orphans).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ GRACE_PERIOD_S = 2
 # A resume lasts longer than the grace period plus SQLite's one-second heartbeat resolution,
 # so every trial of a killed driver is stale before it ends.
 RESUME_S = GRACE_PERIOD_S + 2.0
-MAX_KILL_DELAY_S = 1.0  # opening the study alone takes ~0.6 s (2-core VM)
+# Opening the study alone takes ~0.6 s (2-core VM).
+MAX_KILL_DELAY_S = float(os.environ.get("WW_MAX_KILL_DELAY_S", "1.0"))
+ISOLATION = os.environ.get("WW_ISOLATION", "threads")
+MARKER = "WW_CRASH_HARNESS_RUN"  # in every driver's and worker's environment
 
 
 def _study(db: str) -> optuna.Study:
@@ -48,7 +54,7 @@ def _objective(trial: optuna.trial.Trial) -> float:
 
 def _drive(db: str, timeout_s: float | None) -> optuna.Study:
     study = _study(db)
-    executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=2)
+    executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation=ISOLATION)
     n_trials = None if timeout_s is not None else 10_000  # a driver runs until killed
     executor.optimize(study, _objective, n_trials=n_trials, timeout=timeout_s)
     return study
@@ -129,8 +135,31 @@ def main(argv: list[str]) -> None:
     states = {s.name: 0 for s in optuna.trial.TrialState}
     for trial in _study(db).get_trials(deepcopy=False):
         states[trial.state.name] += 1
-    print(json.dumps({"kills": kills, "resumes": resumes, "states": states}), flush=True)
+    report = {"kills": kills, "resumes": resumes, "states": states, "orphans": _orphans()}
+    print(json.dumps(report), flush=True)
+
+
+def _orphans(wait_s: float = 15.0) -> list[int]:
+    """Processes of this run (drivers' workers) still alive after ``wait_s`` seconds."""
+    import psutil
+
+    marker = os.environ[MARKER]
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for process in psutil.process_iter():
+            if process.pid == os.getpid():
+                continue
+            try:
+                if process.environ().get(MARKER) == marker and process.status() != "zombie":
+                    alive.append(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault(MARKER, str(os.getpid()))
     main(sys.argv[1:])

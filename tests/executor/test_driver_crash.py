@@ -9,6 +9,7 @@ right after ``study.ask()`` created a trial whose first heartbeat is not written
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import subprocess
 import sys
@@ -19,9 +20,10 @@ import pytest
 _HARNESS = Path(__file__).with_name("_driver_crash_harness.py")
 
 
-def _run(db: Path, *args: str) -> dict[str, Any]:
+def _run(db: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, str(_HARNESS), str(db), *args],
+        env=None if env is None else {**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=300,
@@ -66,3 +68,17 @@ def test_a_chain_of_random_driver_kills_then_one_resume_leaves_no_trial_running(
     assert report["resumes"] == [{"running": []}]
     assert report["states"]["RUNNING"] == 0
     assert report["states"]["FAIL"] > 0
+
+
+@pytest.mark.slow
+def test_random_kills_of_a_driver_with_worker_processes_leave_no_trial_running_or_orphan(
+    tmp_path: Path,
+) -> None:
+    # The driver writes the heartbeats; its workers exit when its pipe closes.
+    env = {"WW_ISOLATION": "process", "WW_MAX_KILL_DELAY_S": "8"}
+    report = _run(tmp_path / "study.db", "random", "6", "3", "2", env=env)
+    assert report["kills"] == 6
+    assert report["resumes"] == [{"running": []}] * 3
+    assert report["states"]["RUNNING"] == 0
+    assert report["states"]["COMPLETE"] > 0
+    assert report["orphans"] == []

@@ -373,3 +373,35 @@ def test_seeded_trials_give_bit_identical_values_at_k4_as_alone() -> None:
         study.enqueue_trial({"seed": seed})
     _process(4).optimize(study, _seeded_mlp, n_trials=len(seeds))
     assert [t.value for t in study.trials] == alone  # exact: the same bits
+
+
+def test_timeout_stops_asking_and_the_running_trial_finishes() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        time.sleep(1.0)  # the worker's start-up alone outlasts the timeout
+        return 0.0
+
+    study = optuna.create_study()
+    _process(1).optimize(study, objective, timeout=0.5)
+    assert _states(study) == [TrialState.COMPLETE]
+
+
+def test_a_worker_that_cannot_load_the_objective_fails_the_trial_and_raises(
+    tmp_path: Path,
+) -> None:
+    # A module the driver imported from a path the workers do not have: pickled by reference,
+    # it cannot be imported in a fresh interpreter.
+    (tmp_path / "gone_module.py").write_text("def objective(trial):\n    return 0.0\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import gone_module  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+        (tmp_path / "gone_module.py").unlink()
+    study = optuna.create_study()
+    try:
+        with pytest.raises(RuntimeError, match=r"could not start.*gone_module"):
+            _process(1).optimize(study, gone_module.objective, n_trials=3)
+    finally:
+        sys.modules.pop("gone_module", None)
+    assert _states(study) == [TrialState.FAIL]
+    assert "could not start" in study.trials[0].system_attrs["waterwave:fail_reason"]

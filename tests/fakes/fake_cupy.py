@@ -85,6 +85,19 @@ class FakeArray:
         self.allocator = getattr(_local, "allocator", None)
 
 
+class MemoryPool:
+    """``cupy.cuda.MemoryPool``'s limit: ``set_limit(size=None, fraction=None)``, get_limit()."""
+
+    def __init__(self) -> None:
+        self.limit = 0
+
+    def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
+        self.limit = int(size or 0)
+
+    def get_limit(self) -> int:
+        return self.limit
+
+
 def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """Put the fake ``cupy`` (and ``cupy.cuda``) in ``sys.modules`` for one test."""
     cupy = types.ModuleType("cupy")
@@ -98,6 +111,8 @@ def install(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     cuda.using_allocator = using_allocator  # type: ignore[attr-defined]
     cupy.cuda = cuda  # type: ignore[attr-defined]
     cupy.empty = lambda nbytes: FakeArray(nbytes)  # type: ignore[attr-defined]
+    pool = MemoryPool()  # one per device in CuPy; one is enough for these tests
+    cupy.get_default_memory_pool = lambda: pool  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.memory", memory)

@@ -296,8 +296,7 @@ class ProcessHost:
         slot.job = job
         worker = slot.worker
         if worker is None or worker.dead or not worker.process.is_alive():
-            if worker is not None:
-                worker.stop(timeout_s=0.0)
+            # A dead worker's pipe thread reports what it ran and ends on its own.
             worker = slot.worker = _Worker(slot)
         worker.run(job)
         self._tell_neighbours()

@@ -187,7 +187,10 @@ def _slot(runner: Callable[[], Any]) -> int:
 
 def _with_context(error: BaseException) -> BaseException:
     return RuntimeError(
-        f"The worker process {os.getpid()} could not start: {type(error).__name__}: {error}"
+        f"The worker process {os.getpid()} could not start: {type(error).__name__}: {error}. "
+        "A worker is a fresh interpreter: the objective's module must be importable there "
+        "(on sys.path, or the objective defined in the script run, under "
+        "if __name__ == '__main__':)."
     )
 
 
