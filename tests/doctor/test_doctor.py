@@ -33,6 +33,7 @@ CHECKS = [
     "laysa_bf16",
     "fused_batch",
     "every_gpu",
+    "worker_crash",
 ]
 
 

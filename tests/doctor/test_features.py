@@ -62,3 +62,17 @@ def test_every_device_without_a_gpu_is_the_simulated_counterpart() -> None:
     result = _features.check_every_gpu(CPU)
     assert result.status is CheckStatus.PASS, result.detail
     assert result.figure == 2.0 and "Not a GPU figure" in result.detail
+
+
+def test_a_worker_killed_by_a_segfault_fails_its_trial_alone_and_is_replaced() -> None:
+    result = _features.check_worker_crash(CPU)
+    assert result.status is CheckStatus.PASS, result.detail
+    assert result.figure is not None and result.figure >= 0
+    assert "SIGSEGV" in result.detail
+
+
+def test_the_worker_crash_check_fails_when_the_reason_names_no_signal() -> None:
+    # A worker that exits without a signal: its trial fails alone, but no SIGSEGV is named.
+    result = _features.check_worker_crash(CPU, crash="exit")
+    assert result.status is CheckStatus.FAIL, result.detail
+    assert "SIGSEGV" not in result.detail.split("pass:")[0]

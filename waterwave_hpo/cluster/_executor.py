@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
+import functools
 import logging
 from typing import Any
 
@@ -20,8 +21,12 @@ from waterwave_hpo.cluster._actor import HostSpec
 from waterwave_hpo.cluster._fleet import HostFleet
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._imports import start_ray
+from waterwave_hpo.cluster._isolated import IsolatedHostActor
+from waterwave_hpo.cluster._isolated import IsolatedSpec
+from waterwave_hpo.cluster._isolated import describe_loss
 from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
+from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
@@ -73,6 +78,19 @@ class RayExecutor(WaterwaveExecutor):
     replace them, :class:`AllHostsLostError` is raised. Nothing is left RUNNING.
     :attr:`cluster_stats` counts what happened.
 
+    With ``isolation="process"`` each trial runs in a process of its own: every GPU gets
+    ``trials_per_device`` single-slot host actors (Ray's fractional GPUs, ``num_gpus=1/K``),
+    each holding for its lifetime a memory lease of ``budget / K`` bytes from the GPU's broker
+    (the one :func:`~waterwave_hpo.shared_gpu` uses): its memory budget and, on CUDA, the
+    bound of each of its trials (the pool account's quota, else PyTorch's per-process memory
+    fraction), so the K processes' peaks do not collide. Trials no longer share one pool (no
+    memory flows between them) nor any process-wide state (random generators, framework
+    singletons, ``os.environ``).
+    A trial that crashes its process (segmentation fault, ``abort()``, ``os._exit``, the OOM
+    killer) kills its actor only: it is told FAIL with the reason (the signal and where, from
+    the process's :mod:`faulthandler` report), it is not re-run, its slot gets a new actor, and
+    the study goes on (:mod:`waterwave_hpo.cluster._isolated`).
+
     Args:
         n_hosts: How many host actors to start (>= 1), or ``"auto"``: one per GPU in the cluster
             (``ray.cluster_resources()["GPU"]``, logical GPUs included).
@@ -94,6 +112,11 @@ class RayExecutor(WaterwaveExecutor):
             lost (>= 0).
         startup_timeout_s: Seconds a host actor may take to be placed and open the study
             (> 0); the study starts once every first host is up or failed, or this long.
+        isolation: ``"threads"`` (default): one host actor per GPU, its trials co-hosted as
+            threads (one pool, memory flowing between trials); ``"process"``: one
+            single-slot host actor per trial slot, ``trials_per_device`` (an int) per GPU,
+            each with a memory lease; ``num_cpus_per_host`` is then shared by a GPU's K
+            actors and ``memory_budget_bytes`` is the GPU's budget their leases share.
         on_oom, max_oom_retries, memory_budget_bytes, policy, memory_pool,
             max_trials_per_device, memory_plan, memory_planner, fuse: As for
             :class:`WaterwaveExecutor`, applied on every host: a fused batch (``fuse=K``) runs
@@ -139,8 +162,25 @@ class RayExecutor(WaterwaveExecutor):
         memory_plan: str = "off",
         memory_planner: str = "pso",
         fuse: int | None = None,
+        isolation: Isolation | str = Isolation.THREADS,
     ) -> None:
         import_ray()
+        checked = _checks.check_choice(
+            "isolation",
+            isolation,
+            Isolation,
+            "pass 'threads' (default: one host actor per GPU, its trials threads) or 'process' "
+            "(one single-slot host actor per trial slot)",
+        )
+        if checked is Isolation.PROCESS and trials_per_device == "auto":
+            raise _checks.value_error(
+                "trials_per_device",
+                trials_per_device,
+                "with isolation='process' each trial slot is a host actor of its own, started "
+                "up front",
+                "pass an int, e.g. trials_per_device=4",
+            )
+        self.isolation = checked
         # Not WaterwaveExecutor.__init__: the driver resolves no device; each host actor
         # resolves its own ("auto") where Ray placed it.
         self._init_trial_settings(
@@ -203,7 +243,7 @@ class RayExecutor(WaterwaveExecutor):
             f"num_gpus_per_host={self.num_gpus_per_host}, "
             f"num_cpus_per_host={self.num_cpus_per_host}, max_devices={self.max_devices}, "
             f"on_oom={self.on_oom.value!r}, memory_plan={self.memory_plan.mode.value!r}, "
-            f"fuse={self.fuse})"
+            f"fuse={self.fuse}, isolation={self.isolation.value!r})"
         )
 
     @property
@@ -331,13 +371,26 @@ class RayExecutor(WaterwaveExecutor):
             policy=self.policy,
             memory_plan=self.memory_plan,
         )
+        isolated = self.isolation is Isolation.PROCESS
+        per_gpu = self.trials_per_device if isolated else 1
         actor_options = {
-            "num_gpus": self.num_gpus_per_host,
-            "num_cpus": self.num_cpus_per_host,
-            "resources": dict(self.host_resources) or None,
+            "num_gpus": _share(self.num_gpus_per_host, per_gpu),
+            "num_cpus": _share(self.num_cpus_per_host, per_gpu),
+            "resources": (
+                {key: _share(amount, per_gpu) for key, amount in self.host_resources.items()}
+                or None
+            ),
             "max_restarts": 0,
             "max_concurrency": _ACTOR_CONCURRENCY,
         }
+        actor_spec: Any = spec
+        if isolated:
+            actor_spec = IsolatedSpec(
+                host=spec,
+                trials_per_gpu=per_gpu,
+                budget_bytes=self.memory_budget_bytes,
+                lease_timeout_s=self.startup_timeout_s,
+            )
 
         def make_host(
             actor: Any, info: HostInfo, on_lost: Callable[[RemoteHost, BaseException], None]
@@ -345,18 +398,19 @@ class RayExecutor(WaterwaveExecutor):
             return RemoteHost(
                 actor,
                 info,
-                self.trials_per_device,
+                1 if isolated else self.trials_per_device,
                 self.auto_trials,
                 settings,
                 self.max_host_retries,
                 on_lost=on_lost,
+                describe_loss=functools.partial(describe_loss, ray) if isolated else None,
             )
 
         self._fleet = HostFleet(
             ray=ray,
-            actor_class=ray.remote(HostActor),
+            actor_class=ray.remote(IsolatedHostActor if isolated else HostActor),
             actor_options=actor_options,
-            spec=spec,
+            spec=actor_spec,
             make_host=make_host,
             study=study,
             n_hosts=None if self.n_hosts == "auto" else int(self.n_hosts),
@@ -365,6 +419,8 @@ class RayExecutor(WaterwaveExecutor):
             num_cpus_per_host=self.num_cpus_per_host,
             max_devices=self.max_devices,
             startup_timeout_s=self.startup_timeout_s,
+            hosts_per_gpu=per_gpu,
+            replace_lost=isolated,
         )
         # The loop reads this list on every turn; the fleet appends hosts that join.
         return self._fleet.start()
@@ -389,6 +445,11 @@ class ClusterStats:
     nodes_lost: int
     nodes_joined: int
     autoscaler_requests: int
+
+
+def _share(amount: float, k: int) -> float:
+    """``amount / k``, rounded down to Ray's resolution (1/10000) so that k shares fit."""
+    return amount if k == 1 else int(amount * 10_000 / k) / 10_000
 
 
 def _check_positive_number(name: str, value: object) -> float:

@@ -15,9 +15,12 @@ handled by their :class:`~waterwave_hpo.cluster._remote.RemoteHost` poller (tria
 the reason, their parameters re-queued); the fleet only counts them, and stops the study when no
 host is left and none is starting.
 
-Each GPU of a node hosts at most one host actor per ``optimize`` call: a host that died on an
-alive node (an objective that killed its process, say) is not started there again, where it
-would most likely die the same way.
+Each GPU of a node hosts at most ``hosts_per_gpu`` host actors per ``optimize`` call (one, or
+``trials_per_device`` single-slot hosts with ``isolation="process"``). With threads, a host that
+died on an alive node (an objective that killed its process, say) is not started there again,
+where it would most likely die the same way, taking its neighbours with it; with
+``replace_lost`` (process isolation: a host runs one trial, which failed alone) the slot gets a
+new host on the same node.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class HostFleet:
         max_devices: The most hosts alive at once, and the target asked of the autoscaler;
             ``None``: ``n_hosts`` when it is an int, else no cap and no autoscaler request.
         startup_timeout_s: Seconds a host actor may take to come up (> 0).
+        hosts_per_gpu: Host actors per GPU (>= 1; the actors' ``num_gpus`` is its share), or,
+            with CPU hosts, per ``n_hosts``; ``n_hosts`` and ``max_devices`` count devices.
+        replace_lost: Start a new host in place of one that died while its node is alive.
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class HostFleet:
         num_cpus_per_host: float,
         max_devices: int | None,
         startup_timeout_s: float,
+        hosts_per_gpu: int = 1,
+        replace_lost: bool = False,
     ) -> None:
         self._ray = ray
         self._actor_class = actor_class
@@ -106,7 +114,10 @@ class HostFleet:
         self._host_resources = dict(host_resources)
         self._num_cpus_per_host = num_cpus_per_host
         self._max_devices = max_devices
-        self._cap = max_devices if max_devices is not None else n_hosts
+        self._hosts_per_gpu = hosts_per_gpu
+        self._replace_lost = replace_lost
+        devices = max_devices if max_devices is not None else n_hosts
+        self._cap = None if devices is None else devices * hosts_per_gpu
         self._startup_timeout_s = startup_timeout_s
         self.hosts: list[RemoteHost] = []
         """Every host that came up, in order; only grows (the executor's loop reads it)."""
@@ -143,7 +154,7 @@ class HostFleet:
         self._seen_alive = set(self._initial_nodes)
         with self._lock:
             if self._num_gpus_per_host == 0:
-                for _ in range(self._n_hosts or 0):
+                for _ in range((self._n_hosts or 0) * self._hosts_per_gpu):
                     self._start_actor(None, "a CPU host placed by Ray")
             else:
                 places = interleave([[node] * self._gpu_capacity(node) for node in nodes])
@@ -219,9 +230,12 @@ class HostFleet:
         with self._lock:
             self.n_lost += 1
             self.last_error = error
-            if host.info.node_id not in self._alive_node_ids():
+            node_alive = host.info.node_id in self._alive_node_ids()
+            if not node_alive:
                 self.nodes_lost.add(host.info.node_id)
                 self._seen_alive.discard(host.info.node_id)
+            if self._replace_lost and node_alive and not self._stop.is_set():
+                self._replace(host)
             if not self._stop.is_set():
                 try:
                     self._grow(alive_nodes(self._ray))
@@ -230,6 +244,15 @@ class HostFleet:
             if self.all_lost:
                 # Nothing can run any more: stop asking (the flag _optuna_compat reads).
                 _optuna_compat.request_stop(self._study)
+
+    def _replace(self, host: RemoteHost) -> None:
+        """Start a host in place of ``host`` (lost on an alive node), within the cap."""
+        if self._num_gpus_per_host:
+            # Its GPU share is free again: _grow (called next) starts the new host there.
+            self._used[host.info.node_id] -= 1
+        elif self._cap is None or self.n_alive + len(self._pending) < self._cap:
+            _logger.info("Starting a CPU host in place of %s.", host.device)
+            self._start_actor(None, "a CPU host placed by Ray")
 
     @property
     def all_lost(self) -> bool:
@@ -303,7 +326,7 @@ class HostFleet:
         """
         if self._max_devices is None or self._requested:
             return
-        if self.n_alive + len(self._pending) >= self._max_devices:
+        if self.n_alive + len(self._pending) >= self._max_devices * self._hosts_per_gpu:
             return
         if any(host.idle_slot() is not None for host in self.hosts if not host.lost):
             return
@@ -336,7 +359,8 @@ class HostFleet:
             node.resources.get(key, 0.0) < amount for key, amount in self._host_resources.items()
         ):
             return 0
-        return int(node.resources.get("GPU", 0.0) // max(1, self._num_gpus_per_host))
+        gpus = int(node.resources.get("GPU", 0.0) // max(1, self._num_gpus_per_host))
+        return gpus * self._hosts_per_gpu
 
     def _alive_node_ids(self) -> set[str]:
         try:

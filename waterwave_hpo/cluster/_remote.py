@@ -75,6 +75,11 @@ class RemoteHost:
         max_host_retries: How many times one set of parameters is re-queued after its host was
             lost (>= 0); past that, the trial is told FAIL and the search goes on.
         on_lost: Called (in the poller thread) once this host is lost.
+        describe_loss: Called (in the poller thread) when this host is lost, before its
+            trials are told FAIL: ``(reason, re_queue)``, the fail reason and whether their
+            parameters are re-queued (``RayExecutor(isolation="process")``: a process that
+            crashed on an alive node fails its one trial, with the signal). ``None``: "its
+            device host was lost", re-queued.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class RemoteHost:
         settings: RunSettings,
         max_host_retries: int,
         on_lost: Callable[[RemoteHost, BaseException], None],
+        describe_loss: Callable[[RemoteHost, BaseException], tuple[str, bool]] | None = None,
     ) -> None:
         self.actor = actor
         self.info = info
@@ -99,6 +105,7 @@ class RemoteHost:
         self.lost = False
         self._shut_down = False
         self._on_lost = on_lost
+        self._describe_loss = describe_loss
         self._lock = threading.Lock()
         self._reported: set[int] = set()
         """Trial numbers whose outcome is claimed: told from a record, or failed as lost. The
@@ -251,8 +258,11 @@ class RemoteHost:
             self.lost = True
             jobs = [m for slot in self.slots if slot.job is not None for m in slot.job.members()]
         _logger.warning("Device host %s was lost: %s", self.device, error)
+        reason, re_queue = f"its device host {self.device} was lost: {error!r}", True
+        if self._describe_loss is not None:
+            reason, re_queue = self._describe_loss(self, error)
         for job in jobs:
-            self._report_lost(job, f"its device host {self.device} was lost: {error!r}")
+            self._report_lost(job, reason, re_queue)
         self._on_lost(self, error)
 
     def _claim(self, job: TrialJob) -> bool:
@@ -262,16 +272,20 @@ class RemoteHost:
             self._reported.add(job.trial.number)
             return True
 
-    def _report_lost(self, job: TrialJob, reason: str) -> None:
+    def _report_lost(self, job: TrialJob, reason: str, re_queue: bool = True) -> None:
         if not self._claim(job):
             return  # its record was told first: it finished, nothing to fail or re-run
         frozen = _fail(self.settings.study, job, reason)
-        kind = OutcomeKind.HOST_LOST if job.attempt < self.max_host_retries else OutcomeKind.FAILED
+        kind = (
+            OutcomeKind.HOST_LOST
+            if re_queue and job.attempt < self.max_host_retries
+            else OutcomeKind.FAILED
+        )
         with self._lock:
             for slot in self.slots:
                 if slot.job is job:  # one trial; a fused batch's slot is freed by the executor
                     slot.job = None
-        self.settings.outcomes.put(TrialOutcome(job, kind, frozen, None, 0))
+        self.settings.outcomes.put(TrialOutcome(job, kind, frozen, None, 0, reason))
 
 
 def _fail(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:

@@ -20,18 +20,18 @@ import uuid
 from ray.tune import PlacementGroupFactory
 
 from waterwave_hpo import _checks
-from waterwave_hpo import _experimental
+from waterwave_hpo.cluster._broker import CUDA_BUDGET_FRACTION as _CUDA_BUDGET_FRACTION
+from waterwave_hpo.cluster._broker import cap_cuda as _cap_cuda
+from waterwave_hpo.cluster._broker import cuda_device as _cuda_device
 from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
+from waterwave_hpo.cluster._broker import renew_lease as _renew
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._leases import LeaseStats
 from waterwave_hpo.cluster._leases import MemoryLease
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.05
-_CUDA_BUDGET_FRACTION = 0.9
-"""Without ``memory_budget_bytes``, leases share 90 % of the GPU's memory; the rest is left for
-the trial processes' CUDA contexts, which no allocator counts."""
 
 
 class LeaseTimeoutError(TimeoutError):
@@ -317,38 +317,3 @@ def lease_stats(gpu_id: str | int | None = None, node_id: str | None = None) -> 
 def _gpu_share(trials_per_gpu: int) -> float:
     # Ray keeps resource amounts to 4 decimals; round down so k shares fit one GPU.
     return int(10_000 / trials_per_gpu) / 10_000
-
-
-def _cuda_device() -> Any:
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _cap_cuda(device: Any, granted: MemoryLease) -> None:
-    import torch
-
-    if granted.nbytes is None:
-        return
-    _experimental.warn_experimental(_experimental.ExperimentalPath.LEASES_CUDA)
-    total = int(torch.cuda.get_device_properties(device).total_memory)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, granted.nbytes / total), device)
-    torch.cuda.reset_peak_memory_stats(device)
-
-
-def _renew(broker: Any, holder: str, stop: threading.Event, every_s: float) -> None:
-    import ray
-
-    while not stop.wait(every_s):
-        try:
-            ttl_s = ray.get(broker.renew.remote(holder))
-        except Exception:
-            return
-        if ttl_s is None:
-            _logger.warning("The memory lease %s expired while held.", holder)
-            return
-        every_s = ttl_s / 4  # another run may have changed the broker's time-to-live

@@ -518,6 +518,121 @@ def _every_sim_device(n: int) -> CheckResult:
     )
 
 
+# -- a worker process that crashes -------------------------------------------------------------
+
+_CRASHING_TRIAL = 1
+_WAIT_S = 60.0
+
+
+def _wait_until(study: Any, ready: Any) -> bool:
+    """Poll the study (through the worker's relay) until ``ready(trials)``, at most 60 s."""
+    import time
+
+    deadline = time.monotonic() + _WAIT_S
+    while time.monotonic() < deadline:
+        if ready(study.get_trials(deepcopy=False)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def crash_one_worker(trial: Any) -> float:
+    """The worker-crash check's objective: trial 1 kills its worker with a segmentation fault.
+
+    Module-level, so a spawned worker process imports it. Each trial records its process, its
+    slot and when its objective started, and runs a small step on its device. Trial 1 crashes
+    while trial 0 runs beside it; trial 0 then holds its slot until trial 2 has started, so
+    trial 2 runs in the crashed trial's slot, in a new worker.
+    """
+    import ctypes
+    import os
+    import time
+
+    from optuna.trial import TrialState
+
+    import waterwave_hpo as ww
+
+    context = ww.current()
+    trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("slot", context.slot)
+    trial.set_user_attr("started", time.time())
+    x = trial.suggest_float("x", -1.0, 1.0)
+    w = torch.full((64, 64), x, device=context.device)
+    value = float((w @ w).sum().item())
+    study = trial.study
+    if trial.number == 0:
+        _wait_until(
+            study,
+            lambda ts: (
+                len(ts) > 2
+                and ts[_CRASHING_TRIAL].state is TrialState.FAIL
+                and "started" in ts[2].user_attrs
+            ),
+        )
+    if trial.number == _CRASHING_TRIAL:
+        _wait_until(study, lambda ts: "started" in ts[0].user_attrs)  # a neighbour is running
+        if study.user_attrs.get("crash") == "exit":
+            os._exit(3)  # a process that ends without a signal (the check must then fail)
+        ctypes.string_at(0)  # reads address 0: SIGSEGV in native code
+    return value
+
+
+def check_worker_crash(
+    device: torch.device, k: int = 2, n_trials: int = 4, crash: str = "segfault"
+) -> CheckResult:
+    """A worker process killed by a segmentation fault fails its trial alone (issue 28).
+
+    A study of ``n_trials`` trials with ``isolation="process"`` and ``k`` slots on the device:
+    trial 1 segfaults in native code (``ctypes.string_at(0)``) while its worker holds the
+    device and trial 0 runs beside it. Pass: trial 1 is FAIL with the signal (SIGSEGV) in its
+    fail reason, every other trial COMPLETE (trial 0 included), and trial 2 ran in trial 1's
+    slot in another process (a new worker). The figure is the seconds from trial 1's FAIL to
+    trial 2's objective starting: the replacement worker's start-up. ``crash="exit"`` makes
+    trial 1 ``os._exit(3)`` instead (no signal: the check must fail; its own test).
+    """
+    import optuna
+
+    import waterwave_hpo as ww
+    from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+
+    study = optuna.create_study()
+    study.set_user_attr("crash", crash)
+    executor = ww.WaterwaveExecutor(
+        str(device), trials_per_device=k, record_trial_attrs=True, isolation="process"
+    )
+    executor.optimize(study, crash_one_worker, n_trials=n_trials)
+    trials = study.get_trials(deepcopy=False)
+    crashed, after = trials[_CRASHING_TRIAL], trials[_CRASHING_TRIAL + 1]
+    reason = str(crashed.system_attrs.get(ATTR_FAIL_REASON, ""))
+    others = [t for t in trials if t.number != _CRASHING_TRIAL]
+    same_slot = after.user_attrs.get("slot") == crashed.user_attrs.get("slot")
+    new_pid = after.user_attrs.get("pid") not in (None, crashed.user_attrs.get("pid"))
+    replaced = same_slot and new_pid
+    respawn_s = None
+    if crashed.datetime_complete is not None and "started" in after.user_attrs:
+        respawn_s = float(after.user_attrs["started"]) - crashed.datetime_complete.timestamp()
+    ok = (
+        crashed.state is optuna.trial.TrialState.FAIL
+        and "SIGSEGV" in reason
+        and len(trials) == n_trials
+        and all(t.state is optuna.trial.TrialState.COMPLETE for t in others)
+        and replaced
+    )
+    return CheckResult(
+        "worker_crash",
+        _passed(ok),
+        None if respawn_s is None else round(respawn_s, 3),
+        "s to a new worker's trial",
+        f"isolation='process', {k} slots on {device}, trial {_CRASHING_TRIAL} crashes beside "
+        f"trial 0: states {[t.state.name for t in trials]}, reason {reason[:160]!r}; trial "
+        f"{_CRASHING_TRIAL} slot {crashed.user_attrs.get('slot')} pid "
+        f"{crashed.user_attrs.get('pid')}, trial {after.number} slot "
+        f"{after.user_attrs.get('slot')} pid {after.user_attrs.get('pid')}; pass: trial "
+        f"{_CRASHING_TRIAL} FAIL with SIGSEGV in its reason, the others COMPLETE, trial "
+        f"{after.number} in its slot in a new worker",
+    )
+
+
 #: The feature checks, in the order the doctor runs them (name, check of a device).
 FEATURE_CHECKS = (
     ("home_plans", check_home_plans),
@@ -526,4 +641,5 @@ FEATURE_CHECKS = (
     ("laysa_bf16", check_laysa_bf16),
     ("fused_batch", check_fused_batch),
     ("every_gpu", check_every_gpu),
+    ("worker_crash", check_worker_crash),
 )

@@ -21,6 +21,7 @@ from waterwave_hpo.executor._devices import resolve_devices
 from waterwave_hpo.executor._host import DeviceHost
 from waterwave_hpo.executor._host import RunSettings
 from waterwave_hpo.executor._host_protocol import Host
+from waterwave_hpo.executor._memory import _TRIAL_ACCOUNT as TRIAL_ACCOUNT
 from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._optimize import Callback
 from waterwave_hpo.executor._optimize import ObjectiveFunc
@@ -31,6 +32,7 @@ from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import TrialPlanning
 from waterwave_hpo.executor._planning import plan_settings
+from waterwave_hpo.executor._process._leases import bound_process
 from waterwave_hpo.executor._remote import HostRunner
 from waterwave_hpo.executor._remote import HostSnapshot
 from waterwave_hpo.executor._remote import HostSpec
@@ -53,6 +55,7 @@ __all__ = [
     "ATTR_RETRY_OF",
     "ATTR_SLOT",
     "CURRENT_CONTEXT",
+    "TRIAL_ACCOUNT",
     "Callback",
     "DeviceHost",
     "Host",
@@ -70,6 +73,7 @@ __all__ = [
     "TrialPlanning",
     "TrialRecord",
     "acquire_stream",
+    "bound_process",
     "fail_trial",
     "is_batched",
     "make_device_memory",
