@@ -154,7 +154,11 @@ class HostActor:
     def __init__(self, spec: HostSpec) -> None:
         import ray
 
-        storage = spec.storage.connect()
+        # The driver tells each trial from this host's record (defer_finish): the user's
+        # sampler and callbacks see it in the driver's process, and a trial's end costs no
+        # storage round trip here.
+        storage = spec.storage.connect(defer_finish=True)
+        self._storage = storage
         study = optuna.load_study(
             study_name=spec.study_name, storage=storage, sampler=spec.sampler, pruner=spec.pruner
         )
@@ -209,6 +213,7 @@ class HostActor:
         members: list[tuple[int, int, int | None]],
         fused: bool = False,
         plan_cap_bytes: int | None = None,
+        frozen: list[optuna.trial.FrozenTrial] | None = None,
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
@@ -219,6 +224,9 @@ class HostActor:
             members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
             fused: A fused batch (``fuse=K``): the objective takes the list of trials.
             plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
+            frozen: The members as the driver's storage holds them, with this host's
+                bookkeeping attributes (``ATTR_HOST``, ``ATTR_NODE``...) written by the driver;
+                ``None``: this host writes them and reads the trials.
 
         Precondition: the driver only submits to a slot whose previous job it has seen end.
         """
@@ -228,9 +236,13 @@ class HostActor:
             else TrialPlanning(self._memory_plan, cap_bytes=plan_cap_bytes)
         )
         jobs = []
-        for trial_id, attempt, retry_of in members:
-            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
-            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
+        for index, (trial_id, attempt, retry_of) in enumerate(members):
+            if frozen is None:
+                _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
+                _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
+                self._storage.adopt(self._storage.get_trial(trial_id))
+            else:
+                self._storage.adopt(frozen[index])
             trial = optuna.trial.Trial(self._study, trial_id)
             jobs.append(TrialJob(trial, attempt, retry_of, planning))
         first = jobs[0]
@@ -279,8 +291,17 @@ class HostActor:
                     del self._pending[id(slot.job)]
                     slot.job = None
         self._host.memory.trial_ended(number)
+        finish = self._storage.release(_optuna_compat.trial_id(outcome.job.trial))
         with self._study._told_lock:
-            state, values = self._study._told.pop(number, (TrialState.FAIL, None))
+            told = self._study._told.pop(number, None)
+        if told is not None:  # the objective (or an interrupt) told the study itself
+            state, values = told
+        elif finish is None:  # never told (cannot happen on the run path): fail it
+            state, values = TrialState.FAIL, None
+        elif finish[0] is TrialState.COMPLETE:
+            state, values = None, finish[1]
+        else:  # PRUNED (the driver takes its value from the last report) or FAIL
+            state, values = finish[0], None
         planning = outcome.job.planning
         return TrialRecord(
             slot=slot_index,

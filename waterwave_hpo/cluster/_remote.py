@@ -24,9 +24,14 @@ import optuna
 from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo.cluster._actor import ATTR_HOST
+from waterwave_hpo.cluster._actor import ATTR_NODE
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
+from waterwave_hpo.executor._internal import ATTR_BATCH
+from waterwave_hpo.executor._internal import ATTR_DEVICE
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import ATTR_SLOT
 from waterwave_hpo.executor._internal import OutcomeKind
 from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.executor._internal import TrialJob
@@ -147,10 +152,37 @@ class RemoteHost:
             members = [
                 (_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()
             ]
+            frozen = self._bookkeeping(slot, job)
             cap = None if job.planning is None else job.planning.cap_bytes
-            ray.get(self.actor.submit.remote(slot.index, members, bool(job.batch), cap))
+            ray.get(self.actor.submit.remote(slot.index, members, bool(job.batch), cap, frozen))
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
+
+    def _bookkeeping(self, slot: RemoteSlot, job: TrialJob) -> list[optuna.trial.FrozenTrial]:
+        """Write where the job runs (as the host's run path would) and read its trials.
+
+        The host then starts from these copies: no storage round trip to open a trial or
+        record its host, node, device and slot (the host's writes of the same values are
+        skipped by its storage, :class:`~waterwave_hpo.relay.RelayedStorage`).
+        """
+        study = self.settings.study
+        storage = _optuna_compat.storage_of(study)
+        members = job.members()
+        frozen = []
+        for member in members:
+            trial_id = _optuna_compat.trial_id(member.trial)
+            attrs: dict[str, Any] = {
+                ATTR_HOST: self.info.label,
+                ATTR_NODE: self.info.node_id,
+                ATTR_DEVICE: self.info.device,
+                ATTR_SLOT: slot.index,
+            }
+            if job.batch:
+                attrs[ATTR_BATCH] = [m.trial.number for m in members]
+            for key, value in attrs.items():
+                _optuna_compat.set_system_attr(study, trial_id, key, value)
+            frozen.append(storage.get_trial(trial_id))
+        return frozen
 
     def running_jobs(self) -> list[tuple[RemoteSlot, TrialJob]]:
         """The (slot, job) pairs running now."""

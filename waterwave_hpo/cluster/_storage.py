@@ -132,11 +132,16 @@ class StorageChannel:
     relay: Any
     heartbeat: bool
 
-    def connect(self) -> RayStorageClient:
-        """The host's ``BaseStorage`` for the run's study."""
+    def connect(self, defer_finish: bool = False) -> RayStorageClient:
+        """The host's ``BaseStorage`` for the run's study.
+
+        Args:
+            defer_finish: Keep adopted trials' final states for the driver to tell
+                (:class:`~waterwave_hpo.relay.RelayedStorage`).
+        """
         if self.heartbeat:
-            return RayHeartbeatStorageClient(self.relay)
-        return RayStorageClient(self.relay)
+            return RayHeartbeatStorageClient(self.relay, defer_finish)
+        return RayStorageClient(self.relay, defer_finish)
 
 
 class StorageServer:
@@ -246,10 +251,11 @@ class RayStorageClient(RelayedStorage):
 
     Args:
         relay: The :class:`StorageRelay` actor handle.
+        defer_finish: Keep adopted trials' final states for the driver to tell.
     """
 
-    def __init__(self, relay: Any) -> None:
-        super().__init__(_RayTransport(relay))
+    def __init__(self, relay: Any, defer_finish: bool = False) -> None:
+        super().__init__(_RayTransport(relay), defer_finish)
 
 
 class RayHeartbeatStorageClient(RayStorageClient, RelayedHeartbeatStorage):
