@@ -66,7 +66,12 @@ def main() -> None:
     parser.add_argument("--trials-per-device", type=int, default=2)
     parser.add_argument("--storage", choices=["memory", "sqlite"], default="memory")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--gather-ms", type=float, default=None, help="the relay's gather time")
     args = parser.parse_args()
+    if args.gather_ms is not None:
+        from waterwave_hpo.cluster._storage import StorageServer
+
+        StorageServer.__init__.__defaults__ = (16, args.gather_ms / 1000)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     import ray
@@ -94,12 +99,13 @@ def main() -> None:
     ActorMethod.remote = counted_remote  # type: ignore[method-assign]
 
     profiles: list[cProfile.Profile] = []
+    main_profile: cProfile.Profile | None = None
     python_threads: dict[str, float] = collections.defaultdict(float)
     original_run = threading.Thread.run
 
     def measured_run(self: threading.Thread) -> None:
         # Python threads are all "python" in /proc: their CPU is taken here, at their end.
-        profile = cProfile.Profile() if args.cprofile else None
+        profile = cProfile.Profile(time.thread_time) if args.cprofile else None
         if profile is not None:
             profiles.append(profile)
             profile.enable()
@@ -130,7 +136,9 @@ def main() -> None:
                 num_cpus_per_host=0.25,
             )
             load = os.getloadavg()
-            main_profile = cProfile.Profile() if args.cprofile else None
+            main_profile: cProfile.Profile | None = (
+                cProfile.Profile(time.thread_time) if args.cprofile else None
+            )
             cpu0, wall0, threads0 = time.process_time(), time.perf_counter(), thread_cpu()
             if main_profile is not None:
                 main_profile.enable()
@@ -172,7 +180,13 @@ def main() -> None:
         ),
     }
     print(json.dumps(result, indent=1))
+    if main_profile is not None:
+        stream = io.StringIO()
+        pstats.Stats(main_profile, stream=stream).sort_stats("cumtime").print_stats(45)
+        print("== the main thread (the executor's loop), CPU time ==")
+        print(stream.getvalue())
     if profiles:
+        print("== every profiled thread, CPU time ==")
         stream = io.StringIO()
         stats = pstats.Stats(profiles[0], stream=stream)
         for profile in profiles[1:]:
