@@ -192,6 +192,7 @@ def main() -> None:
         for profile in profiles[1:]:
             stats.add(profile)
         stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumtime").print_stats("optuna/(storages|study|trial)|waterwave_hpo", 40)
         print(stream.getvalue())
 
 

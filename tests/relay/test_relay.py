@@ -190,3 +190,21 @@ def test_the_policy_finds_a_trial_the_driver_asked_without_reading_the_whole_stu
     with pytest.raises(StoragePermissionError, match="trial_id"):
         client.set_trial_user_attr(10_000, "k", 1)
     assert storage.get_trial(other_trial._trial_id).user_attrs == {}
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+def test_bookkeeping_attrs_set_together_are_stored_and_refused_on_a_finished_trial(
+    backend: str, tmp_path: Any
+) -> None:
+    from waterwave_hpo import _optuna_compat
+
+    url = None if backend == "memory" else f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(storage=url)
+    trial = study.ask()
+    attrs: dict[str, object] = {"waterwave:host": "h", "waterwave:slot": 1, "waterwave:batch": [0]}
+    _optuna_compat.set_system_attrs(study, trial._trial_id, attrs)
+    assert {k: study.trials[0].system_attrs[k] for k in attrs} == attrs
+    study.tell(trial, 1.0)
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        _optuna_compat.set_system_attrs(study, trial._trial_id, {"waterwave:slot": 2})
+    assert study.trials[0].system_attrs["waterwave:slot"] == 1

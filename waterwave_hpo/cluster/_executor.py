@@ -350,6 +350,7 @@ class RayExecutor(WaterwaveExecutor):
                 settings,
                 self.max_host_retries,
                 on_lost=on_lost,
+                access=self._server.policy if self._server is not None else None,
             )
 
         self._fleet = HostFleet(

@@ -36,6 +36,7 @@ from waterwave_hpo.executor._internal import OutcomeKind
 from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.executor._internal import TrialJob
 from waterwave_hpo.executor._internal import TrialOutcome
+from waterwave_hpo.relay import StudyAccessPolicy
 from waterwave_hpo.scheduler import PipelineScheduler
 
 _logger = logging.getLogger("waterwave_hpo")
@@ -86,6 +87,7 @@ class RemoteHost:
         max_host_retries: How many times one set of parameters is re-queued after its host was
             lost (>= 0); past that, the trial is told FAIL and the search goes on.
         on_lost: Called (in the poller thread) once this host is lost.
+        access: The run's storage policy: the trials handed to this host are allowed at once.
     """
 
     def __init__(
@@ -97,8 +99,10 @@ class RemoteHost:
         settings: RunSettings,
         max_host_retries: int,
         on_lost: Callable[[RemoteHost, BaseException], None],
+        access: StudyAccessPolicy | None = None,
     ) -> None:
         self.actor = actor
+        self.access = access
         self.info = info
         self.device: str = info.label
         self.scheduler: PipelineScheduler | None = None  # the actor's own; none in the driver
@@ -185,8 +189,9 @@ class RemoteHost:
             }
             if job.batch:
                 attrs[ATTR_BATCH] = [m.trial.number for m in members]
-            for key, value in attrs.items():
-                _optuna_compat.set_system_attr(study, trial_id, key, value)
+            _optuna_compat.set_system_attrs(study, trial_id, attrs)
+            if self.access is not None:  # the host may use it: no lookup when it does
+                self.access.allow_trial(trial_id)
             frozen.append(storage.get_trial(trial_id))
         return frozen
 

@@ -26,6 +26,8 @@ from optuna.study._study_direction import StudyDirection
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
+from waterwave_hpo import _optuna_compat
+
 # ``transport(method, args) -> (ok, result or exception)``: one storage call carried to the driver.
 Transport = Callable[[str, tuple[Any, ...]], tuple[bool, Any]]
 
@@ -92,7 +94,7 @@ class RelayedStorage(BaseStorage):
             trial: The trial as the driver's storage holds it now (RUNNING, its id set).
         """
         with self._lock:
-            self._own[trial._trial_id] = copy.deepcopy(trial)
+            self._own[_optuna_compat.trial_id(trial)] = copy.deepcopy(trial)
 
     def release(self, trial_id: int) -> tuple[TrialState, list[float] | None] | None:
         """Forget an adopted trial; return the final state and values kept for it, if any.

@@ -134,6 +134,15 @@ class StudyAccessPolicy:
             with self._lock:
                 self._trial_ids.add(int(result))
 
+    def allow_trial(self, trial_id: int) -> None:
+        """Allow calls on ``trial_id``: the driver vouches that it is a trial of the study.
+
+        The driver calls it for each trial it hands to a host, so the host's first call on it
+        needs no lookup in the storage (on an RDB, a query per trial).
+        """
+        with self._lock:
+            self._trial_ids.add(int(trial_id))
+
     def _is_own_trial(self, trial_id: object) -> bool:
         if isinstance(trial_id, bool) or not isinstance(trial_id, int):
             return False
