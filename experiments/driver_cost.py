@@ -35,13 +35,29 @@ def _trivial(trial: optuna.trial.Trial) -> float:
     return trial.suggest_float("x", -1.0, 1.0) ** 2
 
 
+class _Sleeping:
+    """A trivial trial that lasts ``trial_s`` seconds (sleeping: the hosts stay idle)."""
+
+    def __init__(self, trial_s: float) -> None:
+        self.trial_s = trial_s
+
+    def __call__(self, trial: optuna.trial.Trial) -> float:
+        time.sleep(self.trial_s)
+        return _trivial(trial)
+
+
 def _cpu_at(samples: list[tuple[float, float]], when: float) -> float:
     """The driver's CPU time at wall-clock ``when``, from the first sample at or after it."""
     return next((cpu for t, cpu in samples if t >= when), samples[-1][1])
 
 
 def measure(
-    n_hosts: int, n_trials: int, trials_per_device: int, storage: str, warmup: int
+    n_hosts: int,
+    n_trials: int,
+    trials_per_device: int,
+    storage: str,
+    warmup: int,
+    trial_s: float = 0.0,
 ) -> dict[str, object]:
     import ray
 
@@ -73,7 +89,8 @@ def measure(
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        executor.optimize(study, _trivial, n_trials=n_trials)
+        objective = _Sleeping(trial_s) if trial_s > 0 else _trivial
+        executor.optimize(study, objective, n_trials=n_trials)
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         stop.set()
         sampler.join()
@@ -87,6 +104,7 @@ def measure(
         return {
             "n_hosts": n_hosts,
             "storage": storage,
+            "trial_s": trial_s,
             "trials_per_device": trials_per_device,
             "n_trials": len(study.trials),
             "optimize_wall_s": round(wall_s, 2),
@@ -108,6 +126,7 @@ def main() -> None:
     parser.add_argument("--trials-per-device", type=int, default=2)
     parser.add_argument("--storage", choices=["memory", "sqlite"], nargs="+", default=["memory"])
     parser.add_argument("--warmup", type=int, default=20, help="trials before the steady state")
+    parser.add_argument("--trial-s", type=float, default=0.0, help="each trial sleeps this long")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +134,9 @@ def main() -> None:
     for storage in args.storage:
         for n_hosts in args.hosts:
             load = os.getloadavg()
-            run = measure(n_hosts, args.n_trials, args.trials_per_device, storage, args.warmup)
+            run = measure(
+                n_hosts, args.n_trials, args.trials_per_device, storage, args.warmup, args.trial_s
+            )
             run["loadavg_before"] = [round(x, 2) for x in load]
             runs.append(run)
             print(json.dumps(run), flush=True)
@@ -130,7 +151,8 @@ def main() -> None:
         },
         "runs": runs,
     }
-    (args.out / "driver_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "driver_cost.json" if args.trial_s == 0 else f"driver_cost_{args.trial_s:g}s.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
