@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--trials-per-device", type=int, default=2)
     parser.add_argument("--storage", choices=["memory", "sqlite"], default="memory")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--trial-s", type=float, default=0.0, help="each trial sleeps this long")
     parser.add_argument("--gather-ms", type=float, default=None, help="the relay's gather time")
     args = parser.parse_args()
     if args.gather_ms is not None:
@@ -143,7 +144,13 @@ def main() -> None:
             if main_profile is not None:
                 main_profile.enable()
             main0 = time.thread_time()
-            executor.optimize(study, _trivial, n_trials=args.n_trials)
+            trial_s = args.trial_s
+
+            def objective(trial: optuna.trial.Trial) -> float:
+                time.sleep(trial_s)
+                return _trivial(trial)
+
+            executor.optimize(study, objective, n_trials=args.n_trials)
             python_threads["main (executor loop)"] += time.thread_time() - main0
             if main_profile is not None:
                 main_profile.disable()
