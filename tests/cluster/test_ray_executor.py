@@ -474,3 +474,24 @@ def test_the_driver_tells_each_hosted_trial_so_its_sampler_sees_every_end() -> N
             assert t.value == pytest.approx(t.params["x"] ** 2)
         if t.state is TrialState.PRUNED:  # Optuna's pruned value: the last report, if any
             assert t.values is None or t.value == t.intermediate_values[max(t.intermediate_values)]
+
+
+class _RefusesOnHosts(optuna.samplers.RandomSampler):
+    """A sampler that cannot open a trial in a host actor (its ``before_trial`` raises there)."""
+
+    def __init__(self, driver_pid: int) -> None:
+        super().__init__(seed=0)
+        self.driver_pid = driver_pid
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if os.getpid() != self.driver_pid:
+            raise RuntimeError("this sampler cannot open a trial on a host")
+
+
+def test_a_host_that_cannot_take_a_trial_is_lost_and_nothing_stays_running() -> None:
+    # The driver does not wait for a host to take a trial; the host's poller finds the failure.
+    study = optuna.create_study(sampler=_RefusesOnHosts(os.getpid()))
+    executor = RayExecutor(n_hosts=1, trials_per_device=2, max_host_retries=0)
+    with pytest.raises(AllHostsLostError, match="cannot open a trial"):
+        executor.optimize(study, lambda t: 0.0, n_trials=4)
+    assert set(_states(study)) == {TrialState.FAIL}

@@ -121,6 +121,7 @@ class RemoteHost:
         reach a job; the first claim reports it, so no trial is told twice or re-run after it
         finished."""
         self._has_room = True
+        self._submitted: list[Any] = []  # submits the poller has not seen succeed yet
         self._stop = threading.Event()
         self._poller = threading.Thread(
             target=self._poll_loop, name=f"waterwave-ray-{info.label}", daemon=True
@@ -157,14 +158,16 @@ class RemoteHost:
                 self._report_lost(member, "its host was lost before the trial started")
             return
         try:
-            import ray
-
             members = [
                 (_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()
             ]
             frozen = self._bookkeeping(slot, job)
             cap = None if job.planning is None else job.planning.cap_bytes
-            ray.get(self.actor.submit.remote(slot.index, members, bool(job.batch), cap, frozen))
+            # Not waited for here (a round trip less for the driver): the poller checks it, and
+            # a dead actor fails the poll anyway.
+            submitted = self.actor.submit.remote(slot.index, members, bool(job.batch), cap, frozen)
+            with self._lock:
+                self._submitted.append(submitted)
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
 
@@ -240,6 +243,8 @@ class RemoteHost:
                     self._mark_lost(error)
                 return
             unavailable = 0
+            if not self._submits_ok(ray):
+                return
             self._has_room = snapshot.has_room
             if snapshot.stop_requested:
                 # An objective on the host called study.stop(): stop the driver's loop too
@@ -247,6 +252,23 @@ class RemoteHost:
                 _optuna_compat.request_stop(self.settings.study)
             for record in records:
                 self._tell(record)
+
+    def _submits_ok(self, ray: Any) -> bool:
+        """Check the submits that have ended; a failed one loses the host (returns False)."""
+        with self._lock:
+            submitted, self._submitted = self._submitted, []
+        if not submitted:
+            return True
+        ended, waiting = ray.wait(submitted, num_returns=len(submitted), timeout=0)
+        with self._lock:
+            self._submitted[:0] = waiting
+        for ref in ended:
+            try:
+                ray.get(ref)
+            except Exception as error:  # the actor could not take the trial: as if it died
+                self._mark_lost(error)
+                return False
+        return True
 
     def _tell(self, record: TrialRecord) -> None:
         slot_job = self.slots[record.slot].job if 0 <= record.slot < len(self.slots) else None
