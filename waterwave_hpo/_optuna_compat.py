@@ -92,6 +92,32 @@ def set_system_attr(study: optuna.Study, trial_id: int, key: str, value: object)
     study._storage.set_trial_system_attr(trial_id, key, value)  # type: ignore[arg-type]
 
 
+def set_system_attrs(study: optuna.Study, trial_id: int, attrs: dict[str, object]) -> None:
+    """Set several system attributes of the unfinished trial ``trial_id`` of ``study``.
+
+    On Optuna's RDB storage (SQLite, PostgreSQL, MySQL; Optuna wraps it in ``_CachedStorage``)
+    all in one transaction, with the statements Optuna's ``set_trial_system_attr`` runs (one
+    commit instead of one per attribute: measured 3.6 ms of driver CPU each on SQLite, issue 24
+    item 4); on any other storage one call per attribute.
+    """
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)
+    if isinstance(backend, optuna.storages.RDBStorage) and hasattr(
+        backend, "_set_trial_attr_without_commit"
+    ):
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        with _create_scoped_session(backend.scoped_session, True) as session:
+            for key, value in attrs.items():
+                backend._set_trial_attr_without_commit(
+                    session, models.TrialSystemAttributeModel, trial_id, key, value
+                )
+        return
+    for key, value in attrs.items():
+        storage.set_trial_system_attr(trial_id, key, value)  # type: ignore[arg-type]
+
+
 def system_attrs(study: optuna.Study, trial_id: int) -> dict[str, object]:
     """The system attributes of trial ``trial_id`` of ``study``, read from its storage."""
     return dict(study._storage.get_trial_system_attrs(trial_id))

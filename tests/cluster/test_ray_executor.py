@@ -510,3 +510,57 @@ def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be
     assert len({t.system_attrs[ATTR_HOST] for t in study.trials}) == 1
     stats = executor.cluster_stats
     assert stats is not None and stats.hosts_started == 1
+
+
+class _RecordingSampler(optuna.samplers.RandomSampler):
+    """A sampler that records, in the process it lives in, each trial it was told about."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.told: list[tuple[int, TrialState]] = []
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        state: TrialState,
+        values: Any,
+    ) -> None:
+        self.told.append((trial.number, state))
+
+
+def test_the_driver_tells_each_hosted_trial_so_its_sampler_sees_every_end() -> None:
+    # The driver's study tells each trial from its host's record (Study.optimize's after_trial
+    # in the driver's process), with the value, the pruned value and the failure as on a host.
+    sampler = _RecordingSampler()
+    study = ww.create_study(sampler=sampler)
+    executor = RayExecutor(n_hosts=1, trials_per_device=2)
+    study.optimize(_objective, n_trials=10, catch=(ValueError,), executor=executor)
+    assert sorted(sampler.told) == sorted((t.number, t.state) for t in study.trials)
+    assert _states(study) == {TrialState.COMPLETE: 6, TrialState.PRUNED: 2, TrialState.FAIL: 2}
+    for t in study.trials:
+        if t.state is TrialState.COMPLETE:
+            assert t.value == pytest.approx(t.params["x"] ** 2)
+        if t.state is TrialState.PRUNED:  # Optuna's pruned value: the last report, if any
+            assert t.values is None or t.value == t.intermediate_values[max(t.intermediate_values)]
+
+
+class _RefusesOnHosts(optuna.samplers.RandomSampler):
+    """A sampler that cannot open a trial in a host actor (its ``before_trial`` raises there)."""
+
+    def __init__(self, driver_pid: int) -> None:
+        super().__init__(seed=0)
+        self.driver_pid = driver_pid
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if os.getpid() != self.driver_pid:
+            raise RuntimeError("this sampler cannot open a trial on a host")
+
+
+def test_a_host_that_cannot_take_a_trial_is_lost_and_nothing_stays_running() -> None:
+    # The driver does not wait for a host to take a trial; the host's poller finds the failure.
+    study = optuna.create_study(sampler=_RefusesOnHosts(os.getpid()))
+    executor = RayExecutor(n_hosts=1, trials_per_device=2, max_host_retries=0)
+    with pytest.raises(AllHostsLostError, match="cannot open a trial"):
+        executor.optimize(study, lambda t: 0.0, n_trials=4)
+    assert set(_states(study)) == {TrialState.FAIL}

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import os
 
+import optuna
+
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor._internal import HostRunner
 from waterwave_hpo.executor._internal import HostSnapshot
@@ -65,7 +67,10 @@ class HostActor:
 
         assert spec.storage is not None, "a host actor reaches the study through the relay"
         device = resolve_devices("auto")[0]
-        self._runner = HostRunner(spec, spec.storage.connect(), device)
+        # The driver tells each trial from this host's record (defer_finish): the user's
+        # sampler and callbacks see it in the driver's process, and a trial's end costs no
+        # storage round trip here.
+        self._runner = HostRunner(spec, spec.storage.connect(defer_finish=True), device)
         self._study = self._runner.study
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._info = HostInfo(
@@ -85,6 +90,7 @@ class HostActor:
         members: list[tuple[int, int, int | None]],
         fused: bool = False,
         plan_cap_bytes: int | None = None,
+        frozen: list[optuna.trial.FrozenTrial] | None = None,
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
@@ -95,13 +101,17 @@ class HostActor:
             members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
             fused: A fused batch (``fuse=K``): the objective takes the list of trials.
             plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
+            frozen: The members as the driver's storage holds them, with this host's
+                bookkeeping attributes (``ATTR_HOST``, ``ATTR_NODE``...) written by the driver;
+                ``None``: this host writes them and reads the trials.
 
         Precondition: the driver only submits to a slot whose previous job it has seen end.
         """
-        for trial_id, _, _ in members:
-            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
-            _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
-        self._runner.submit(slot, members, fused, plan_cap_bytes)
+        if frozen is None:
+            for trial_id, _, _ in members:
+                _optuna_compat.set_system_attr(self._study, trial_id, ATTR_HOST, self._info.label)
+                _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
+        self._runner.submit(slot, members, fused, plan_cap_bytes, frozen)
 
     def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
         """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""

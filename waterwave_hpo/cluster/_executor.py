@@ -404,6 +404,7 @@ class RayExecutor(WaterwaveExecutor):
                 self.max_host_retries,
                 on_lost=on_lost,
                 describe_loss=functools.partial(describe_loss, ray) if isolated else None,
+                access=self._server.policy if self._server is not None else None,
             )
 
         self._fleet = HostFleet(

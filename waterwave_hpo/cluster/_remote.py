@@ -24,17 +24,29 @@ import optuna
 from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo.cluster._actor import ATTR_HOST
+from waterwave_hpo.cluster._actor import ATTR_NODE
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
+from waterwave_hpo.executor._internal import ATTR_BATCH
+from waterwave_hpo.executor._internal import ATTR_DEVICE
 from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.executor._internal import ATTR_SLOT
 from waterwave_hpo.executor._internal import OutcomeKind
 from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.executor._internal import TrialJob
 from waterwave_hpo.executor._internal import TrialOutcome
+from waterwave_hpo.relay import StudyAccessPolicy
 from waterwave_hpo.scheduler import PipelineScheduler
 
 _logger = logging.getLogger("waterwave_hpo")
-_POLL_S = 0.1
+_POLL_S = 1.0
+"""How long a poll waits on the actor for a trial to end: it returns as soon as one does, so this
+bounds only an idle host's polls (each costs the driver ~0.5 ms of CPU: at 0.1 s, 5 ms a second
+per idle host; issue 24, item 4)."""
+_ROOM_POLL_S = 0.1
+"""The same with ``trials_per_device="auto"``: the host's memory room changes without a trial
+ending, and the driver admits the next trial only when a poll says there is room."""
 _UNAVAILABLE_RETRIES = 50  # ActorUnavailableError is transient (a network blip): ~5 s of retries
 
 
@@ -80,6 +92,7 @@ class RemoteHost:
             parameters are re-queued (``RayExecutor(isolation="process")``: a process that
             crashed on an alive node fails its one trial, with the signal). ``None``: "its
             device host was lost", re-queued.
+        access: The run's storage policy: the trials handed to this host are allowed at once.
     """
 
     def __init__(
@@ -92,8 +105,10 @@ class RemoteHost:
         max_host_retries: int,
         on_lost: Callable[[RemoteHost, BaseException], None],
         describe_loss: Callable[[RemoteHost, BaseException], tuple[str, bool]] | None = None,
+        access: StudyAccessPolicy | None = None,
     ) -> None:
         self.actor = actor
+        self.access = access
         self.info = info
         self.device: str = info.label
         self.scheduler: PipelineScheduler | None = None  # the actor's own; none in the driver
@@ -113,6 +128,7 @@ class RemoteHost:
         reach a job; the first claim reports it, so no trial is told twice or re-run after it
         finished."""
         self._has_room = True
+        self._submitted: list[Any] = []  # submits the poller has not seen succeed yet
         self._stop = threading.Event()
         self._poller = threading.Thread(
             target=self._poll_loop, name=f"waterwave-ray-{info.label}", daemon=True
@@ -149,15 +165,45 @@ class RemoteHost:
                 self._report_lost(member, "its host was lost before the trial started")
             return
         try:
-            import ray
-
             members = [
                 (_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()
             ]
+            frozen = self._bookkeeping(slot, job)
             cap = None if job.planning is None else job.planning.cap_bytes
-            ray.get(self.actor.submit.remote(slot.index, members, bool(job.batch), cap))
+            # Not waited for here (a round trip less for the driver): the poller checks it, and
+            # a dead actor fails the poll anyway.
+            submitted = self.actor.submit.remote(slot.index, members, bool(job.batch), cap, frozen)
+            with self._lock:
+                self._submitted.append(submitted)
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
+
+    def _bookkeeping(self, slot: RemoteSlot, job: TrialJob) -> list[optuna.trial.FrozenTrial]:
+        """Write where the job runs (as the host's run path would) and read its trials.
+
+        The host then starts from these copies: no storage round trip to open a trial or
+        record its host, node, device and slot (the host's writes of the same values are
+        skipped by its storage, :class:`~waterwave_hpo.relay.RelayedStorage`).
+        """
+        study = self.settings.study
+        storage = _optuna_compat.storage_of(study)
+        members = job.members()
+        frozen = []
+        for member in members:
+            trial_id = _optuna_compat.trial_id(member.trial)
+            attrs: dict[str, Any] = {
+                ATTR_HOST: self.info.label,
+                ATTR_NODE: self.info.node_id,
+                ATTR_DEVICE: self.info.device,
+                ATTR_SLOT: slot.index,
+            }
+            if job.batch:
+                attrs[ATTR_BATCH] = [m.trial.number for m in members]
+            _optuna_compat.set_system_attrs(study, trial_id, attrs)
+            if self.access is not None:  # the host may use it: no lookup when it does
+                self.access.allow_trial(trial_id)
+            frozen.append(storage.get_trial(trial_id))
+        return frozen
 
     def running_jobs(self) -> list[tuple[RemoteSlot, TrialJob]]:
         """The (slot, job) pairs running now."""
@@ -190,9 +236,10 @@ class RemoteHost:
         # Transient (Ray >= 2.2x); older Rays report only deaths.
         transient: Any = getattr(ray.exceptions, "ActorUnavailableError", ())
         unavailable = 0
+        wait_s = _ROOM_POLL_S if self.admit_by_memory else _POLL_S
         while not self._stop.is_set() and not self.lost:
             try:
-                records, snapshot = ray.get(self.actor.poll.remote(_POLL_S))
+                records, snapshot = ray.get(self.actor.poll.remote(wait_s))
             except transient as error:
                 unavailable += 1
                 if unavailable > _UNAVAILABLE_RETRIES:
@@ -203,6 +250,8 @@ class RemoteHost:
                     self._mark_lost(error)
                 return
             unavailable = 0
+            if not self._submits_ok(ray):
+                return
             self._has_room = snapshot.has_room
             if snapshot.stop_requested:
                 # An objective on the host called study.stop(): stop the driver's loop too
@@ -210,6 +259,23 @@ class RemoteHost:
                 _optuna_compat.request_stop(self.settings.study)
             for record in records:
                 self._tell(record)
+
+    def _submits_ok(self, ray: Any) -> bool:
+        """Check the submits that have ended; a failed one loses the host (returns False)."""
+        with self._lock:
+            submitted, self._submitted = self._submitted, []
+        if not submitted:
+            return True
+        ended, waiting = ray.wait(submitted, num_returns=len(submitted), timeout=0)
+        with self._lock:
+            self._submitted[:0] = waiting
+        for ref in ended:
+            try:
+                ray.get(ref)
+            except Exception as error:  # the actor could not take the trial: as if it died
+                self._mark_lost(error)
+                return False
+        return True
 
     def _tell(self, record: TrialRecord) -> None:
         slot_job = self.slots[record.slot].job if 0 <= record.slot < len(self.slots) else None

@@ -49,6 +49,11 @@ from waterwave_hpo.relay import sendable
 _logger = logging.getLogger("waterwave_hpo")
 _TAKE_WAIT_S = 0.5  # how long the driver's relay thread waits for calls before checking stop
 _BATCH_WAIT_S = 0.05  # how long a batch's quick calls wait for its slow ones
+_GATHER_S = 0.002
+"""How long the relay lets calls gather after the first one before the driver takes them: a
+round trip of the driver costs it ~0.5 ms of CPU (2-core VM, Ray 2.60), so calls taken together
+cost it less each; a host's call waits this much longer (issue 24, item 4, measured in
+experiments/results/2026-11-25-driver-cost-2/)."""
 
 
 class StorageRelay:
@@ -78,12 +83,13 @@ class StorageRelay:
         return await future
 
     async def exchange(
-        self, answers: list[tuple[int, bool, Any]], wait_s: float
+        self, answers: list[tuple[int, bool, Any]], wait_s: float, gather_s: float = 0.0
     ) -> list[tuple[int, str, tuple[Any, ...]]]:
         """The driver's round trip: deliver answers and take the waiting calls.
 
         The driver's round trip: deliver ``answers`` (``(call id, ok, result or exception)``)
-        and take the calls waiting now, waiting up to ``wait_s`` seconds for the first.
+        and take the calls waiting now, waiting up to ``wait_s`` seconds for the first and,
+        when none was waiting, ``gather_s`` seconds more for others to join it.
 
         One actor call carries both ways, so a host's call costs the driver one round trip.
         """
@@ -97,6 +103,8 @@ class StorageRelay:
             self._arrived.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), timeout=wait_s)
+            if self._calls and gather_s > 0:
+                await asyncio.sleep(gather_s)  # let the calls of other hosts' threads join
         calls, self._calls = self._calls, []
         return calls
 
@@ -132,11 +140,16 @@ class StorageChannel:
     relay: Any
     heartbeat: bool
 
-    def connect(self) -> RayStorageClient:
-        """The host's ``BaseStorage`` for the run's study."""
+    def connect(self, defer_finish: bool = False) -> RayStorageClient:
+        """The host's ``BaseStorage`` for the run's study.
+
+        Args:
+            defer_finish: Keep adopted trials' final states for the driver to tell
+                (:class:`~waterwave_hpo.relay.RelayedStorage`).
+        """
         if self.heartbeat:
-            return RayHeartbeatStorageClient(self.relay)
-        return RayStorageClient(self.relay)
+            return RayHeartbeatStorageClient(self.relay, defer_finish)
+        return RayStorageClient(self.relay, defer_finish)
 
 
 class StorageServer:
@@ -148,17 +161,21 @@ class StorageServer:
     Args:
         study: The run's study; hosts get its storage, for it alone (:class:`StudyAccessPolicy`).
         max_workers: Driver threads running storage calls at once (>= 1).
+        gather_s: How long the relay lets calls gather after the first (seconds, >= 0).
 
     Raises:
         ImportError: If Ray is not installed.
     """
 
-    def __init__(self, study: optuna.Study, max_workers: int = 16) -> None:
+    def __init__(
+        self, study: optuna.Study, max_workers: int = 16, gather_s: float = _GATHER_S
+    ) -> None:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.service = StorageService(study)
         self.policy = self.service.policy
+        self._gather_s = gather_s
         self._relay = (
             ray.remote(StorageRelay)
             .options(
@@ -204,10 +221,10 @@ class StorageServer:
         while not self._stop.is_set():
             try:
                 try:
-                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S)
+                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S, self._gather_s)
                 except Exception:  # an answer that cannot be pickled: send the others, and why
                     answers = [_picklable_answer(answer) for answer in answers]
-                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S)
+                    pending = self._relay.exchange.remote(answers, _TAKE_WAIT_S, self._gather_s)
                 calls = ray.get(pending)
             except Exception as error:  # the relay died (its node lost): hosts cannot go on
                 if not self._stop.is_set():
@@ -246,10 +263,11 @@ class RayStorageClient(RelayedStorage):
 
     Args:
         relay: The :class:`StorageRelay` actor handle.
+        defer_finish: Keep adopted trials' final states for the driver to tell.
     """
 
-    def __init__(self, relay: Any) -> None:
-        super().__init__(_RayTransport(relay))
+    def __init__(self, relay: Any, defer_finish: bool = False) -> None:
+        super().__init__(_RayTransport(relay), defer_finish)
 
 
 class RayHeartbeatStorageClient(RayStorageClient, RelayedHeartbeatStorage):

@@ -37,6 +37,7 @@ from waterwave_hpo.executor._outcome import TrialOutcome
 from waterwave_hpo.executor._planning import MemoryPlanMode
 from waterwave_hpo.executor._planning import PlanSettings
 from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.relay import RelayedStorage
 
 _REASON_MAX_CHARS = 500
 
@@ -44,8 +45,13 @@ _REASON_MAX_CHARS = 500
 class StorageConnector(Protocol):
     """How a host process reaches the run's study (e.g. ``cluster``'s ``StorageChannel``)."""
 
-    def connect(self) -> optuna.storages.BaseStorage:
-        """The host's ``BaseStorage`` for the run's study."""
+    def connect(self, defer_finish: bool = False) -> optuna.storages.BaseStorage:
+        """The host's ``BaseStorage`` for the run's study.
+
+        Args:
+            defer_finish: Keep the final states of the trials the host runs for the driver to
+                tell (:class:`~waterwave_hpo.relay.RelayedStorage`).
+        """
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,8 @@ class HostRunner:
         study._told_lock = threading.Lock()
         self.study: optuna.Study = study
         self._study = study
+        # A relayed storage keeps the trials this host runs (fewer round trips, issue 24).
+        self._relayed = storage if isinstance(storage, RelayedStorage) else None
         settings = RunSettings(
             study=study,
             func=spec.func,
@@ -223,6 +231,7 @@ class HostRunner:
         members: list[tuple[int, int, int | None]],
         fused: bool = False,
         plan_cap_bytes: int | None = None,
+        frozen: list[optuna.trial.FrozenTrial] | None = None,
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
@@ -233,6 +242,8 @@ class HostRunner:
             members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
             fused: A fused batch (``fuse=K``): the objective takes the list of trials.
             plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
+            frozen: The members as the driver's storage holds them now: a relayed storage
+                answers reads of them from these copies; ``None``: it reads each once.
 
         Precondition: the driver only submits to a slot whose previous job it has seen end.
         """
@@ -241,6 +252,11 @@ class HostRunner:
             if self._memory_plan.mode is MemoryPlanMode.OFF
             else TrialPlanning(self._memory_plan, cap_bytes=plan_cap_bytes)
         )
+        if self._relayed is not None:
+            for index, (trial_id, _, _) in enumerate(members):
+                self._relayed.adopt(
+                    self._relayed.get_trial(trial_id) if frozen is None else frozen[index]
+                )
         jobs = [
             TrialJob(optuna.trial.Trial(self._study, trial_id), attempt, retry_of, planning)
             for trial_id, attempt, retry_of in members
@@ -291,8 +307,21 @@ class HostRunner:
                     del self._pending[id(slot.job)]
                     slot.job = None
         self.host.memory.trial_ended(number)
+        finish = (
+            None
+            if self._relayed is None
+            else self._relayed.release(_optuna_compat.trial_id(outcome.job.trial))
+        )
         with self._study._told_lock:
-            state, values = self._study._told.pop(number, (TrialState.FAIL, None))
+            told = self._study._told.pop(number, None)
+        if told is not None:  # the objective (or an interrupt) told the study itself
+            state, values = told
+        elif finish is None:  # never told (cannot happen on the run path): fail it
+            state, values = TrialState.FAIL, None
+        elif finish[0] is TrialState.COMPLETE:
+            state, values = None, finish[1]
+        else:  # PRUNED (the driver takes its value from the last report) or FAIL
+            state, values = finish[0], None
         planning = outcome.job.planning
         return TrialRecord(
             slot=slot_index,

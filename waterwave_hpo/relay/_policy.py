@@ -14,8 +14,6 @@ from typing import Any
 from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 
-from waterwave_hpo import _optuna_compat
-
 
 class StoragePermissionError(PermissionError):
     """A host's storage call that the run's :class:`StudyAccessPolicy` refuses.
@@ -34,6 +32,7 @@ _STUDY_CALLS = frozenset(
         "get_study_system_attrs",
         "create_new_trial",
         "get_all_trials",
+        "get_trials_since",  # the relay's get_all_trials: new and unfinished trials only
         "get_n_trials",
         "get_best_trial",
         "get_trial_id_from_study_id_trial_number",
@@ -135,20 +134,35 @@ class StudyAccessPolicy:
             with self._lock:
                 self._trial_ids.add(int(result))
 
+    def allow_trial(self, trial_id: int) -> None:
+        """Allow calls on ``trial_id``: the driver vouches that it is a trial of the study.
+
+        The driver calls it for each trial it hands to a host, so the host's first call on it
+        needs no lookup in the storage (on an RDB, a query per trial).
+        """
+        with self._lock:
+            self._trial_ids.add(int(trial_id))
+
     def _is_own_trial(self, trial_id: object) -> bool:
         if isinstance(trial_id, bool) or not isinstance(trial_id, int):
             return False
         with self._lock:
             if trial_id in self._trial_ids:
                 return True
-        # A trial the driver asked since the last look: read the study's trial ids again.
-        ids = {
-            _optuna_compat.trial_id(t)
-            for t in self.storage.get_all_trials(self.study_id, deepcopy=False)
-        }
-        with self._lock:
-            self._trial_ids |= ids
-            return trial_id in self._trial_ids
+        # A trial the driver asked since the last look: two indexed reads, not a scan of the
+        # study's trials (an RDB answers them from its indexes).
+        try:
+            number = self.storage.get_trial_number_from_id(trial_id)
+            own = (
+                self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+                == trial_id
+            )
+        except KeyError:  # no such trial, or no trial of that number in the study
+            return False
+        if own:
+            with self._lock:
+                self._trial_ids.add(trial_id)
+        return own
 
 
 def _first(args: Sequence[Any]) -> object:

@@ -45,7 +45,10 @@ class StorageService:
         """
         try:
             self.policy.check(method, args)
-            result = getattr(self.storage, method)(*args)
+            if method == "get_trials_since":
+                result = self._trials_since(*args)
+            else:
+                result = getattr(self.storage, method)(*args)
             self.policy.allowed_result(method, result)
         except StoragePermissionError as error:
             self._log_refusal(method, error)
@@ -53,6 +56,25 @@ class StorageService:
         except Exception as error:
             return False, error
         return True, result
+
+    def _trials_since(
+        self, study_id: int, known: int, unfinished: tuple[int, ...]
+    ) -> list[optuna.trial.FrozenTrial]:
+        """The study's trials numbered ``known`` or more, and those numbered in ``unfinished``.
+
+        What a :class:`~waterwave_hpo.relay.RelayedStorage` that kept the finished trials
+        below ``known`` needs to answer ``get_all_trials`` (Optuna never changes a finished
+        trial), so a process does not receive the whole study at every sample.
+        """
+        trials = self.storage.get_all_trials(study_id, deepcopy=False)
+        if len(trials) >= known and (known == 0 or trials[known - 1].number == known - 1):
+            # Ordered by number, as Optuna's storages return them: slice, do not scan.
+            fresh = trials[known:]
+            wanted = [trials[n] for n in unfinished if n < known and trials[n].number == n]
+            if len(wanted) == len(unfinished):
+                return wanted + fresh
+        wanted_set = set(unfinished)
+        return [t for t in trials if t.number >= known or t.number in wanted_set]
 
     def _log_refusal(self, method: str, error: StoragePermissionError) -> None:
         with self._refused_lock:

@@ -122,7 +122,9 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
                 spec, func=leased(spec.func, link.call, torch.device(device), os.getpid())
             )
         storage_class = RelayedHeartbeatStorage if heartbeat else RelayedStorage
-        storage = storage_class(link.storage_transport())
+        # The driver tells each trial from the worker's record (defer_finish), so the user's
+        # sampler and callbacks see every end in the driver's process, as with threads.
+        storage = storage_class(link.storage_transport(), defer_finish=True)
         # The reader must run while the study opens: opening it is storage calls on the pipe.
         threading.Thread(target=_read, args=(link, lambda: runner), daemon=True).start()
         runner = HostRunner(spec, storage, torch.device(device), slot_indices=[slot])
