@@ -83,9 +83,15 @@ def test_cpu_hosts_replace_a_crashed_process_too() -> None:
 
 
 def _lease_of_this_process(trial: optuna.trial.Trial) -> float:
-    time.sleep(0.3)
     gpu = str(ray.get_gpu_ids()[0])
-    stats = ray.get(find_broker(ray.get_runtime_context().get_node_id(), gpu).stats.remote())
+    broker = find_broker(ray.get_runtime_context().get_node_id(), gpu)
+    # Trials start on the first host process that is up; wait (bounded) for the second one,
+    # which holds its lease from its start, so the figures below are the two processes'.
+    deadline = time.monotonic() + 60.0
+    stats = ray.get(broker.stats.remote())
+    while stats.n_held < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = ray.get(broker.stats.remote())
     trial.set_user_attr("held", stats.n_held)
     trial.set_user_attr("granted", stats.granted_bytes)
     return 0.0
