@@ -564,3 +564,56 @@ def test_a_host_that_cannot_take_a_trial_is_lost_and_nothing_stays_running() -> 
     with pytest.raises(AllHostsLostError, match="cannot open a trial"):
         executor.optimize(study, lambda t: 0.0, n_trials=4)
     assert set(_states(study)) == {TrialState.FAIL}
+
+
+class _RefusesOnTheFirstHost(optuna.samplers.RandomSampler):
+    """A sampler that cannot open trials in the first host process (a live actor refusing)."""
+
+    def __init__(self, driver_pid: int, marker: str) -> None:
+        super().__init__()
+        self.driver_pid = driver_pid
+        self.marker = marker
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if os.getpid() == self.driver_pid:
+            return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        if Path(self.marker).read_text() == str(os.getpid()):
+            raise RuntimeError("the first host cannot open a trial")
+
+
+def _first_host_gone(marker: str) -> Any:
+    def objective(trial: optuna.trial.Trial) -> float:
+        first = int(Path(marker).read_text())
+        deadline = time.monotonic() + 30.0
+        alive = True
+        while alive and time.monotonic() < deadline:
+            try:
+                os.kill(first, 0)
+            except ProcessLookupError:
+                alive = False
+            else:
+                time.sleep(0.1)
+        trial.set_user_attr("first_host_alive", alive)
+        return 0.0
+
+    return objective
+
+
+def test_a_live_host_that_is_lost_is_ended_before_its_replacement_runs(tmp_path: Path) -> None:
+    # A host lost while its actor lives (it refused a trial) must not keep its process (its GPU
+    # share, its memory) beside the host that replaces it.
+    marker = str(tmp_path / "first_host")
+    study = optuna.create_study(sampler=_RefusesOnTheFirstHost(os.getpid(), marker))
+    RayExecutor(n_hosts=1, trials_per_device=1, max_host_retries=2).optimize(
+        study, _first_host_gone(marker), n_trials=2
+    )
+    done = [t for t in study.trials if t.state is TrialState.COMPLETE]
+    assert done, _states(study)
+    assert all(t.user_attrs["first_host_alive"] is False for t in done)

@@ -324,6 +324,12 @@ class RemoteHost:
             self.lost = True
             jobs = [m for slot in self.slots if slot.job is not None for m in slot.job.members()]
         _logger.warning("Device host %s was lost: %s", self.device, error)
+        # It may still be alive (a submit it refused, a network partition past the retries):
+        # end it before it is replaced, so it frees its GPU share and runs nothing more.
+        with contextlib.suppress(Exception):
+            import ray
+
+            ray.kill(self.actor, no_restart=True)
         reason, re_queue = f"its device host {self.device} was lost: {error!r}", True
         if self._describe_loss is not None:
             reason, re_queue = self._describe_loss(self, error)
