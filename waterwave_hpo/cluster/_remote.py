@@ -4,9 +4,11 @@ The driver's side of a host actor: a :class:`RemoteHost` that the executor drive
 :class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
 
 The executor's loop (``OptimizeRun`` in ``executor/_optimize.py``) asks trials and hands them to
-hosts; for a remote host, :meth:`RemoteHost.submit` sends the trial's id to the actor. A poller
-thread per host collects how each attempt ended, tells the study in the driver's process (so the
-user's sampler, pruner state and callbacks see it), and puts the outcome on the executor's queue.
+hosts; for a remote host, :meth:`RemoteHost.submit` hands the trial's id to the host's poller
+thread, which sends it with its next poll (one actor call per trial), or sends it at once when a
+poll is under way. The poller collects how each attempt ended, tells the study in the driver's
+process (so the user's sampler, pruner state and callbacks see it), and puts the outcome on the
+executor's queue.
 When the actor dies (killed, out of host memory, its node lost) the poller tells each of its
 running trials FAIL and reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its
 parameters on the remaining hosts: nothing is lost and nothing stays RUNNING.
