@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import os
+from typing import Any
 
 import optuna
 
@@ -113,8 +114,21 @@ class HostActor:
                 _optuna_compat.set_system_attr(self._study, trial_id, ATTR_NODE, self._info.node_id)
         self._runner.submit(slot, members, fused, plan_cap_bytes, frozen)
 
-    def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
-        """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""
+    def poll(
+        self, timeout_s: float, submits: list[tuple[Any, ...]] | None = None
+    ) -> tuple[list[TrialRecord], HostSnapshot]:
+        """Take the driver's next jobs, wait for trial attempts to end; return how they ended.
+
+        The driver sends the jobs it asked since the last poll with the poll (one round trip
+        per trial instead of two, issue 24, item 4).
+
+        Args:
+            timeout_s: How long to wait for an attempt to end (seconds).
+            submits: :meth:`submit`'s arguments, one tuple per job, run first (in order); a job
+                that cannot start raises here, before any record is taken, as :meth:`submit`.
+        """
+        for args in submits or ():
+            self.submit(*args)
         return self._runner.poll(timeout_s)
 
     def interrupt(self, slot: int) -> None:

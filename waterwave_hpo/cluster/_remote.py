@@ -4,9 +4,11 @@ The driver's side of a host actor: a :class:`RemoteHost` that the executor drive
 :class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
 
 The executor's loop (``OptimizeRun`` in ``executor/_optimize.py``) asks trials and hands them to
-hosts; for a remote host, :meth:`RemoteHost.submit` sends the trial's id to the actor. A poller
-thread per host collects how each attempt ended, tells the study in the driver's process (so the
-user's sampler, pruner state and callbacks see it), and puts the outcome on the executor's queue.
+hosts; for a remote host, :meth:`RemoteHost.submit` hands the trial's id to the host's poller
+thread, which sends it with its next poll (one actor call per trial), or sends it at once when a
+poll is under way. The poller collects how each attempt ended, tells the study in the driver's
+process (so the user's sampler, pruner state and callbacks see it), and puts the outcome on the
+executor's queue.
 When the actor dies (killed, out of host memory, its node lost) the poller tells each of its
 running trials FAIL and reports it :attr:`~OutcomeKind.HOST_LOST`, so the executor re-queues its
 parameters on the remaining hosts: nothing is lost and nothing stays RUNNING.
@@ -21,7 +23,6 @@ import threading
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._actor import ATTR_HOST
@@ -30,12 +31,13 @@ from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
 from waterwave_hpo.executor._internal import ATTR_BATCH
 from waterwave_hpo.executor._internal import ATTR_DEVICE
-from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
 from waterwave_hpo.executor._internal import ATTR_SLOT
 from waterwave_hpo.executor._internal import OutcomeKind
 from waterwave_hpo.executor._internal import RunSettings
 from waterwave_hpo.executor._internal import TrialJob
 from waterwave_hpo.executor._internal import TrialOutcome
+from waterwave_hpo.executor._internal import fail_trial
+from waterwave_hpo.executor._internal import tell_record
 from waterwave_hpo.relay import StudyAccessPolicy
 from waterwave_hpo.scheduler import PipelineScheduler
 
@@ -47,6 +49,11 @@ per idle host; issue 24, item 4)."""
 _ROOM_POLL_S = 0.1
 """The same with ``trials_per_device="auto"``: the host's memory room changes without a trial
 ending, and the driver admits the next trial only when a poll says there is room."""
+_REFILL_WAIT_S = 0.05
+"""How long the poller, having told trials that freed slots, waits for the executor's next jobs
+to send them with its next poll (the executor asks and submits within ~1-3 ms in memory; a job
+that comes later goes in a call of its own). Bounds how late another trial's end on the same
+host is collected when no job follows (the study's last trials)."""
 _UNAVAILABLE_RETRIES = 50  # ActorUnavailableError is transient (a network blip): ~5 s of retries
 
 
@@ -129,6 +136,13 @@ class RemoteHost:
         finished."""
         self._has_room = True
         self._submitted: list[Any] = []  # submits the poller has not seen succeed yet
+        self._wake = threading.Condition(self._lock)
+        self._outbox: list[tuple[Any, ...]] = []
+        """Jobs to send with the next poll (``HostActor.submit``'s arguments)."""
+        self._polling = False
+        """Whether a poll is under way: a job submitted meanwhile goes in a call of its own."""
+        self._freed = 0
+        """Slots the last poll's records freed: the poller waits (a little) for their jobs."""
         self._stop = threading.Event()
         self._poller = threading.Thread(
             target=self._poll_loop, name=f"waterwave-ray-{info.label}", daemon=True
@@ -170,9 +184,17 @@ class RemoteHost:
             ]
             frozen = self._bookkeeping(slot, job)
             cap = None if job.planning is None else job.planning.cap_bytes
-            # Not waited for here (a round trip less for the driver): the poller checks it, and
-            # a dead actor fails the poll anyway.
-            submitted = self.actor.submit.remote(slot.index, members, bool(job.batch), cap, frozen)
+            args = (slot.index, members, bool(job.batch), cap, frozen)
+            with self._lock:
+                if self.lost:  # _mark_lost reported the job (its slot was set above)
+                    return
+                if not self._polling:  # the poller sends it with its next poll
+                    self._outbox.append(args)
+                    self._wake.notify()
+                    return
+            # A poll is under way: a call of its own, not waited for here (a round trip less
+            # for the driver): the poller checks it, and a dead actor fails the poll anyway.
+            submitted = self.actor.submit.remote(*args)
             with self._lock:
                 self._submitted.append(submitted)
         except Exception as error:  # the actor died; the poller reports the others
@@ -221,6 +243,8 @@ class RemoteHost:
                 return
             self._shut_down = True
         self._stop.set()
+        with self._lock:
+            self._wake.notify_all()
         if not self.lost:
             with contextlib.suppress(Exception):
                 ray.get(self.actor.shutdown.remote(timeout_s), timeout=timeout_s + 5.0)
@@ -238,14 +262,21 @@ class RemoteHost:
         unavailable = 0
         wait_s = _ROOM_POLL_S if self.admit_by_memory else _POLL_S
         while not self._stop.is_set() and not self.lost:
+            submits = self._take_outbox()
             try:
-                records, snapshot = ray.get(self.actor.poll.remote(wait_s))
+                try:
+                    records, snapshot = ray.get(self.actor.poll.remote(wait_s, submits))
+                finally:
+                    with self._lock:
+                        self._polling = False
             except transient as error:
                 unavailable += 1
-                if unavailable > _UNAVAILABLE_RETRIES:
+                # Whether the jobs it carried started is unknown: lose the host (as a failed
+                # submit does); a poll alone is tried again.
+                if submits or unavailable > _UNAVAILABLE_RETRIES:
                     self._mark_lost(error)
                 continue
-            except Exception as error:  # RayActorError: killed, crashed, node lost
+            except Exception as error:  # RayActorError: killed, crashed, a job could not start
                 if not self._stop.is_set():
                     self._mark_lost(error)
                 return
@@ -259,6 +290,21 @@ class RemoteHost:
                 _optuna_compat.request_stop(self.settings.study)
             for record in records:
                 self._tell(record)
+            with self._lock:
+                self._freed = min(len(records), len(self.slots))
+
+    def _take_outbox(self) -> list[tuple[Any, ...]]:
+        """The jobs to send with the next poll, waiting a little for those of freed slots."""
+        with self._lock:
+            if self._freed:
+                self._wake.wait_for(
+                    lambda: len(self._outbox) >= self._freed or self._stop.is_set() or self.lost,
+                    timeout=_REFILL_WAIT_S,
+                )
+            submits, self._outbox = self._outbox, []
+            self._freed = 0
+            self._polling = True
+            return submits
 
     def _submits_ok(self, ray: Any) -> bool:
         """Check the submits that have ended; a failed one loses the host (returns False)."""
@@ -298,24 +344,11 @@ class RemoteHost:
             # The host planned the attempt; the driver plans its re-run from the same bytes.
             job.planning.footprint_bytes = record.footprint_bytes
             job.planning.smallest_peak_bytes = record.smallest_peak_bytes
-        study = self.settings.study
-        kind = record.kind
-        error = record.error
-        frozen = None
-        fail_message = None
-        try:
-            frozen, fail_message = _optuna_compat.tell_as_optimize(
-                study, job.trial, record.values, record.state
-            )
-        except Exception as tell_error:  # the driver could not tell: fail it, never leave it
-            kind, error = OutcomeKind.FATAL, tell_error
-            frozen = _fail(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
+        outcome = tell_record(self.settings, job, record)  # as process isolation's workers
         if not slot_job.batch:  # a fused batch's slot is freed by the executor once all end
             with self._lock:
                 self.slots[record.slot].job = None
-        self.settings.outcomes.put(
-            TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
-        )
+        self.settings.outcomes.put(outcome)
 
     def _mark_lost(self, error: BaseException) -> None:
         with self._lock:
@@ -347,7 +380,7 @@ class RemoteHost:
     def _report_lost(self, job: TrialJob, reason: str, re_queue: bool = True) -> None:
         if not self._claim(job):
             return  # its record was told first: it finished, nothing to fail or re-run
-        frozen = _fail(self.settings.study, job, reason)
+        frozen = fail_trial(self.settings.study, job, reason)
         kind = (
             OutcomeKind.HOST_LOST
             if re_queue and job.attempt < self.max_host_retries
@@ -358,13 +391,3 @@ class RemoteHost:
                 if slot.job is job:  # one trial; a fused batch's slot is freed by the executor
                     slot.job = None
         self.settings.outcomes.put(TrialOutcome(job, kind, frozen, None, 0, reason))
-
-
-def _fail(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:
-    with contextlib.suppress(Exception):
-        _optuna_compat.set_system_attr(
-            study, _optuna_compat.trial_id(job.trial), ATTR_FAIL_REASON, reason[:500]
-        )
-    with contextlib.suppress(Exception):
-        return study.tell(job.trial, state=TrialState.FAIL, skip_if_finished=True)
-    return None
