@@ -467,3 +467,70 @@ def test_memory_plans_run_in_workers_each_within_its_share_of_the_budget() -> No
         plan = ww.executor.trial_memory_plan(trial)
         assert plan is not None
         assert plan.predicted_peak_bytes <= plan.budget_bytes <= budget // 2
+
+
+def test_an_objective_may_start_dataloader_workers() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        data = torch.utils.data.TensorDataset(torch.arange(64.0).reshape(16, 4))
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)
+        return float(sum(batch[0].sum() for batch in loader))
+
+    study = optuna.create_study()
+    _process(1).optimize(study, objective, n_trials=1)
+    trial = study.trials[0]
+    assert trial.state is TrialState.COMPLETE, trial.system_attrs.get("waterwave:fail_reason")
+    assert trial.value == float(torch.arange(64.0).sum())
+    assert _workers() == []
+
+
+def test_a_dead_worker_ends_its_trial_while_a_process_it_started_lives_on(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "child.pid"
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            child = os.fork()  # e.g. a fork-started helper that outlives it, holding the pipe
+            if child == 0:
+                time.sleep(300)
+                os._exit(0)
+            pid_file.write_text(str(child))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 1.0
+
+    study = optuna.create_study()
+    try:
+        _process(1).optimize(study, objective, n_trials=2)
+        child = psutil.Process(int(pid_file.read_text()))
+        # optimize did not wait for the child to exit (before: until its 300 s were over).
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE]
+        assert "killed by signal SIGKILL" in study.trials[0].system_attrs["waterwave:fail_reason"]
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_message_the_driver_cannot_read_fails_the_trial_with_that_reason() -> None:
+    def rebuild(pid: int) -> Exception:
+        if os.getpid() != pid:
+            raise RuntimeError("this error cannot be rebuilt outside the worker")
+        return ValueError("rebuilt")
+
+    class WorkerOnlyError(Exception):
+        def __reduce__(self) -> tuple[object, ...]:
+            return (rebuild, (os.getpid(),))
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            raise WorkerOnlyError("boom")
+        return 1.0
+
+    study = optuna.create_study()
+    _process(1).optimize(study, objective, n_trials=2, catch=(Exception,))
+    assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE]
+    reason = study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert "sent a message the driver could not read" in reason
+    assert "cannot be rebuilt outside the worker" in reason
+    assert "SIGKILL" not in reason
