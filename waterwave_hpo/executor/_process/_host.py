@@ -110,6 +110,8 @@ class _Worker:
         self.interrupted = False
         self.dead = False
         self._queued: list[tuple[Any, ...]] = []
+        self._neighbours: int | None = None  # the count to send (tell_neighbours)
+        self._neighbours_changed = threading.Event()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self.process.start()
@@ -118,6 +120,11 @@ class _Worker:
             target=self._serve, name=f"waterwave-pipe-{self.process.pid}", daemon=True
         )
         self.thread.start()
+        threading.Thread(
+            target=self._send_neighbours,
+            name=f"waterwave-neighbours-{self.process.pid}",
+            daemon=True,
+        ).start()
 
     # -- the run loop's thread ------------------------------------------------------------
 
@@ -141,6 +148,31 @@ class _Worker:
                 return
         with contextlib.suppress(Exception), self._send_lock:  # a dead worker: _serve reports
             self.conn.send_bytes(cloudpickle.dumps(message))
+
+    def tell_neighbours(self, n: int) -> None:
+        """Have the worker learn that ``n`` other workers run trials; never blocks.
+
+        Only a changed count is sent, from a thread of this worker's own: a worker that stops
+        reading its pipe (stuck holding the GIL) blocks that thread, not the run loop's.
+        """
+        with self._lock:
+            if n == self._neighbours:
+                return
+            self._neighbours = n
+        self._neighbours_changed.set()
+
+    def _send_neighbours(self) -> None:
+        sent: int | None = None
+        while True:
+            self._neighbours_changed.wait()
+            self._neighbours_changed.clear()
+            with self._lock:
+                if self.dead:
+                    return
+                n = self._neighbours
+            if n is not None and n != sent:
+                self.send(("neighbours", n))
+                sent = n
 
     def kill(self) -> None:
         """End the worker now (SIGKILL); its running trial has been told FAIL."""
@@ -248,6 +280,7 @@ class _Worker:
             self.dead = True
             lost, self.unrecorded = self.unrecorded, []
             interrupted = self.interrupted
+        self._neighbours_changed.set()  # its sender ends
         host = self.slot.host
         if not lost:
             return
@@ -383,4 +416,4 @@ class ProcessHost:
             if (worker := slot.worker) is not None and not worker.dead and worker.unrecorded
         ]
         for worker in running:
-            worker.send(("neighbours", len(running) - 1))
+            worker.tell_neighbours(len(running) - 1)
