@@ -467,3 +467,100 @@ def test_memory_plans_run_in_workers_each_within_its_share_of_the_budget() -> No
         plan = ww.executor.trial_memory_plan(trial)
         assert plan is not None
         assert plan.predicted_peak_bytes <= plan.budget_bytes <= budget // 2
+
+
+def test_an_objective_may_start_dataloader_workers() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        data = torch.utils.data.TensorDataset(torch.arange(64.0).reshape(16, 4))
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)
+        return float(sum(batch[0].sum() for batch in loader))
+
+    study = optuna.create_study()
+    _process(1).optimize(study, objective, n_trials=1)
+    trial = study.trials[0]
+    assert trial.state is TrialState.COMPLETE, trial.system_attrs.get("waterwave:fail_reason")
+    assert trial.value == float(torch.arange(64.0).sum())
+    assert _workers() == []
+
+
+def test_a_dead_worker_ends_its_trial_while_a_process_it_started_lives_on(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "child.pid"
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            child = os.fork()  # e.g. a fork-started helper that outlives it, holding the pipe
+            if child == 0:
+                time.sleep(300)
+                os._exit(0)
+            pid_file.write_text(str(child))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 1.0
+
+    study = optuna.create_study()
+    try:
+        _process(1).optimize(study, objective, n_trials=2)
+        child = psutil.Process(int(pid_file.read_text()))
+        # optimize did not wait for the child to exit (before: until its 300 s were over).
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE]
+        assert "killed by signal SIGKILL" in study.trials[0].system_attrs["waterwave:fail_reason"]
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_message_the_driver_cannot_read_fails_the_trial_with_that_reason() -> None:
+    def rebuild(pid: int) -> Exception:
+        if os.getpid() != pid:
+            raise RuntimeError("this error cannot be rebuilt outside the worker")
+        return ValueError("rebuilt")
+
+    class WorkerOnlyError(Exception):
+        def __reduce__(self) -> tuple[object, ...]:
+            return (rebuild, (os.getpid(),))
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            raise WorkerOnlyError("boom")
+        return 1.0
+
+    study = optuna.create_study()
+    _process(1).optimize(study, objective, n_trials=2, catch=(Exception,))
+    assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE]
+    reason = study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert "sent a message the driver could not read" in reason
+    assert "cannot be rebuilt outside the worker" in reason
+    assert "SIGKILL" not in reason
+
+
+def test_neighbour_counts_are_sent_on_change_without_blocking_the_caller() -> None:
+    import multiprocessing
+
+    import cloudpickle
+
+    from waterwave_hpo.executor._process._host import _Worker
+
+    worker = _Worker.__new__(_Worker)  # its pipe, without a process: nobody reads the far end
+    worker.conn, far = multiprocessing.Pipe(duplex=True)
+    worker.ready, worker.dead = True, False
+    worker._queued = []
+    worker._lock, worker._send_lock = threading.Lock(), threading.Lock()
+    worker._neighbours, worker._neighbours_changed = None, threading.Event()
+    sender = threading.Thread(target=worker._send_neighbours, daemon=True)
+    sender.start()
+    with worker._send_lock:  # a send stuck on a worker that stopped reading its pipe
+        for n in (1, 1, 1, 2):
+            worker.tell_neighbours(n)  # returns: the run loop goes on
+    counts = [cloudpickle.loads(far.recv_bytes())[1]]
+    while counts[-1] != 2:
+        counts.append(cloudpickle.loads(far.recv_bytes())[1])
+    assert counts in ([2], [1, 2])  # only changes: the latest count last
+    assert not far.poll(0.5)
+    with worker._lock:
+        worker.dead = True
+    worker._neighbours_changed.set()
+    sender.join(timeout=30)
+    assert not sender.is_alive()

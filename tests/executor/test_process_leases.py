@@ -128,3 +128,72 @@ def test_without_the_pool_the_lease_is_pytorchs_memory_fraction(
         assert nbytes == server.book.budget_bytes // 2
     assert fractions == [(nbytes / 8000, CUDA0)]
     assert list(server.book._peaks) == [777]
+
+
+def test_a_dead_workers_leases_are_released_at_once_for_the_next_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FakeCuda().install(monkeypatch)
+    server = LeaseServer(CUDA0, 2, budget_bytes=1000)
+    call = _call(server)
+    for holder in ("pid11-0", "pid12-0"):  # two workers hold the budget (leased()'s names)
+        call("lease", "request", (holder, None))
+        assert call("lease", "poll", (holder,))[1] is not None
+    call("lease", "request", ("pid13-0", None))  # the replacement of worker 11
+    assert call("lease", "poll", ("pid13-0",)) == (True, None)  # no room
+    server.holder_died(11)  # worker 11 was SIGKILLed: it never releases nor renews
+    ok, lease = call("lease", "poll", ("pid13-0",))
+    assert ok and lease is not None and lease.nbytes == 500  # not after LEASE_TTL_S
+    assert server.book is not None and sorted(server.book.holders()) == ["pid12-0", "pid13-0"]
+    server.holder_died(None)  # a worker that never started: nothing to release
+    server.holder_died(12)
+    assert server.book.holders() == ["pid13-0"]
+
+
+def test_without_a_budget_each_worker_plans_for_its_lease_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import queue
+
+    import cloudpickle
+    import optuna
+
+    from waterwave_hpo.executor._host import RunSettings
+    from waterwave_hpo.executor._memory import MemoryPoolMode
+    from waterwave_hpo.executor._memory import default_budget_bytes
+    from waterwave_hpo.executor._outcome import OnOOM
+    from waterwave_hpo.executor._planning import PlanSettings
+    from waterwave_hpo.executor._process._payload import process_hosts
+
+    FakeCuda(total_memory=8 << 30).install(monkeypatch)
+    settings = RunSettings(
+        study=optuna.create_study(),
+        func=lambda trial: 1.0,
+        catch=(),
+        on_oom=OnOOM.FAIL,
+        max_oom_retries=0,
+        gc_after_trial=False,
+        outcomes=queue.SimpleQueue(),
+    )
+
+    def worker_budgets(budget: int | None) -> list[tuple[int | None, int | None]]:
+        hosts = process_hosts(
+            [CUDA0, torch.device("cuda", 1)],
+            4,
+            settings,
+            memory_pool=MemoryPoolMode.OFF,
+            memory_budget_bytes=budget,
+            policy="waterwave",
+            memory_plan=PlanSettings(),
+        )
+        budgets = []
+        for host in hosts:  # a worker's budget, and the lease its trial would hold
+            host.leases.run("request", ("pid1-0", None))
+            ok, lease = host.leases.run("poll", ("pid1-0",))
+            assert ok
+            budgets.append((cloudpickle.loads(host.payload)[0].memory_budget_bytes, lease.nbytes))
+        return budgets
+
+    share = default_budget_bytes(8 << 30) // 4
+    assert worker_budgets(None) == [(share, share)] * 2  # not the whole device's budget
+    assert worker_budgets(4000) == [(1000, 1000)] * 2

@@ -148,6 +148,10 @@ class LeaseBook:
         """How many requests wait for a lease now."""
         return len(self._waiting)
 
+    def holders(self) -> list[str]:
+        """The holders of the leases held and of the requests waiting now."""
+        return [*self._held, *self._waiting]
+
     def request(self, holder: str, nbytes: int | None) -> None:
         """Queue a request for ``nbytes`` (``None``: sized by the book). Idempotent per holder."""
         if nbytes is not None and nbytes <= 0:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
+import os
 import signal
 import threading
 from typing import Any
@@ -44,6 +46,7 @@ from waterwave_hpo.relay import sendable
 
 _logger = logging.getLogger("waterwave_hpo")
 _EXIT_WAIT_S = 5.0  # how long a worker whose pipe closed may take to be reaped
+_DEATH_POLL_S = 1.0  # without a pidfd: how often a pipe thread checks that its worker lives
 
 
 class _NoMemory:
@@ -75,6 +78,16 @@ def exit_reason(exitcode: int | None, pid: int | None) -> str:
     return f"{where}: exit code {exitcode}"
 
 
+def _pidfd(pid: int | None) -> int | None:
+    """A file descriptor readable once process ``pid`` has ended (Linux 5.3+), or ``None``."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return int(os.pidfd_open(pid))
+    except OSError:
+        return None
+
+
 class _Worker:
     """One worker process and the driver thread that serves its pipe."""
 
@@ -91,11 +104,14 @@ class _Worker:
         )
         self.ready = False
         self.setup_error: BaseException | None = None
+        self.driver_reason: str | None = None  # why the driver ended the worker, if it did
         self.job: TrialJob | None = None
         self.unrecorded: list[TrialJob] = []  # members of self.job whose record has not come
         self.interrupted = False
         self.dead = False
         self._queued: list[tuple[Any, ...]] = []
+        self._neighbours: int | None = None  # the count to send (tell_neighbours)
+        self._neighbours_changed = threading.Event()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self.process.start()
@@ -104,6 +120,11 @@ class _Worker:
             target=self._serve, name=f"waterwave-pipe-{self.process.pid}", daemon=True
         )
         self.thread.start()
+        threading.Thread(
+            target=self._send_neighbours,
+            name=f"waterwave-neighbours-{self.process.pid}",
+            daemon=True,
+        ).start()
 
     # -- the run loop's thread ------------------------------------------------------------
 
@@ -128,6 +149,31 @@ class _Worker:
         with contextlib.suppress(Exception), self._send_lock:  # a dead worker: _serve reports
             self.conn.send_bytes(cloudpickle.dumps(message))
 
+    def tell_neighbours(self, n: int) -> None:
+        """Have the worker learn that ``n`` other workers run trials; never blocks.
+
+        Only a changed count is sent, from a thread of this worker's own: a worker that stops
+        reading its pipe (stuck holding the GIL) blocks that thread, not the run loop's.
+        """
+        with self._lock:
+            if n == self._neighbours:
+                return
+            self._neighbours = n
+        self._neighbours_changed.set()
+
+    def _send_neighbours(self) -> None:
+        sent: int | None = None
+        while True:
+            self._neighbours_changed.wait()
+            self._neighbours_changed.clear()
+            with self._lock:
+                if self.dead:
+                    return
+                n = self._neighbours
+            if n is not None and n != sent:
+                self.send(("neighbours", n))
+                sent = n
+
     def kill(self) -> None:
         """End the worker now (SIGKILL); its running trial has been told FAIL."""
         with self._lock:
@@ -150,20 +196,39 @@ class _Worker:
     # -- the pipe's thread ----------------------------------------------------------------
 
     def _serve(self) -> None:
+        # The worker's death is noticed as its pid's end, not the pipe's EOF nor the process's
+        # sentinel: a process it started (fork) inherits both and may hold them open long
+        # after it died.
         import cloudpickle
 
+        pidfd = _pidfd(self.process.pid)
+        watched: list[Any] = [self.conn] if pidfd is None else [self.conn, pidfd]
         try:
             while True:
-                message = cloudpickle.loads(self.conn.recv_bytes())
-                self._dispatch(message)
+                ready = multiprocessing.connection.wait(watched, timeout=_DEATH_POLL_S)
+                if self.conn in ready:
+                    self._dispatch(cloudpickle.loads(self.conn.recv_bytes()))
+                    continue
+                if self.process.exitcode is None:  # reaps it once it has died
+                    continue
+                while self.conn.poll(0):  # what it sent before it died
+                    self._dispatch(cloudpickle.loads(self.conn.recv_bytes()))
+                break
         except (EOFError, OSError):
             pass
         except Exception as error:  # a message that cannot be read: the worker is unusable
             _logger.error(
                 "Worker %s sent a message that cannot be read: %r", self.process.pid, error
             )
+            self.driver_reason = (
+                f"its worker process (pid {self.process.pid}) sent a message the driver "
+                f"could not read: {type(error).__name__}: {error}; the driver ended the worker"
+            )
             with contextlib.suppress(Exception):
                 self.process.kill()
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         self._ended()
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
@@ -210,10 +275,12 @@ class _Worker:
     def _ended(self) -> None:
         """The pipe closed: the worker exited. Fail (or, after Ctrl+C, drop) what it ran."""
         self.process.join(timeout=_EXIT_WAIT_S)
+        self.slot.host.leases.holder_died(self.process.pid)
         with self._lock:
             self.dead = True
             lost, self.unrecorded = self.unrecorded, []
             interrupted = self.interrupted
+        self._neighbours_changed.set()  # its sender ends
         host = self.slot.host
         if not lost:
             return
@@ -225,6 +292,8 @@ class _Worker:
         error = self.setup_error
         if error is not None:
             reason = f"waterwave-hpo could not start the worker process for this trial: {error}"
+        elif self.driver_reason is not None:
+            reason = self.driver_reason
         else:
             reason = exit_reason(self.process.exitcode, self.process.pid)
         for member in lost:
@@ -347,4 +416,4 @@ class ProcessHost:
             if (worker := slot.worker) is not None and not worker.dead and worker.unrecorded
         ]
         for worker in running:
-            worker.send(("neighbours", len(running) - 1))
+            worker.tell_neighbours(len(running) - 1)

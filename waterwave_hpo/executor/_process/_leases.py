@@ -59,6 +59,27 @@ class LeaseServer:
             self.book = LeaseBook(budget_bytes, n_slots, LEASE_TTL_S)
         self._lock = threading.Lock()
 
+    @property
+    def share_bytes(self) -> int | None:
+        """A worker's lease (``budget // n_slots`` bytes); ``None`` when there are no leases."""
+        if self.book is None or self.book.budget_bytes is None or self.book.trials_per_gpu is None:
+            return None
+        return self.book.budget_bytes // self.book.trials_per_gpu
+
+    def holder_died(self, pid: int | None) -> None:
+        """Release every lease and request of worker ``pid`` (it died: it never will).
+
+        Its holders are named ``pid<pid>-<n>`` (:func:`leased`); the next worker's request
+        is granted at once instead of after the lease's :data:`LEASE_TTL_S`.
+        """
+        if self.book is None or pid is None:
+            return
+        prefix = f"pid{pid}-"
+        with self._lock:
+            for holder in self.book.holders():
+                if holder.startswith(prefix):
+                    self.book.release(holder)
+
     def run(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
         """One call of a worker: ``(True, result)`` or ``(False, exception)``. Never raises."""
         if self.book is None or method not in ("request", "poll", "renew", "release"):

@@ -73,36 +73,39 @@ def process_hosts(
     pickle_for_workers("func", settings.func)
     pickle_for_workers("study.sampler", study.sampler)
     pickle_for_workers("study.pruner", study.pruner)
-    spec = HostSpec(
-        storage=None,
-        study_name=study.study_name,
-        sampler=study.sampler,
-        pruner=study.pruner,
-        func=settings.func,
-        catch=settings.catch,
-        on_oom=settings.on_oom,
-        max_oom_retries=settings.max_oom_retries,
-        gc_after_trial=settings.gc_after_trial,
-        n_slots=1,
-        admit_by_memory=False,
-        memory_pool=memory_pool,
-        # Each worker's scheduler (and memory plans) gets its share; its lease is the same.
-        memory_budget_bytes=None if memory_budget_bytes is None else memory_budget_bytes // n_slots,
-        policy=policy,
-        memory_plan=memory_plan,
-        record_trial_attrs=settings.record_trial_attrs,
-    )
     heartbeat = is_heartbeat_enabled(_optuna_compat.storage_of(study))
-    payload = pickle_for_workers("catch", (spec, heartbeat))
     service = StorageService(study)
-    return [
-        ProcessHost(
-            device,
-            n_slots,
-            settings,
-            payload,
-            service,
-            LeaseServer(device, n_slots, memory_budget_bytes),
-        )
-        for device in devices
-    ]
+    payloads: dict[int | None, bytes] = {}
+    hosts = []
+    for device in devices:
+        leases = LeaseServer(device, n_slots, memory_budget_bytes)
+        # Each worker's scheduler (and memory plans) gets its share of the device's budget,
+        # the same bytes as its lease; with no budget given, that of the device's default
+        # budget, resolved here (a worker would plan for the whole device).
+        share: int | None
+        if memory_budget_bytes is not None:
+            share = memory_budget_bytes // n_slots
+        else:
+            share = leases.share_bytes
+        if share not in payloads:
+            spec = HostSpec(
+                storage=None,
+                study_name=study.study_name,
+                sampler=study.sampler,
+                pruner=study.pruner,
+                func=settings.func,
+                catch=settings.catch,
+                on_oom=settings.on_oom,
+                max_oom_retries=settings.max_oom_retries,
+                gc_after_trial=settings.gc_after_trial,
+                n_slots=1,
+                admit_by_memory=False,
+                memory_pool=memory_pool,
+                memory_budget_bytes=share,
+                policy=policy,
+                memory_plan=memory_plan,
+                record_trial_attrs=settings.record_trial_attrs,
+            )
+            payloads[share] = pickle_for_workers("catch", (spec, heartbeat))
+        hosts.append(ProcessHost(device, n_slots, settings, payloads[share], service, leases))
+    return hosts

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import ctypes
 import itertools
+import multiprocessing
 import os
 import queue
 import signal
@@ -97,6 +98,11 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
     # Ctrl+C in a terminal reaches every process of the foreground group; the driver decides
     # (it tells the trials FAIL, then ends the workers).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The driver starts its workers as daemons (multiprocessing ends them if it exits
+    # without stopping them); a worker itself is not one, so a trial may start processes
+    # of its own (DataLoader(num_workers=2), multiprocessing.Pool). They end with it: the
+    # worker exits with os._exit, and DataLoader's workers watch their parent.
+    multiprocessing.current_process().daemon = False
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the driver died before the line above took effect
