@@ -354,16 +354,9 @@ class RayExecutor(WaterwaveExecutor):
         ray = import_ray()
         assert self._server is not None
         study = settings.study
-        spec = HostSpec(
-            storage=self._server.channel,
-            study_name=study.study_name,
-            sampler=study.sampler,
-            pruner=study.pruner,
-            func=settings.func,
-            catch=settings.catch,
-            on_oom=settings.on_oom,
-            max_oom_retries=settings.max_oom_retries,
-            gc_after_trial=settings.gc_after_trial,
+        spec = HostSpec.of_run(
+            settings,
+            self._server.channel,
             n_slots=self.trials_per_device,
             admit_by_memory=self.auto_trials,
             memory_pool=self.memory_pool,

@@ -87,6 +87,31 @@ class HostSpec:
     record_trial_attrs: bool = True
     """``record_trial_attrs=`` of the executor (device, slot, peak bytes, fail reason)."""
 
+    @classmethod
+    def of_run(
+        cls, settings: RunSettings, storage: StorageConnector | None, **host: Any
+    ) -> HostSpec:
+        """The spec of a run: its study, objective and outcome rules from ``settings``.
+
+        Args:
+            settings: The ``optimize`` call's settings (the driver's study and objective).
+            storage: How the host reaches the study, or ``None`` (a worker's pipe).
+            host: The host's own fields (``n_slots``, ``memory_pool``, ...).
+        """
+        study = settings.study
+        return cls(
+            storage=storage,
+            study_name=study.study_name,
+            sampler=study.sampler,
+            pruner=study.pruner,
+            func=settings.func,
+            catch=settings.catch,
+            on_oom=settings.on_oom,
+            max_oom_retries=settings.max_oom_retries,
+            gc_after_trial=settings.gc_after_trial,
+            **host,
+        )
+
 
 @dataclass(frozen=True)
 class TrialRecord:

@@ -88,16 +88,9 @@ def process_hosts(
         else:
             share = leases.share_bytes
         if share not in payloads:
-            spec = HostSpec(
-                storage=None,
-                study_name=study.study_name,
-                sampler=study.sampler,
-                pruner=study.pruner,
-                func=settings.func,
-                catch=settings.catch,
-                on_oom=settings.on_oom,
-                max_oom_retries=settings.max_oom_retries,
-                gc_after_trial=settings.gc_after_trial,
+            spec = HostSpec.of_run(
+                settings,
+                None,
                 n_slots=1,
                 admit_by_memory=False,
                 memory_pool=memory_pool,
