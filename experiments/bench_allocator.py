@@ -379,7 +379,7 @@ def run_sim(quick: bool) -> list[dict[str, Any]]:
 
 
 def run_contention(threads: int, ops_per_thread: int, *, blocking_free: bool) -> dict[str, Any]:
-    """The pool's mutex under K trial threads through PyTorch's entry points (issue 14, 1.11).
+    """The pool's mutex under K trial threads through PyTorch's entry points.
 
     Each thread allocates with ``waterwave_torch_try_malloc`` (ctypes releases the GIL, as
     PyTorch's ops do) and frees with ``waterwave_torch_free`` called through ``ctypes.PyDLL``, which
@@ -389,7 +389,7 @@ def run_contention(threads: int, ops_per_thread: int, *, blocking_free: bool) ->
     Args:
         threads: K, the trial threads.
         ops_per_thread: Allocations per thread.
-        blocking_free: The behaviour before issue 14 (a free waits for the mutex, GIL held);
+        blocking_free: The pool's first behaviour (a free waits for the mutex, GIL held);
             False: the fix (a free that finds the mutex held is queued).
 
     Returns:

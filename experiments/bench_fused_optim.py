@@ -1,4 +1,4 @@
-"""Optimizer step time: one fused optimizer for K models against K stock optimizers (issue 15).
+"""Optimizer step time: one fused optimizer for K models against K stock optimizers.
 
 K copies of the digits MLP (64-128-128-10, the demo's data: 8x8 images, 10 classes) are stacked
 to (K, ...) parameters; gradients are set to fixed random values, so only ``optimizer.step()`` is

@@ -1,4 +1,4 @@
-"""Issue 15: fused trials (HFTA, arXiv:2102.02344) against one after another and co-hosting.
+"""Fused trials (HFTA, arXiv:2102.02344) against one after another and co-hosting.
 
 Every method runs the same trials (a seeded random sampler: the same parameters in the same
 order whatever the batching) of one model structure on scikit-learn's digits, through

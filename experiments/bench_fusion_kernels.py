@@ -1,4 +1,4 @@
-"""Issue 15: training steps per second of K fused models against the same K one after another.
+"""Training steps per second of K fused models against the same K one after another.
 
 For K = 1, 2, 4, 8, 16 and three models (the digits MLP 64-128-128-10 at batch 64, a small CNN
 on 8x8 digits-shaped images at batch 64, the bench's ResNet-style CNN at width 16, one block per
@@ -240,7 +240,7 @@ def render(out: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     meta, rows = data["meta"], data["rows"]
     lines = [
-        "# Fused training (issue 15): K fused models vs the same K one after another",
+        "# Fused training: K fused models vs the same K one after another",
         "",
         f"Machine: {meta['machine']} ({meta['processor']}), {meta['cpu_count']} cores shared "
         f"with other engineers' jobs, torch {meta['torch']} with {meta['torch_threads']} "

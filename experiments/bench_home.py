@@ -1,4 +1,4 @@
-"""HOME memory planning (issue 11): largest batch per planner, PSO vs exhaustive, step times.
+"""HOME memory planning: largest batch per planner, PSO vs exhaustive, step times.
 
 Three measurements on the CPU (no GPU here), written to ``--out``:
 
@@ -284,7 +284,7 @@ def main() -> None:
 
 def write_md(results: dict[str, Any], path: Path) -> None:
     lines = [
-        "# HOME memory planning on the CPU (issue 11)",
+        "# HOME memory planning on the CPU",
         "",
         f"Machine: {results['machine']}. Date: {results['date']}. Versions: "
         f"{results['versions']}. Load average at start / end: {results['loadavg_start']} / "

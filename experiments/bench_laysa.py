@@ -1,4 +1,4 @@
-"""Issue 12: LaySA against dense all-reduce, fp16 compression, PowerSGD and naive top-k.
+"""LaySA against dense all-reduce, fp16 compression, PowerSGD and naive top-k.
 
 Every method trains the same MLP on scikit-learn's digits for the same epochs, one after the
 other inside the same spawned gloo group (so they share the machine's load), at 2 and 4

@@ -2,7 +2,7 @@
 
 * ``bare``: the model without a plan;
 * ``rng_restore``: ``checkpoint_sqrt`` recomputing through ``torch.utils.checkpoint`` with
-  ``preserve_rng_state=True`` (the code before issue 22: wrong under co-hosting);
+  ``preserve_rng_state=True`` (the first code: wrong under co-hosting);
 * ``replay``: the same plan with the random results recorded in forward and replayed
   (``waterwave_hpo/planning/_rng.py``: two dispatch modes around every recompute unit).
 

@@ -1,9 +1,9 @@
-"""Per-trial cost of the hosts' storage channel: Ray relay (issue 18) against the old gRPC proxy.
+"""Per-trial cost of the hosts' storage channel: Ray relay against the old gRPC proxy.
 
 One local Ray instance, one host-like actor, the driver's in-memory storage. The actor runs the
 same trials through each channel in alternating rounds (one run, so both see the same load):
 
-* ``grpc-proxy``: what ``RayExecutor`` used before issue 18: Optuna's gRPC storage proxy
+* ``grpc-proxy``: what ``RayExecutor`` used before the relay: Optuna's gRPC storage proxy
   (``GrpcStorageProxy`` client, Optuna's servicer on an insecure loopback port);
 * ``ray-relay``: ``waterwave_hpo.cluster._storage``: ``RayStorageClient`` -> ``StorageRelay``
   actor -> ``StorageServer`` thread in the driver, with the one-study policy checked per call.

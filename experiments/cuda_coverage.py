@@ -1,4 +1,4 @@
-"""How much of the CUDA-only code the CPU suite runs under the fakes (issue 22, part 2).
+"""How much of the CUDA-only code the CPU suite runs under the fakes.
 
 A line is *CUDA-only* when it can run only with a CUDA device. Found by reading the source (AST),
 two rules:

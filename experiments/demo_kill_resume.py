@@ -1,6 +1,6 @@
 """Kill the demo with SIGKILL at random moments, resume it each time, and count what was lost.
 
-Issue 17 §1: a resume after ``kill -9`` must complete in bounded time, the journal must load, no
+A resume after ``kill -9`` must complete in bounded time, the journal must load, no
 trial may stay RUNNING and the finished count must be what ``--trials`` asked for (interrupted
 trials do not count; their parameters run again). Each round starts
 ``python -m waterwave_hpo demo`` on the same ``--out`` (so every round after the first is a

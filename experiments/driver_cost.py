@@ -1,4 +1,4 @@
-"""Driver CPU per trial and trials/s of ``RayExecutor`` with 1, 4 and 8 hosts (issue 24, item 4).
+"""Driver CPU per trial and trials/s of ``RayExecutor`` with 1, 4 and 8 hosts.
 
 Trivial trials (one ``suggest_float``), an in-memory study on the driver, a local Ray with as many
 logical GPUs as hosts and CPU hosts reserving a quarter CPU each, so that 8 hosts fit on this

@@ -1,4 +1,4 @@
-"""Where the driver's CPU goes per trial with ``RayExecutor`` (issue 24, item 4).
+"""Where the driver's CPU goes per trial with ``RayExecutor``.
 
 Runs one ``optimize`` of trivial trials (as ``experiments/driver_cost.py``) and reports, per
 trial: the storage calls the hosts relayed to the driver (by method, counted in the driver's

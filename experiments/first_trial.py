@@ -1,6 +1,6 @@
 """Time from ``RayExecutor.optimize`` to the first trial, and to the first trial on a late host.
 
-Issue 24, item 3. Two scenarios on this machine (CPU only; Ray's GPUs are logical):
+Two scenarios on this machine (CPU only; Ray's GPUs are logical):
 
 * ``unplaceable``: ``ray.init(num_cpus=2, num_gpus=4)`` and ``RayExecutor(trials_per_device=4)``
   start one host per GPU, each reserving one CPU: two hosts can be placed, two never can. The

@@ -1,4 +1,4 @@
-"""Example: a Lightning ``Trainer`` per trial, co-hosted by the executor (issue 27).
+"""Example: a Lightning ``Trainer`` per trial, co-hosted by the executor.
 
 An MLP on scikit-learn's bundled digits; each trial builds
 ``lightning.Trainer(**trainer_kwargs(...))`` (the trial's device, a CSV logger in its own

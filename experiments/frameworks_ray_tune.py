@@ -1,4 +1,4 @@
-"""Example: Ray Tune trials that share a GPU, with ``tune.Tuner`` (issue 27).
+"""Example: Ray Tune trials that share a GPU, with ``tune.Tuner``.
 
 ``tune.Tuner(tune.with_resources(resources.wrap(train_fn), resources))``: Ray places
 ``--per-gpu`` trials on each GPU and each holds a memory lease from the GPU's broker. Without a

@@ -1,4 +1,4 @@
-"""Repeat a framework example's K=4 search and count trial states (issue 27, "0 FAIL").
+"""Repeat a framework example's K=4 search and count trial states.
 
 Runs ``experiments/<example>.py --trials 8 --k 4`` ``runs`` times in one process and prints, per
 run, the trials' states, whether any two trials' [start, complete] intervals overlapped, and the

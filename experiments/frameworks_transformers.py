@@ -1,4 +1,4 @@
-"""Example: a Hugging Face ``Trainer`` search co-hosted by the executor (issue 27).
+"""Example: a Hugging Face ``Trainer`` search co-hosted by the executor.
 
 A tiny BERT built from a config (nothing downloaded) learns a parity label of synthetic token
 ids; :func:`waterwave_hpo.integrations.transformers.hyperparameter_search` runs ``--trials``

@@ -1,4 +1,4 @@
-"""Issue 25: ATen operations (~ GPU kernel launches) of one fused training step against K steps.
+"""ATen operations (~ GPU kernel launches) of one fused training step against K steps.
 
 On a GPU a small model's step is bound by kernel launches, one per ATen operation; fusion pays
 when a fused step of K models runs about as many operations as one model's step. For K = 1, 2, 4,
@@ -206,7 +206,7 @@ def main() -> None:
 
 def render(machine: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
-        "# ATen operations of one training step: fused vs K separate (issue 25)",
+        "# ATen operations of one training step: fused vs K separate",
         "",
         f"Machine: {machine['machine']}; Python {machine['python']}, torch {machine['torch']}, "
         f"{machine['threads']} torch thread(s). Command: `python experiments/"

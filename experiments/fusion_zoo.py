@@ -1,6 +1,6 @@
-"""Issue 25: does fusion take the models people train? A sample of timm and transformers.
+"""Does fusion take the models people train? A sample of timm and transformers.
 
-For each of the 30 timm models of issue 25 (convolutional, MLP, hybrid and attention families;
+For each of the 30 timm models of the fusion zoo (convolutional, MLP, hybrid and attention families;
 64x64 inputs, or the model's own size where it is fixed; batch 2) and four transformers models
 built from small configs (BERT, GPT-2, ViT, T5: 2 layers, width 64), it builds K=2 fresh copies
 (random weights, dropout and drop-path at 0, train mode), calls
@@ -89,7 +89,7 @@ def main() -> None:
 def render(machine: dict[str, object], rows: list[dict[str, object]]) -> str:
     counts = {o.value: sum(r["outcome"] == o.value for r in rows) for o in ZooOutcome}
     lines = [
-        "# Fusion on a model zoo (issue 25)",
+        "# Fusion on a model zoo",
         "",
         f"Machine: {machine['machine']}; Python {machine['python']}, torch {machine['torch']}, "
         f"timm {machine['timm']}, transformers {machine['transformers']}, "

@@ -1,4 +1,4 @@
-"""Issue 24: NodeGroup gates or a HOME memory plan for a gated model: which wins, where.
+"""NodeGroup gates or a HOME memory plan for a gated model: which wins, where.
 
 A model wrapped by ``ww.pipeline`` and registered with ``ww.fit_trial_memory`` under
 ``WaterwaveExecutor(memory_plan="home")`` runs either under its gates (each NodeGroup's saved
@@ -257,7 +257,7 @@ def main() -> None:
 
 def _readme(results: dict[str, Any]) -> str:
     lines = [
-        "# Gates or plans for a gated model (issue 24)",
+        "# Gates or plans for a gated model",
         "",
         f"`{results['command']}`; {results['machine']}, torch {results['torch']}; load "
         f"{results['loadavg_at_start'][0]:.2f} at start, {results['loadavg_at_end'][0]:.2f} at "

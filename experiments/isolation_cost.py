@@ -1,6 +1,6 @@
 """What process isolation costs on this machine: start-up, dispatch rate, memory per worker.
 
-Issue 28, item 4. Trivial trials (``x**2`` of one suggested float, in-memory storage) run by
+Trivial trials (``x**2`` of one suggested float, in-memory storage) run by
 
 * ``threads``: ``WaterwaveExecutor(devices="cpu", trials_per_device=K)`` (the default, slot threads
   in the driver's process),
@@ -77,7 +77,7 @@ def trivial(trial: optuna.trial.Trial) -> float:
 
 
 def process_supported() -> bool:
-    """Whether this checkout's executor has ``isolation=`` (issue 28, items 1-3)."""
+    """Whether this checkout's executor has ``isolation=``."""
     return "isolation" in inspect.signature(ww.WaterwaveExecutor.__init__).parameters
 
 

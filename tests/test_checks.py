@@ -1,4 +1,4 @@
-"""One format for argument errors: ``name=value: what is wrong; the fix`` (issue 16, item 1)."""
+"""One format for argument errors: ``name=value: what is wrong; the fix``."""
 
 from __future__ import annotations
 

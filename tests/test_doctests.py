@@ -1,4 +1,4 @@
-"""The examples in the public docstrings run (issue 16, item 4).
+"""The examples in the public docstrings run.
 
 Every module of the installed package whose docstrings hold ``>>>`` examples is run through
 :mod:`doctest`; a module with examples that is missing from the run fails the first test.

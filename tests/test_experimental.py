@@ -1,4 +1,4 @@
-"""The never-run CUDA paths say so, once per process each (issue 16, item 6).
+"""The never-run CUDA paths say so, once per process each.
 
 Each path is driven on the CPU with the project's fakes far enough to reach its first use.
 """

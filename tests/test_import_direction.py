@@ -1,4 +1,4 @@
-"""The mechanisms a trial uses lie below the code that runs trials (issue 24, item 1).
+"""The mechanisms a trial uses lie below the code that runs trials.
 
 NodeGroup gates, memory plans, the pool and the scheduler read the running trial's context
 from ``waterwave_hpo.trial``; the executor and the cluster, which run trials, build on them.

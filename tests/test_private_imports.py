@@ -1,4 +1,4 @@
-"""No private reaches across packages (issue 16, item 3).
+"""No private reaches across packages.
 
 Each subpackage of ``waterwave_hpo`` offers what the others need through its facade
 (``__init__.py``) or its one documented internal module (``_internal.py``); Optuna's internals

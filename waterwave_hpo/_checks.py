@@ -2,7 +2,7 @@
 
 Every message reads ``"name=value: what is wrong; the fix"``. A value of the wrong type raises
 :class:`TypeError`, a value of the right type that is out of range or not one of the allowed
-choices raises :class:`ValueError` (issue 16, item 1). Byte counts print both readable and exact,
+choices raises :class:`ValueError`. Byte counts print both readable and exact,
 e.g. ``3.2 GiB (3435973837 bytes)``.
 
 This module is private to the package: other packages of ``waterwave_hpo`` may import it, users

@@ -1,4 +1,4 @@
-"""Warnings for the code paths that have never run on a GPU (issue 16, item 6).
+"""Warnings for the code paths that have never run on a GPU.
 
 The CUDA paths are written against the real CUDA, PyTorch and CuPy APIs and tested on the CPU
 against fakes only. Until ``waterwave-hpo doctor`` passes on a GPU and its report is committed,

@@ -97,8 +97,8 @@ def set_system_attrs(study: optuna.Study, trial_id: int, attrs: dict[str, object
 
     On Optuna's RDB storage (SQLite, PostgreSQL, MySQL; Optuna wraps it in ``_CachedStorage``)
     all in one transaction, with the statements Optuna's ``set_trial_system_attr`` runs (one
-    commit instead of one per attribute: measured 3.6 ms of driver CPU each on SQLite, issue 24
-    item 4); on any other storage one call per attribute.
+    commit instead of one per attribute: measured 3.6 ms of driver CPU each on SQLite); on any
+    other storage one call per attribute.
     """
     storage = study._storage
     backend = getattr(storage, "_backend", storage)

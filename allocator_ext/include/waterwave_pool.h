@@ -153,9 +153,9 @@ WW_API void ww_pool_reset_peaks(void* pool);
 WW_API void ww_pool_lock_stats(void* pool, uint64_t* out6);
 /* Events the pool recorded for frees, and frees, since it was made: out2 = {events, frees}. Frees
  * of one stream share one event per epoch (at most 64 frees), recorded only when another stream,
- * a segment release or a snapshot needs it (issue 22, finding 7). */
+ * a segment release or a snapshot needs it. */
 WW_API void ww_pool_event_stats(void* pool, uint64_t* out2);
-/* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the behaviour before issue 14),
+/* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the pool's first behaviour),
  * 0 (default) queues the free when the mutex is held. */
 WW_API void ww_pool_set_torch_free_blocking(void* pool, int blocking);
 WW_API uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries);

@@ -41,7 +41,7 @@ std::array<std::string, kMaxDevices> g_unavailable;  // why a device has no pool
 // RuntimeError carrying what(). waterwave_hpo.memory.translate_oom recognises the marker and
 // re-raises torch.cuda.OutOfMemoryError (pytorch/pytorch issue 133280). A std::runtime_error, not
 // std::bad_alloc: pybind11 would turn the latter into a bare MemoryError on some bindings.
-// Since issue 14 the torch-facing shim (allocator_ext/torch_shim/) is the allocator PyTorch
+// The torch-facing shim (allocator_ext/torch_shim/) is the allocator PyTorch
 // loads where it can be built: it throws c10::OutOfMemoryError itself, so PyTorch's internal
 // fallbacks (cuDNN's smaller workspace) run. This class remains for the plain entry points.
 class OutOfMemory : public std::runtime_error {
@@ -220,7 +220,7 @@ int waterwave_torch_try_malloc(size_t size, int device, void* stream, void** out
   ww::Pool* pool = (device >= 0 && device < ww::kMaxDevices) ? ww::g_torch_pools[device].load()
                                                               : nullptr;
   if (pool == nullptr) {
-    // Not an OOM: retrying with fewer neighbours cannot help (issue 14, section 1.6).
+    // Not an OOM: retrying with fewer neighbours cannot help.
     std::string why;
     if (device >= 0 && device < ww::kMaxDevices) {
       std::lock_guard<std::mutex> g(ww::g_unavailable_mu);

@@ -1,5 +1,5 @@
 // Byte counts in error messages, readable and exact: "3.2 GiB (3435973837 bytes)". The same format
-// as waterwave_hpo/_checks.py's format_bytes (issue 16, item 1).
+// as waterwave_hpo/_checks.py's format_bytes.
 #pragma once
 
 #include <cstddef>

@@ -620,11 +620,11 @@ int Pool::free(std::uintptr_t ptr, Stream stream, bool has_stream) {
 // queues the block (a push under a lock held for nothing else) and returns; the next thread that
 // takes the mutex frees it first. Later is safe: the event recorded then on `stream` covers at
 // least the work queued at the free, and the block is nobody's meanwhile. Measured by
-// experiments/bench_allocator.py --contention (issue 14, section 1.11).
+// experiments/bench_allocator.py --contention.
 int Pool::free_nonblocking(std::uintptr_t ptr, Stream stream) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock() && blocking_torch_free_.load(std::memory_order_relaxed)) {
-    // The behaviour before issue 14 (kept as a knob for experiments/bench_allocator.py).
+    // The pool's first behaviour (kept as a knob for experiments/bench_allocator.py).
     const auto t0 = std::chrono::steady_clock::now();
     lk.lock();
     const auto ns = static_cast<std::uint64_t>(
@@ -673,7 +673,7 @@ int Pool::free_locked(std::uintptr_t ptr, Stream stream, bool has_stream) {
   // Freed on another stream than the one it was allocated on: the work already queued on the
   // allocating stream may still use the block (it is the stream PyTorch and CuPy order the
   // block's uses by), so it is waited for like a record_stream stream. Found by the sim's
-  // stream-hazard checker (issue 14, section 2).
+  // stream-hazard checker.
   if (s != b->stream && std::find(b->extra_streams.begin(), b->extra_streams.end(), b->stream) ==
                             b->extra_streams.end()) {
     b->extra_streams.push_back(b->stream);

@@ -36,7 +36,7 @@ struct Segment;
 // Then one event is recorded on the stream; it covers every free of the epoch, since events on a
 // stream complete in order and it is recorded after them. So a stream that reuses its own blocks
 // (the common case) records one event per kEpochFrees frees instead of one per free, inside the
-// pool's mutex (issue 22, finding 7). The stream must stay alive while an epoch of its is open:
+// pool's mutex. The stream must stay alive while an epoch of its is open:
 // PyTorch's streams (pooled, never destroyed) and the null stream do, and closing or unbinding a
 // stream's account (a trial's end) closes its epoch while the stream is still the trial's.
 struct SyncPoint {
@@ -128,7 +128,7 @@ class Pool {
   void lock_stats(std::uint64_t* out);
   // out[2]: events recorded for frees (epochs closed) and frees, since the pool was made.
   void event_stats(std::uint64_t* out);
-  // Benchmark knob: make free_nonblocking wait for the mutex as before issue 14.
+  // Benchmark knob: make free_nonblocking wait for the mutex as the pool first did.
   void set_blocking_torch_free(bool on) { blocking_torch_free_.store(on); }
 
   Trace* trace() { return trace_.get(); }

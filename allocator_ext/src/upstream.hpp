@@ -116,7 +116,7 @@ std::unique_ptr<Upstream> make_cuda_upstream(int device, SegmentAllocFn seg_allo
 std::int64_t sim_submit(Upstream* up, Stream stream);
 bool sim_finish(Upstream* up, Stream stream, bool all_streams);
 // Records that `stream`'s work queued so far reads or writes [addr, addr + size) (a kernel on a
-// stream that is not the block's own: the cross-stream use of section 1.4 of issue 14).
+// stream that is not the block's own: a cross-stream use).
 bool sim_use(Upstream* up, std::uintptr_t addr, std::size_t size, Stream stream);
 // Hazards the checker found so far (handouts to a stream while another stream's use of the range
 // was neither complete nor waited on); copies up to `max` into `out`, returns the total.

@@ -8,7 +8,7 @@
 // The primary context is retained at the first call that needs it, not when the upstream is made:
 // a pass-through pool exists for every visible device (memory/_torch.py), and retaining a context
 // costs about 0.3-0.5 GiB of device memory and fails on an exclusive-process GPU another process
-// holds. So a device the study never allocates on keeps no context of ours (issue 22, finding 5).
+// holds. So a device the study never allocates on keeps no context of ours.
 #include <dlfcn.h>
 
 #include <atomic>
@@ -153,7 +153,7 @@ class CudaUpstream final : public Upstream {
     CUdeviceptr p = 0;
     CUresult r = d_.cuMemAlloc(&p, nbytes);
     if (r == kSuccess) return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
-    // Only CUDA_ERROR_OUT_OF_MEMORY is out of memory (issue 14, section 1.5). Anything else (an
+    // Only CUDA_ERROR_OUT_OF_MEMORY is out of memory. Anything else (an
     // illegal address left by a kernel, a device assert, a lost device) is a backend error with
     // the driver's message, so a dead context is never "retried with fewer neighbours".
     if (r != kOutOfMemory) {

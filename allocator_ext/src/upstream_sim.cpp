@@ -186,7 +186,7 @@ class SimUpstream final : public Upstream {
 
   bool is_sim() const override { return true; }
 
-  // The stream-hazard checker (issue 14, section 2): every use of a range by a stream is kept
+  // The stream-hazard checker: every use of a range by a stream is kept
   // until that stream's work up to the use has completed; a handout of an overlapping range to
   // another stream that has neither seen it complete nor waited on it is a hazard. Uses are noted
   // by the pool at every free (the freeing stream) and by the test through ww_sim_use (kernels

@@ -1,6 +1,6 @@
 // Compile-time check that every CUDA driver function the `cuda` upstream dlopens has, in
-// src/cuda_driver_api.hpp, exactly the type cuda.h declares for the symbol it is loaded from
-// (issue 14, section 2). Built only with -DWATERWAVE_CHECK_CUDA_H=ON, where cuda.h exists
+// src/cuda_driver_api.hpp, exactly the type cuda.h declares for the symbol it is loaded from.
+// Built only with -DWATERWAVE_CHECK_CUDA_H=ON, where cuda.h exists
 // (tests/memory/test_cuda_headers.py skips with the reason elsewhere); nothing runs.
 #define WATERWAVE_CUDA_H_CHECK 1
 #include <type_traits>

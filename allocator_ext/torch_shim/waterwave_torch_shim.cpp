@@ -1,4 +1,4 @@
-// The torch-facing shim of the stream-aware pool (issue 14, sections 1.2 and 1.4): the allocator
+// The torch-facing shim of the stream-aware pool: the allocator
 // functions PyTorch's CUDAPluggableAllocator loads when the shim could be built, compiled against
 // the headers of the torch that runs (torch/include) and linked to its libc10.so.
 //

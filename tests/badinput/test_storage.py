@@ -1,4 +1,4 @@
-"""Storages that refuse writes (issue 29, items 3 and 4), as root can be refused: SQLite's
+"""Storages that refuse writes, as root can be refused: SQLite's
 ``mode=ro`` URL and ``chattr +i`` (file modes do not stop root).
 
 Each case: the error names the storage and what it refused, keeps the storage's own error as

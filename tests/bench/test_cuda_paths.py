@@ -1,5 +1,4 @@
-"""The bench's waterwave method through its CUDA paths on the CPU (issue 14 §1.1, §1.7, §1.8,
-§2), under the fake CUDA topology of ``tests/fakes/cuda_topology.py``: the pool is installed
+"""The bench's waterwave method through its CUDA paths on the CPU, under the fake CUDA topology of ``tests/fakes/cuda_topology.py``: the pool is installed
 before CUDA initialises, the results say it ran on the pool, and nothing the bench runs calls a
 device-wide ``torch.cuda.synchronize`` or PyTorch's per-device stats APIs."""
 

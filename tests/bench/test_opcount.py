@@ -1,4 +1,4 @@
-"""Issue 25, item 4: a fused training step runs as many ATen operations whatever K."""
+"""A fused training step runs as many ATen operations whatever K."""
 
 from __future__ import annotations
 

@@ -489,7 +489,7 @@ def _fused_sleeps(trials: list[optuna.trial.Trial]) -> list[float]:
 
 
 def test_a_node_lost_mid_fused_batch_loses_no_trial(nodes: Nodes, results: dict[str, Any]) -> None:
-    # RayExecutor(fuse=2) on a cluster_utils cluster (issue 24): the node of a running fused
+    # RayExecutor(fuse=2) on a cluster_utils cluster: the node of a running fused
     # batch is removed; each of its trials is told FAIL and re-run, nothing is left RUNNING.
     nodes.reset(2)
     doomed = nodes.gpu_nodes[1]
@@ -553,7 +553,7 @@ def _fused_train_with_checkpoints(trials: list[Any]) -> None:
 def test_tune_hosts_a_node_lost_mid_fused_batch_loses_no_trial(
     nodes: Nodes, tmp_path: Path, results: dict[str, Any]
 ) -> None:
-    # tune_hosts(fuse=2) on a cluster_utils cluster (issue 24): the node of a running fused
+    # tune_hosts(fuse=2) on a cluster_utils cluster: the node of a running fused
     # batch is removed; each of its Tune trials fails alone and Tune runs it again, from its
     # own last checkpoint, on the other node's host. Nothing lost, nothing left RUNNING.
     nodes.reset(2)

@@ -218,7 +218,7 @@ def _mlp(width: int = 128) -> torch.nn.Module:
 
 
 def test_tune_hosts_memory_plans_plan_a_registered_model_that_does_not_fit() -> None:
-    # tune_hosts(memory_plan="home") (issue 24): fit_trial_memory in a hosted Tune trial plans
+    # tune_hosts(memory_plan="home"): fit_trial_memory in a hosted Tune trial plans
     # the model for the memory its host's scheduler leaves, as WaterwaveExecutor does.
     from waterwave_hpo.planning import PLANNERS
     from waterwave_hpo.planning import remove_memory_plan
@@ -259,7 +259,7 @@ def test_tune_hosts_checks_memory_plan_as_the_executor_does() -> None:
         ww.tune_hosts(memory_plan="yes")
 
 
-# -- fuse=K: a batched trainable runs up to K Tune trials per call (issue 24) -----------------
+# -- fuse=K: a batched trainable runs up to K Tune trials per call -----------------
 
 
 def _fused_host(**kwargs: Any) -> TrialHost:
@@ -432,7 +432,7 @@ def test_only_trials_of_one_group_share_a_batch_and_checkpoints_stay_each_trials
 
 
 def test_a_fused_batchs_model_is_planned_as_one_under_tune_hosts() -> None:
-    # fuse + memory_plan="home" under tune_hosts() (issue 24): the fused call registers one
+    # fuse + memory_plan="home" under tune_hosts(): the fused call registers one
     # model; it gets one plan for the memory left, and its footprint goes back at the end.
     from waterwave_hpo.planning import PLANNERS
     from waterwave_hpo.planning import remove_memory_plan
@@ -474,7 +474,7 @@ def test_a_fused_batchs_model_is_planned_as_one_under_tune_hosts() -> None:
 
 
 def test_a_fused_gated_model_short_of_memory_runs_with_a_plan_under_tune_hosts() -> None:
-    # fuse + ww.pipeline gates + memory_plan="home" under tune_hosts() (issue 24): the fused
+    # fuse + ww.pipeline gates + memory_plan="home" under tune_hosts(): the fused
     # call's gated model does not fit under its gates, so a plan for the budget replaces them.
     from waterwave_hpo.nodegroup import trial_profile
     from waterwave_hpo.nodegroup._internal import has_pipeline
@@ -528,7 +528,7 @@ def test_a_fused_gated_model_short_of_memory_runs_with_a_plan_under_tune_hosts()
 
 
 def test_a_fused_call_under_gates_reserves_under_its_first_trial_alone() -> None:
-    # fuse + ww.pipeline gates under tune_hosts() (issue 24): one scheduler trial per call, so
+    # fuse + ww.pipeline gates under tune_hosts(): one scheduler trial per call, so
     # the scheduler's deadlock resolution never waits on a batch-mate that never asks.
     peaks: list[int] = []
 

@@ -391,7 +391,7 @@ def _fused_planned(trials: list[optuna.trial.Trial]) -> list[float]:
 
 
 def test_fused_batches_with_memory_plans_run_on_ray_hosts() -> None:
-    # fuse=2 and memory_plan="home" on RayExecutor (issue 24): each host runs whole batches
+    # fuse=2 and memory_plan="home" on RayExecutor: each host runs whole batches
     # in one call, plans the batch's model as one when it does not fit, and the driver tells
     # each trial its own outcome.
     from waterwave_hpo.executor import trial_memory_plan
@@ -433,7 +433,7 @@ def _fused_gated_planned(trials: list[optuna.trial.Trial]) -> list[float]:
 
 
 def test_fused_gated_batches_short_of_memory_run_with_plans_on_ray_hosts() -> None:
-    # fuse=2 + ww.pipeline gates + memory_plan="home" on RayExecutor (issue 24): the batch's
+    # fuse=2 + ww.pipeline gates + memory_plan="home" on RayExecutor: the batch's
     # gated model does not fit under its gates' claim, so each host plans it as one instead.
     from waterwave_hpo.executor import trial_memory_plan
     from waterwave_hpo.nodegroup import trial_profile
@@ -474,7 +474,7 @@ def _fused_gated(trials: list[optuna.trial.Trial]) -> list[float]:
 
 
 def test_fused_batches_run_under_their_gates_on_ray_hosts() -> None:
-    # fuse=2 + ww.pipeline gates on RayExecutor (issue 24): each batch's gates reserve in its
+    # fuse=2 + ww.pipeline gates on RayExecutor: each batch's gates reserve in its
     # host's scheduler under the batch's first trial alone.
     study = optuna.create_study()
     executor = RayExecutor(n_hosts=1, trials_per_device=1, fuse=2, memory_budget_bytes=1 << 30)
@@ -487,7 +487,7 @@ def test_fused_batches_run_under_their_gates_on_ray_hosts() -> None:
 
 
 def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be_placed() -> None:
-    # Two logical GPUs but CPUs for one host of 2 CPUs (issue 24, item 3): the study must run on
+    # Two logical GPUs but CPUs for one host of 2 CPUs: the study must run on
     # the host that is up, not wait startup_timeout_s (here 600 s) for the other. The bound
     # below is a liveness check with a wide margin, not a speed figure.
     import threading
@@ -622,7 +622,7 @@ def test_a_live_host_that_is_lost_is_ended_before_its_replacement_runs(tmp_path:
 def test_the_next_trial_goes_to_its_host_with_the_poll_that_brought_the_last_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # One actor call per trial, not two (issue 24, item 4): the poller sends the trials the
+    # One actor call per trial, not two: the poller sends the trials the
     # executor asked since its last poll with the next poll, so a trial needs no submit call.
     from ray.actor import ActorMethod
 

@@ -1,4 +1,4 @@
-"""The hosts' storage channel (issue 18): nothing new listens, one study, only a host's calls."""
+"""The hosts' storage channel: nothing new listens, one study, only a host's calls."""
 
 from __future__ import annotations
 

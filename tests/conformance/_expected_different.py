@@ -17,7 +17,7 @@ _ALWAYS: dict[str, str] = {
     ),
     _STUDY + "test_optimize_trivial_rdb_resume_study": (
         "uses sqlite:///:memory:, which the executor refuses before any trial by design "
-        "(issue 13: a per-connection database loses trials told from the slots' threads)"
+        "(a per-connection database loses trials told from the slots' threads)"
     ),
     "tests/pruners_tests/test_hyperband.py::test_hyperband_filter_study": (
         "not the executor: needs the optional cmaes package (CmaEsSampler), which Optuna's "

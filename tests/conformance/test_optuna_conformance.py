@@ -44,7 +44,7 @@ OPTUNA_TEST_FILES = (
     "tests/trial_tests",
     "tests/pruners_tests",
 )
-"""Optuna's test files that reach ``Study.optimize`` (issue 13), relative to the sdist root."""
+"""Optuna's test files that reach ``Study.optimize``, relative to the sdist root."""
 
 _HERE = Path(__file__).resolve().parent
 _PYTEST_INI = """[pytest]

@@ -1,4 +1,4 @@
-"""Issue 17 §1: kill -9 the demo at random moments (also holding the lock, also mid-append) and
+"""Kill -9 the demo at random moments (also holding the lock, also mid-append) and
 resume it; nothing is waited on forever and no trial is lost."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_lock_of_a_live_holder_is_waited_for_not_broken(tmp_path: Path) -> None:
 def test_optunas_dangling_relative_symlink_lock_is_broken_after_the_grace_period(
     tmp_path: Path,
 ) -> None:
-    # What Optuna's JournalFileSymlinkLock left behind for a relative journal path (issue 17):
+    # What Optuna's JournalFileSymlinkLock left behind for a relative journal path:
     # a link whose target does not resolve, which Optuna 5.0's own wait loop never breaks.
     journal = tmp_path / "study.log"
     lock_file = tmp_path / "study.log.lock"

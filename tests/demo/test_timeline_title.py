@@ -1,4 +1,4 @@
-"""The demo's timeline title says what ran at once: fuse and K named as such (issue 24)."""
+"""The demo's timeline title says what ran at once: fuse and K named as such."""
 
 from __future__ import annotations
 

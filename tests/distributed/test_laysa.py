@@ -261,7 +261,7 @@ def test_state_saved_and_restored_resumes_exactly(world: list[dict[str, Any]]) -
         )
 
 
-# ---------------------------------------------------------------- half precision (issue #22)
+# ---------------------------------------------------------------- half precision
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 HALF_STEPS = 8
 

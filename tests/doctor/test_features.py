@@ -1,7 +1,7 @@
 """The doctor's feature checks on the CPU: each runs its CPU or simulated counterpart and passes.
 
 Each test can fail: the checks assert what the executor did (states, re-runs, plans, batches),
-not that code ran. Issue 22, part 4.
+not that code ran.
 """
 
 from __future__ import annotations

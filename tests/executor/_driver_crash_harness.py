@@ -28,7 +28,7 @@ import optuna
 
 import waterwave_hpo as ww
 
-HEARTBEAT_INTERVAL_S = 1  # as in issue 28's report
+HEARTBEAT_INTERVAL_S = 1  # as in the crash report this reproduces
 GRACE_PERIOD_S = 2
 # A resume lasts longer than the grace period plus SQLite's one-second heartbeat resolution,
 # so every trial of a killed driver is stale before it ends.

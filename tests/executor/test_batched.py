@@ -207,7 +207,7 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_ray_executor_checks_fuse_against_the_objective_before_starting_ray() -> None:
-    # RayExecutor runs fused batches (issue 24) with WaterwaveExecutor's own checks, made
+    # RayExecutor runs fused batches with WaterwaveExecutor's own checks, made
     # before Ray is started: a batched objective needs fuse=K, fuse=K needs a batched one.
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized()

@@ -1,4 +1,4 @@
-"""A co-hosted study through the executor's CUDA paths on the CPU (issue 14 §2), under the fake
+"""A co-hosted study through the executor's CUDA paths on the CPU, under the fake
 CUDA topology of ``tests/fakes/cuda_topology.py``: nothing the executor runs may call a
 device-wide ``torch.cuda.synchronize`` or PyTorch's per-device stats APIs while the pool is
 installed, every backward runs on one shared worker, and each trial's memory is its own pool
@@ -60,7 +60,7 @@ def test_a_co_hosted_study_on_the_cuda_paths_keeps_the_rules(
     assert topology.cuda.events[0] == "pool 0"  # installed before CUDA initialised
     assert topology.device_syncs == []  # no device-wide synchronize
     assert topology.stats_calls == []  # no per-device stats API
-    # Every backward ran in its trial's thread (issue 22 #4), none on the shared worker.
+    # Every backward ran in its trial's thread, none on the shared worker.
     assert (topology.worker.backwards, topology.worker.inline_backwards) == (0, 12)
     for t in study.trials:  # each trial's peak is its own account, not its slot stream's
         assert allocated[t.number] == (t.number + 1) * MIB
@@ -70,7 +70,7 @@ def test_a_co_hosted_study_on_the_cuda_paths_keeps_the_rules(
 def test_a_trials_backward_runs_in_its_own_thread_with_its_context(
     topology: cuda_topology.Topology,
 ) -> None:
-    """Issue 22, finding 4: on CUDA autograd runs every backward on one device thread unless the
+    """On CUDA autograd runs every backward on one device thread unless the
     calling thread turned multithreading off; then hooks see the trial's thread and its
     ``current()``, and K trials' backwards overlap instead of queueing on one thread."""
     k = 2
@@ -140,7 +140,7 @@ def test_a_cuda_out_of_memory_fails_that_trial_alone_and_the_study_goes_on(
 def test_the_oom_retry_releases_no_segment_while_a_neighbour_runs(
     topology: cuda_topology.Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 22, finding 8: the OOM path's torch.cuda.empty_cache() would give the pool's free
+    """The OOM path's torch.cuda.empty_cache() would give the pool's free
     segments back to the driver (cuMemFree synchronises the whole device, neighbours included);
     under running trials it is deferred to the last one's end."""
     # torch.cuda.empty_cache() acts only once CUDA is initialised (torch.cuda.memory's own name)

@@ -1,5 +1,5 @@
 """The driver process itself dies (SIGKILL) at any moment: the next process that opens the
-study and runs the executor fails every trial the dead one had asked (issue 28).
+study and runs the executor fails every trial the dead one had asked.
 
 A real process on a SQLite file storage with heartbeats (``heartbeat_interval=1,
 grace_period=2``, as the issue's report), killed from outside after seeded random delays, or

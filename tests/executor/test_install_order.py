@@ -1,6 +1,6 @@
 """The pool is PyTorch's allocator before CUDA initialises, on every entry point that installs
 it (the executor's device hosts, the Ray/Tune trial hosts, the bench), checked on the CPU with a
-fake CUDA that records the order (issue 14 §1.1, §2)."""
+fake CUDA that records the order."""
 
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ class _Fused(nn.Module):
 
 
 def test_a_fused_batch_that_does_not_fit_runs_its_model_with_one_plan_for_all_its_trials() -> None:
-    # fuse=2 with memory_plan="home": the batch's fused model is planned as one (issue 24).
+    # fuse=2 with memory_plan="home": the batch's fused model is planned as one.
     fused_plain = 2 * PLAIN_BYTES  # two MLPs' activations at once, roughly
     budget = fused_plain * 6 // 10
     seen: list[int] = []
@@ -372,7 +372,7 @@ def _gated_run(budget: int, caplog: pytest.LogCaptureFixture) -> tuple[optuna.St
 def test_a_gated_model_whose_gates_fit_runs_under_its_gates_unplanned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # memory_plan="home" with ww.pipeline gates (issue 24): the gates' claim fits the budget,
+    # memory_plan="home" with ww.pipeline gates: the gates' claim fits the budget,
     # so the gates govern its memory (no step time lost to a plan) and it gets no plan.
     study, stats, still_gated = _gated_run(4 * PLAIN_BYTES, caplog)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE]
@@ -459,7 +459,7 @@ def test_a_gated_model_short_of_room_beside_a_neighbour_keeps_its_gates_when_a_p
 def test_a_fused_batch_under_gates_that_do_not_fit_fails_and_re_runs_unfused_without_hanging() -> (
     None
 ):
-    # fuse=2 + ww.pipeline gates, budget below the fused model's claim (issue 24): the batch's
+    # fuse=2 + ww.pipeline gates, budget below the fused model's claim: the batch's
     # gates reserve under its first trial; its batch-mate is no scheduler trial of its own, so
     # the scheduler evicts the batch instead of waiting for the batch-mate to ask for memory
     # (before: the trial thread waited in the gate forever). Each trial re-runs unfused.

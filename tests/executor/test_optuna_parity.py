@@ -1,4 +1,4 @@
-"""What a user of ``Study.optimize`` sees stays the same through the executor (issue 13): Optuna's
+"""What a user of ``Study.optimize`` sees stays the same through the executor: Optuna's
 log lines, callbacks, heartbeats, ``study.stop()``, storages that cannot work refused."""
 
 from __future__ import annotations

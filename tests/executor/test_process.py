@@ -1,4 +1,4 @@
-"""``WaterwaveExecutor(isolation="process")``: trials in worker processes, on the CPU (issue 28).
+"""``WaterwaveExecutor(isolation="process")``: trials in worker processes, on the CPU.
 
 Workers are real spawned processes; crashes are real signals. Trials that must be inside at the
 same moment meet through files (a barrier across processes), never through sleeps.

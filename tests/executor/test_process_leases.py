@@ -1,6 +1,6 @@
 """Memory leases of process isolation's workers (``executor/_process/_leases.py``), with the CUDA
 fakes: the driver's book splits the device's budget, a worker waits for room, and a held lease
-bounds the trial's pool account, PyTorch's memory fraction and CuPy's pool (issue 28)."""
+bounds the trial's pool account, PyTorch's memory fraction and CuPy's pool."""
 
 from __future__ import annotations
 

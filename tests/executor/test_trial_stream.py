@@ -1,4 +1,4 @@
-"""A trial's stream is current for PyTorch and for CuPy (issue 14 §1.10), checked on the CPU
+"""A trial's stream is current for PyTorch and for CuPy, checked on the CPU
 with a fake CuPy module and torch's stream context stubbed out."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_each_trial_thread_sees_its_own_stream_in_cupy(monkeypatch: pytest.Monke
 def test_cupy_work_in_a_trials_backward_goes_to_the_trials_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 22, finding 4: CuPy code in a backward hook ran on autograd's device thread, where
+    """CuPy code in a backward hook ran on autograd's device thread, where
     CuPy's (thread-local) current stream is its null stream, unordered with the trial's."""
     cupy = fake_cupy.install(monkeypatch)
     worker = SharedAutogradWorker(timeout_s=30)

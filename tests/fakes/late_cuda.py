@@ -1,7 +1,7 @@
 """A fake CUDA device on which side-stream work lands *late*, as it does on a GPU.
 
 The older fakes complete every copy and event at once, which hides the class of bug where code
-assumes a copy has landed because it was issued (issue 22, part 2). Here:
+assumes a copy has landed because it was issued. Here:
 
 - **The compute stream is the host.** CPU tensors stand for device tensors and CPU kernels run
   at once, so the current stream (``torch.cuda.current_stream()`` without a ``with

@@ -70,7 +70,7 @@ def test_bad_max_norm_is_refused(max_norm: object, error: type[Exception], patte
 def test_clipping_makes_no_blocking_host_to_device_copy(
     monkeypatch: pytest.MonkeyPatch, max_norm: float | list[float]
 ) -> None:
-    """Issue 22, finding 6: one limit is a scalar argument (no copy at all); per-model limits
+    """One limit is a scalar argument (no copy at all); per-model limits
     reach the device by one queued copy from pinned memory, never one the host waits for."""
     from fusion._copies import HostToDeviceCopies
 

@@ -412,7 +412,7 @@ def test_schedules_composed_inside_the_factory_follow_stock() -> None:
 def test_a_scheduler_step_queues_the_new_values_without_a_blocking_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 22, finding 6: each step's (K,) values reach the device by one queued copy from
+    """Each step's (K,) values reach the device by one queued copy from
     pinned memory per changed hyperparameter, never a copy the host waits for."""
     from fusion._copies import HostToDeviceCopies
 

@@ -1,4 +1,4 @@
-"""Issue 25: layers accepted by running them, keyword inputs, and verify() before training."""
+"""Layers accepted by running them, keyword inputs, and verify() before training."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class TimmStyleAttention(nn.Module):
 
 
 def test_attention_that_reads_its_dropout_rate_fuses() -> None:
-    # Before issue 25 the fused dropout's rate was a tensor here: vmap's .item() crash.
+    # Once the fused dropout's rate was a tensor here: vmap's .item() crash.
     torch.manual_seed(0)
     models = [TimmStyleAttention().train() for _ in range(2)]
     x = torch.randn(3, 5, 8)

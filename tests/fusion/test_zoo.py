@@ -1,4 +1,4 @@
-"""Issue 25's corpus, its CI subset: timm and transformers models fuse (the ``zoo`` extra).
+"""The fusion zoo's CI subset: timm and transformers models fuse (the ``zoo`` extra).
 
 Not skipped without timm/transformers: CI installs the ``zoo`` extra, and a missing install
 must fail here, not pass. The whole sample is ``python experiments/fusion_zoo.py``.
@@ -13,7 +13,7 @@ from waterwave_hpo import bench
 
 @pytest.mark.parametrize("name", bench.FAST_SAMPLE)
 def test_fast_zoo_model_fuses_and_matches_each_model_alone(name: str) -> None:
-    # Before issue 25: mobilenetv3 (Hardswish) and ghostnet (Hardsigmoid) were refused by a
+    # Before mobilenetv3 (Hardswish) and ghostnet (Hardsigmoid) were refused by a
     # hand list; the ViT, BERT and GPT-2 crashed inside vmap on .item(); BERT's input_ids=
     # raised TypeError.
     result = bench.check_case(bench.zoo_case(name, fast=True))

@@ -383,7 +383,7 @@ print(json.dumps(out))
 def test_a_device_keeps_no_cuda_context_until_the_study_allocates_on_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 22, finding 5: a pass-through pool retains its device's primary context (0.3-0.5 GiB
+    """A pass-through pool retains its device's primary context (0.3-0.5 GiB
     of device memory) only at that device's first allocation; an exclusive-process GPU held by
     another process fails only if the study allocates on it, and then not as an OOM."""
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
@@ -427,7 +427,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_frees_record_one_cuda_event_per_epoch_not_one_per_free(tmp_path: Path) -> None:
-    """Issue 22, finding 7, through the CUDA backend: 1000 frees of one stream call
+    """Through the CUDA backend: 1000 frees of one stream call
     cuEventRecord at most once per 64 frees; a block another stream takes is covered by an
     event recorded after its free, completed or waited for on the GPU."""
     out = run_against_fake_driver(tmp_path, EVENTS_SCRIPT)

@@ -1,4 +1,4 @@
-"""The pool's dlopen'ed CUDA driver signatures match the real cuda.h (issue 14, section 2).
+"""The pool's dlopen'ed CUDA driver signatures match the real cuda.h.
 
 Configures ``allocator_ext`` with ``-DWATERWAVE_CHECK_CUDA_H=ON`` and builds the compile-time
 check ``tests/cuda_h_check.cpp`` (``static_assert`` on ``decltype`` of every driver function the

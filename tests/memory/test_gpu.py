@@ -209,7 +209,7 @@ def test_cupy_backend_draws_segments_from_cupy(tmp_path: Path) -> None:
 
 
 def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Path) -> None:
-    # Issue 14, 1.2: through the torch shim the pool throws c10::OutOfMemoryError itself.
+    # Through the torch shim the pool throws c10::OutOfMemoryError itself.
     out = run_script(
         tmp_path,
         """
@@ -228,7 +228,7 @@ def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Pat
 
 
 def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
-    # Issue 14, 1.4: a block used on another stream is not handed out until that use completed.
+    # A block used on another stream is not handed out until that use completed.
     out = run_script(
         tmp_path,
         """

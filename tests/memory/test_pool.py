@@ -394,7 +394,7 @@ def test_cupy_backend_without_cupy_names_the_install_fix() -> None:
 
 
 def test_a_stream_reusing_its_own_blocks_records_one_event_per_epoch_not_per_free() -> None:
-    """Issue 22, finding 7: 1000 frees on one stream, each block reused by that stream, record at
+    """1000 frees on one stream, each block reused by that stream, record at
     most one event per 64 frees (the epoch's cap) inside the pool's mutex, not one per free."""
     pool = make_pool()
     for _ in range(1000):

@@ -1,4 +1,4 @@
-"""The torch-facing shim (issue 14, section 1.2): a pool OOM is PyTorch's own c10::OutOfMemoryError.
+"""The torch-facing shim: a pool OOM is PyTorch's own c10::OutOfMemoryError.
 
 Built here against the headers of the installed torch (a CPU build: no CUDA needed for this part)
 and driven through its probe entry point, which calls the allocator function PyTorch would call

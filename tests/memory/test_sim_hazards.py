@@ -1,4 +1,4 @@
-"""The sim device's stream-hazard checker (issue 14, section 2).
+"""The sim device's stream-hazard checker.
 
 Every use of a block per stream is recorded (the pool notes the freeing stream's; tests note a
 kernel on another stream with ``pool.sim.use``); at every handout to stream Y, each use by another

@@ -87,8 +87,8 @@ def test_many_threads_share_one_pool_safely() -> None:
 
 
 def test_pytorch_path_frees_with_the_gil_held_never_wait_and_lose_nothing() -> None:
-    # waterwave_torch_free is called by PyTorch from tensor deallocation with the GIL held; since
-    # issue 14 (1.11) it queues the free when the pool's mutex is held instead of waiting there.
+    # waterwave_torch_free is called by PyTorch from tensor deallocation with the GIL held; it
+    # queues the free when the pool's mutex is held instead of waiting there.
     # ctypes.PyDLL keeps the GIL held for the call, as PyTorch does.
     from waterwave_hpo.memory._lib import library_path
     from waterwave_hpo.memory._lib import load_library

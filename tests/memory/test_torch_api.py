@@ -99,7 +99,7 @@ def test_guards_come_off_cleanly() -> None:
 
 
 def test_empty_cache_waits_for_the_running_trials_before_releasing(pool: StreamAwarePool) -> None:
-    """Issue 22, finding 8: cuMemFree synchronises the whole device, so torch.cuda.empty_cache()
+    """cuMemFree synchronises the whole device, so torch.cuda.empty_cache()
     (the OOM retry calls it) releases nothing while trials run on the pool; the release happens
     when the last running trial's account closes."""
     first = pool.open_account("0", streams=(1,))
@@ -121,7 +121,7 @@ def test_empty_cache_waits_for_the_running_trials_before_releasing(pool: StreamA
 def test_cudnn_heuristic_mode_b_replaces_benchmark_mode_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch, user_value: str | None
 ) -> None:
-    """Issue 22, finding 8: with benchmark mode off under the pool, cuDNN picks plans with its
+    """With benchmark mode off under the pool, cuDNN picks plans with its
     heuristic mode B (TORCH_CUDNN_USE_HEURISTIC_MODE_B, read by torch at the first cuDNN
     convolution); a value the user set is kept."""
     from waterwave_hpo.memory._torch_api import HEURISTIC_MODE_B

@@ -1,5 +1,5 @@
 """Profiling times a step with CUDA events on the trial's stream, never a device-wide
-``torch.cuda.synchronize`` (issue 14 §1.8), checked on the CPU with fake events."""
+``torch.cuda.synchronize``, checked on the CPU with fake events."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def _activation(gpu: late_cuda.FakeGpu, n: int = 1024) -> torch.Tensor:
 def test_a_swapped_activation_is_let_go_once_its_copy_is_ordered_not_once_seen_landed(
     gpu: late_cuda.FakeGpu,
 ) -> None:
-    """Issue 22, finding 2: the host runs ahead of the GPU, so an activation held until its
+    """The host runs ahead of the GPU, so an activation held until its
     copy's event is *seen* complete is held through the forward and the swap saves nothing."""
     t = _activation(gpu)
     expected = t.clone()
@@ -131,7 +131,7 @@ def test_a_swapped_activation_is_let_go_once_its_copy_is_ordered_not_once_seen_l
 def test_a_prefetched_buffer_dropped_before_its_unpack_is_released_after_its_copy(
     gpu: late_cuda.FakeGpu,
 ) -> None:
-    """Issue 22, finding 3: backward raised after the swap-in was issued, before the unpack
+    """Backward raised after the swap-in was issued, before the unpack
     made the compute stream wait for it; the buffer is freed while the side stream writes."""
     ledger = StepLedger()
     held = _Swapped(_activation(gpu), ledger, _Transfer(), ("device", "cuda:0", 1), 4 * KIB)
@@ -187,7 +187,7 @@ def _mlp() -> nn.Module:
 def test_a_swap_plan_keeps_its_predicted_peak_when_copies_land_late(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Planned peak vs measured (issue 22, finding 2): with every copy still queued when the
+    """Planned peak vs measured: with every copy still queued when the
     host reaches the next pack, a swap-everything plan stays within its predicted peak, and
     trains as the bare model does (each swap-in waited for on the compute stream)."""
     x = torch.randn(32, 64)
@@ -238,7 +238,7 @@ class _Raises(nn.Module):
 def test_backward_that_runs_out_of_memory_frees_swap_in_buffers_after_their_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 22, finding 3, in a real step: the GPU catches up in mid-forward (the early
+    """In a real step: the GPU catches up in mid-forward (the early
     swap-outs land), backward starts the swap-ins and raises before unpacking them; every
     swap-in buffer is freed only after its copy, none is handed out while being written."""
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """The swap path on a real CUDA device (marked ``gpu``; skipped without CUDA).
 
-Issue 22, finding 2: on a GPU the host runs ahead, so a swapped activation held until its copy is
+On a GPU the host runs ahead, so a swapped activation held until its copy is
 *seen* landed stayed allocated through the forward. Measured with PyTorch's own allocator, whose
 ``memory_allocated`` drops at the free even while ``record_stream`` keeps the block for the copy.
 """

@@ -7,7 +7,7 @@ CNN, a GPT-style language model and the demo's digits NAS, at a light and a high
 and writes ``results.csv``, ``results.json``, plots and a ``README.md``; ``compare_plans``
 simulates co-hosting with and without memory plans (``plans.csv``). ``zoo_cases`` and
 ``check_case`` run fusion on timm and transformers models (the ``zoo`` extra), ``count_ops``
-counts the ATen operations of a training step (issue 25).
+counts the ATen operations of a training step.
 """
 
 from __future__ import annotations

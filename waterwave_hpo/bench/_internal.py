@@ -1,7 +1,7 @@
 """What the bench offers the project's other packages beyond its public facade.
 
 ``waterwave-hpo doctor`` runs its CUDA checks in a child process the way the bench runs a method.
-It imports this from here only (issue 16, item 3). Not part of the public API.
+It imports this from here only. Not part of the public API.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Count the ATen operations of a piece of work: about one kernel launch each (issue 25).
+"""Count the ATen operations of a piece of work: about one kernel launch each.
 
 On a GPU a small model's training step costs one kernel launch per ATen operation, whatever the
 operation's size; fusing K models pays off there when a fused step runs about as many operations

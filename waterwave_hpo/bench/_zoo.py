@@ -1,4 +1,4 @@
-"""A model zoo for fusion: timm and transformers models fused, verified and counted (issue 25).
+"""A model zoo for fusion: timm and transformers models fused, verified and counted.
 
 Each :class:`ZooCase` builds one model of a public library from its config (``pretrained=False``,
 nothing downloaded) and an example input. :func:`check_case` fuses K fresh copies with
@@ -59,7 +59,7 @@ TIMM_SAMPLE: tuple[str, ...] = (
     "deit_tiny_patch16_224",
     "mobilevit_xxs",
 )
-"""The 30 timm models of issue 25: convolutional, MLP, hybrid and attention families."""
+"""The zoo's 30 timm models: convolutional, MLP, hybrid and attention families."""
 
 TIMM_FAST: tuple[str, ...] = (
     "resnet18",

@@ -120,7 +120,7 @@ class HostActor:
         """Take the driver's next jobs, wait for trial attempts to end; return how they ended.
 
         The driver sends the jobs it asked since the last poll with the poll (one round trip
-        per trial instead of two, issue 24, item 4).
+        per trial instead of two).
 
         Args:
             timeout_s: How long to wait for an attempt to end (seconds).

@@ -44,8 +44,7 @@ from waterwave_hpo.scheduler import PipelineScheduler
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 1.0
 """How long a poll waits on the actor for a trial to end: it returns as soon as one does, so this
-bounds only an idle host's polls (each costs the driver ~0.5 ms of CPU: at 0.1 s, 5 ms a second
-per idle host; issue 24, item 4)."""
+bounds only an idle host's polls."""
 _ROOM_POLL_S = 0.1
 """The same with ``trials_per_device="auto"``: the host's memory room changes without a trial
 ending, and the driver admits the next trial only when a poll says there is room."""

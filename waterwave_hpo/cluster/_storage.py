@@ -1,7 +1,7 @@
 """The study's storage, carried to host actors over Ray itself, for one study and few calls.
 
 Host actors run trials in other processes and on other nodes, so they cannot share the driver's
-``optuna.Study`` object, and the driver's storage may live only in its memory. Until issue 18
+``optuna.Study`` object, and the driver's storage may live only in its memory. Before this relay
 the driver served the *whole* storage with Optuna's gRPC storage proxy on an unauthenticated,
 plain-text port of the node's address: anyone who could reach it could read, rewrite or delete
 every study in it. The channel now runs over Ray, and nothing new listens:
@@ -13,7 +13,7 @@ every study in it. The channel now runs over Ray, and nothing new listens:
   driver remains the only process that touches the storage, as Optuna recommends for many
   workers on one RDB), and hands the result, or the exception, back through the relay.
 
-Why Ray and not gRPC with TLS and a secret (issue 18, option (b)): Ray's RPC already connects
+Why Ray and not gRPC with TLS and a secret: Ray's RPC already connects
 the driver and every host, with Ray's TLS when the cluster enables it (``RAY_USE_TLS``) and
 Ray's trust model (whoever can submit work to the cluster can run code on it anyway); a second
 channel would need its own certificates, secret distribution and a listener to close on every
@@ -52,8 +52,7 @@ _BATCH_WAIT_S = 0.05  # how long a batch's quick calls wait for its slow ones
 _GATHER_S = 0.002
 """How long the relay lets calls gather after the first one before the driver takes them: a
 round trip of the driver costs it ~0.5 ms of CPU (2-core VM, Ray 2.60), so calls taken together
-cost it less each; a host's call waits this much longer (issue 24, item 4, measured in
-experiments/results/2026-11-25-driver-cost-2/)."""
+cost it less each; a host's call waits this much longer."""
 
 
 class StorageRelay:

@@ -1,6 +1,6 @@
 """Open the demo's journal (``study.log``) by absolute path, under a holder-naming lock, checked.
 
-Nothing is appended to a journal before :func:`check_journal` has read it whole (issue 13 §2).
+Nothing is appended to a journal before :func:`check_journal` has read it whole.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def counted_trials(trials: Iterable[FrozenTrial]) -> list[FrozenTrial]:
 
 
 def _attr(trial: FrozenTrial, key: str) -> Any:
-    # The executor's bookkeeping moves from user to system attributes (issue 13); read either.
+    # The executor's bookkeeping moves from user to system attributes; read either.
     return trial.system_attrs.get(key, trial.user_attrs.get(key))
 
 

@@ -3,7 +3,7 @@
 Optuna's :class:`~optuna.storages.journal.JournalFileSymlinkLock` (the default of
 ``JournalFileBackend``) breaks a lock only after ``grace_period`` seconds without a change of the
 lock's ``mtime``, read through the symbolic link: with a relative journal path the link dangles,
-``os.stat`` fails and Optuna 5.0's wait loop retries forever without sleeping (issue 17). This lock
+``os.stat`` fails and Optuna 5.0's wait loop retries forever without sleeping. This lock
 is the same file name (``<journal>.lock``), created atomically with its holder's identity in it,
 so a process that finds it can tell at once whether the holder is gone.
 """

@@ -2,7 +2,7 @@
 
 Versions, the pool library, then acceptance checks on the real GPU (or, without one, on the
 simulated device), each PASS/FAIL/SKIP with its figure, written as a JSON report a user can
-attach to a bug report (issue 14 §3). This module only re-exports.
+attach to a bug report. This module only re-exports.
 """
 
 from __future__ import annotations

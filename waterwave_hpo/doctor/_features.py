@@ -1,4 +1,4 @@
-"""The doctor's feature checks: every feature run as the executor runs it (issue 22, part 4).
+"""The doctor's feature checks: every feature run as the executor runs it.
 
 Each check runs the feature end to end through :class:`~waterwave_hpo.WaterwaveExecutor` (or
 the public API a trial calls) on the device given: the user's GPU, or on a machine without one,
@@ -580,7 +580,7 @@ def crash_one_worker(trial: Any) -> float:
 def check_worker_crash(
     device: torch.device, k: int = 2, n_trials: int = 4, crash: str = "segfault"
 ) -> CheckResult:
-    """A worker process killed by a segmentation fault fails its trial alone (issue 28).
+    """A worker process killed by a segmentation fault fails its trial alone.
 
     A study of ``n_trials`` trials with ``isolation="process"`` and ``k`` slots on the device:
     trial 1 segfaults in native code (``ctypes.string_at(0)``) while its worker holds the

@@ -130,7 +130,7 @@ def run_doctor(device: str = "auto") -> DoctorReport:
             ("cohosted_study", lambda: checks.check_cohosted(torch.device("cpu"))),
         ]
     plan.append(("cupy_stream", lambda: checks.check_cupy(gpu)))
-    # Every feature as the executor runs it (issue 22, part 4): on the GPU, else the CPU/sim.
+    # Every feature as the executor runs it: on the GPU, else the CPU/sim.
     feature_device = gpu if gpu is not None else torch.device("cpu")
     for name, feature in features.FEATURE_CHECKS:
         plan.append((name, lambda feature=feature: feature(feature_device)))  # type: ignore[misc]

@@ -2,7 +2,7 @@
 
 The shim (``allocator_ext/torch_shim/``) is what makes a pool OOM PyTorch's own
 ``c10::OutOfMemoryError`` and, on a CUDA build of torch, makes ``Tensor.record_stream`` reach the
-pool (issue 14, sections 1.2 and 1.4). It is compiled at first CUDA use against the installed
+pool. It is compiled at first CUDA use against the installed
 torch's C++ headers, so a torch upgrade can break it (torch 2.14 made c10's headers C++20-only):
 this check builds it from scratch, the CUDA variant on a CUDA build (linked to
 ``libtorch_cuda.so``; no GPU needed), loads it and drives its allocation entry point on the

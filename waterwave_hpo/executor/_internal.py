@@ -2,8 +2,7 @@
 
 The cluster (remote device hosts, co-hosted Tune trials), the report and the demo build on the
 executor's bookkeeping and host machinery. They import it from here, never from the executor's
-other private modules, so those can change behind this one list (issue 16, item 3;
-``tests/test_private_imports.py`` keeps it so). Not part of the public API: no compatibility
+other private modules, so those can change behind this one list. Not part of the public API: no compatibility
 promise to users.
 """
 

@@ -324,7 +324,7 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
     except (RuntimeError, ValueError, ImportError, OSError) as error:
         if allocator_swapped():
             # PyTorch's allocator is the pool's, process-wide: this device cannot fall back to
-            # PyTorch's own (issue 14, section 1.6). Its pass-through pool serves it, if any.
+            # PyTorch's own. Its pass-through pool serves it, if any.
             fallback = device_pool(index)
             if fallback is not None and mode is not MemoryPoolMode.ON:
                 _logger.warning(

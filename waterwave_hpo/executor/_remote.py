@@ -216,7 +216,7 @@ class HostRunner:
         study._told_lock = threading.Lock()
         self.study: optuna.Study = study
         self._study = study
-        # A relayed storage keeps the trials this host runs (fewer round trips, issue 24).
+        # A relayed storage keeps the trials this host runs (fewer round trips).
         self._relayed = storage if isinstance(storage, RelayedStorage) else None
         settings = RunSettings(
             study=study,

@@ -446,7 +446,7 @@ def on_trial_stream(
 
     index = device.index if device.index is not None else 0
     # CuPy's current stream too, so a trial's CuPy work is ordered with its PyTorch work; and
-    # the trial's backward in this thread, not on autograd's shared device thread (issue 22 #4).
+    # the trial's backward in this thread, not on autograd's shared device thread.
     with (
         torch.cuda.device(device),
         torch.cuda.stream(stream),

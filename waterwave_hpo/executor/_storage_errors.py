@@ -6,7 +6,7 @@ immutable, a journal file without write permission, a full disk), Optuna and SQL
 errors that name neither the storage nor what is left behind (``StorageInternalError: ...
 invalid data in the commit, e.g. exceeding max length``). A trial whose end cannot be written
 stays RUNNING. This module says which storage refused, which trials are left RUNNING and how
-to end them, keeping the storage's own error as ``__cause__`` (issue 29, items 3 and 4).
+to end them, keeping the storage's own error as ``__cause__``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ mask per array member).
 Attention layers (timm's ``Attention``, transformers' BERT and GPT-2) read ``dropout.p`` as a
 Python float to pass it to ``F.scaled_dot_product_attention``. :attr:`PerModelDropout.p` is
 therefore that float while the K rates are equal; when they differ, reading it raises an error
-that says so (a tensor there would fail inside vmap on ``.item()``, issue 25).
+that says so (a tensor there would fail inside vmap on ``.item()``).
 """
 
 from __future__ import annotations

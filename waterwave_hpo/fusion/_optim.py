@@ -319,7 +319,7 @@ def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     memory with ``non_blocking=True``: it is ordered before every kernel queued on that stream
     later (the step's kernels that read the result), and the host goes on at once. A copy from
     pageable memory (``torch.tensor(..., device=cuda)``, ``.to(cuda)``) is synchronous instead:
-    the host waits for the stream each time (issue 22, finding 6). The pinned source may be
+    the host waits for the stream each time. The pinned source may be
     dropped here: PyTorch's caching host allocator, which ``pin_memory()`` draws from, records an
     event on the copy's stream and reuses the block only once the copy has completed
     (``ATen/cuda/CachingHostAllocator.h``).

@@ -47,7 +47,7 @@ SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (
 )
 """The ``torch.nn`` layers fusion runs with its own fused kernels or HFTA's direct forms.
 
-Not a gate (issue 25): every other layer (activations, pooling, upsampling, attention,
+Not a gate: every other layer (activations, pooling, upsampling, attention,
 ``Conv3d``, normalizations, the user's and other libraries' modules) runs under
 ``torch.func.vmap``; :func:`~waterwave_hpo.fusion.verify` (or ``fuse(..., example_inputs=...)``)
 proves a model runs fused and matches the K models before training. Only layers known not to

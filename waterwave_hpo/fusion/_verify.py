@@ -1,4 +1,4 @@
-"""Prove a fused module before training: it runs batched and matches the K models (issue 25).
+"""Prove a fused module before training: it runs batched and matches the K models.
 
 :func:`verify` runs one forward and one backward of the fused module and of the K models it
 holds (its :meth:`~waterwave_hpo.fusion.FusedModule.unfuse`), on copies, and compares outputs and

@@ -134,7 +134,7 @@ def cupy_on_stream(stream_ptr: int, device: int, pool: StreamAwarePool | None) -
     A trial's CuPy arrays then run in its stream's order and are charged to its pool account,
     instead of going to CuPy's default stream (unordered with the trial's PyTorch work). CuPy's
     current stream and ``using_allocator`` are thread-local, as a trial's thread is. Nothing
-    happens when CuPy is not installed. (Issue 14 §1.10.)
+    happens when CuPy is not installed.
 
     Args:
         stream_ptr: The trial's raw ``cudaStream_t`` (``torch.cuda.Stream.cuda_stream``).

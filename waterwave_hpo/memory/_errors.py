@@ -37,7 +37,7 @@ class PoolBackendError(RuntimeError):
 
     For CUDA, only ``CUDA_ERROR_OUT_OF_MEMORY`` is out of memory; any other driver error (an
     illegal address left by a kernel, a device-side assert, a lost device) poisons the device's
-    context, so retrying the trial beside fewer neighbours cannot help (issue 14, section 1.5).
+    context, so retrying the trial beside fewer neighbours cannot help.
     The message carries the driver's own.
 
     Attributes:

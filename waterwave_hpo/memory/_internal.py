@@ -3,7 +3,7 @@
 The executor runs CuPy work on a trial's stream and pool and leases device memory to its
 worker processes (the per-GPU broker's book, shared with the cluster's ``shared_gpu()``);
 ``waterwave-hpo doctor`` loads the C++ library, installs PyTorch's allocator guards and
-compiles the torch shim. They import these from here only (issue 16, item 3). Not part of the
+compiles the torch shim. They import these from here only. Not part of the
 public API.
 """
 

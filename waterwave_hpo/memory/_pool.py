@@ -275,8 +275,8 @@ class StreamAwarePool:
             lib = self._lib
 
             def _alloc(_ctx: int | None, nbytes: int, stream: int) -> int:
-                # 0 is "out of memory"; any other failure is a backend error, never an OOM
-                # (issue 14, section 1.5); the upstream returns 0 itself when it is exhausted.
+                # 0 is "out of memory"; any other failure is a backend error, never an OOM;
+                # the upstream returns 0 itself when it is exhausted.
                 try:
                     return int(seg_alloc(nbytes, stream))
                 except MemoryError:
@@ -455,7 +455,7 @@ class StreamAwarePool:
         with trials running, every neighbour's stream would be waited for. So while an account
         (a running trial) is open, the release is deferred to the close of the last open one.
         Meanwhile the cached blocks serve every stream of the pool anyway. What
-        ``torch.cuda.empty_cache()`` does under the pool (issue 22, finding 8).
+        ``torch.cuda.empty_cache()`` does under the pool.
 
         Returns:
             Bytes released now, or None when the release was deferred.

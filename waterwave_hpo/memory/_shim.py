@@ -2,8 +2,7 @@
 
 A pluggable allocator's C++ exception reaches PyTorch as a plain ``RuntimeError`` unless it is
 PyTorch's own ``c10::OutOfMemoryError``; only that type makes PyTorch's internal recovery run
-(cuDNN v8 retries with a smaller workspace) and surfaces as ``torch.OutOfMemoryError`` (issue 14,
-section 1.2). The shim throws it, so it must be compiled against the headers of the torch that
+(cuDNN v8 retries with a smaller workspace) and surfaces as ``torch.OutOfMemoryError``. The shim throws it, so it must be compiled against the headers of the torch that
 runs and linked to its ``libc10.so``; the package build has no torch, so the shim is built here, at
 first CUDA use, with the C++ compiler into a per-user cache (a few seconds). On a CUDA build of
 torch it also registers the pool's record-stream hook with the pluggable allocator (section 1.4).

@@ -199,7 +199,7 @@ class SimDevice:
     def use(self, ptr: int, nbytes: int, stream: StreamLike) -> None:
         """Records that ``stream``'s work queued so far uses ``[ptr, ptr + nbytes)``.
 
-        The stream-hazard checker (issue 14, section 2) keeps every use until the stream's work
+        The stream-hazard checker keeps every use until the stream's work
         up to it completes; the pool notes the freeing stream's use itself at every free. Call
         this for a kernel on a stream other than the block's own (after :meth:`submit` on that
         stream), as PyTorch code does when a tensor crosses streams.

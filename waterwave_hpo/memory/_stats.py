@@ -195,7 +195,7 @@ class BlockInfo:
 
 @dataclasses.dataclass(frozen=True)
 class LockStats:
-    """Contention of the pool's mutex since the pool was made (issue 14, section 1.11).
+    """Contention of the pool's mutex since the pool was made.
 
     Attributes:
         acquisitions: Times any thread took the mutex.
@@ -204,13 +204,12 @@ class LockStats:
         deferred_frees: Frees from PyTorch's entry point that found the mutex held and were queued
             instead of waiting (drained by the next thread that takes it).
         torch_free_waits: Frees from PyTorch's entry point that waited for the mutex (only with
-            the benchmark knob ``ww_pool_set_torch_free_blocking``, the behaviour before issue 14).
+            the benchmark knob ``ww_pool_set_torch_free_blocking``, the pool's first behaviour).
         torch_free_wait_ns: Nanoseconds those frees waited, with the GIL held.
         events_recorded: CUDA events the pool recorded for frees, under its mutex. The frees of
             one stream share one event per epoch (at most 64 frees), recorded only when another
             stream, a segment release or a snapshot needs to know whether they completed, so a
-            trial reusing its own blocks records about one per 64 frees, not one per free
-            (issue 22, finding 7).
+            trial reusing its own blocks records about one per 64 frees, not one per free.
         frees: Blocks freed.
     """
 

@@ -13,13 +13,13 @@ The swapped allocator is process-wide, so at swap time every visible CUDA device
 one given to :func:`use_pool`, or a *pass-through* pool (no capacity, no accounts: PyTorch-like
 caching on the driver) that a later :func:`use_pool` for that device replaces while it holds no
 block. A device where even that fails answers every allocation with a "no waterwave pool"
-error naming the reason, never with an out-of-memory error (issue 14, section 1.6). A pool
+error naming the reason, never with an out-of-memory error. A pool
 retains its device's CUDA primary context only at the first allocation there (the C++
 upstream), so a device the study never uses keeps no context of ours (0.3-0.5 GiB each), and
 an exclusive-process GPU held by another process fails only when the study allocates on it,
-with a backend error, never an OOM (issue 22, finding 5).
+with a backend error, never an OOM.
 
-The cross-stream rule (issue 14, section 1.4): a block used on streams other than its own (PyTorch
+The cross-stream rule: a block used on streams other than its own (PyTorch
 ``Tensor.record_stream``, or :meth:`StreamAwarePool.record_stream`) is handed out again only after
 the work queued on every such stream at the free has completed (so is a block freed on a
 stream other than its allocating one, for the allocating stream's queued work); the freeing

@@ -16,7 +16,7 @@ memory a CUDA graph captured is not private and a neighbour trial may be handed 
   runs on the pool, else when the last running trial's account closes
   (:meth:`StreamAwarePool.release_cached_when_idle`): ``cuMemFree`` synchronises the whole
   device, so releasing inside a running study (the OOM retry calls it) would wait for every
-  neighbour's stream (issue 22, finding 8).
+  neighbour's stream.
 * ``torch.backends.cudnn.benchmark = True``: cuDNN's benchmark mode asks the allocator for
   ``cacheInfo``, so every convolution would fail; a one-time warning and benchmark mode stays
   off. Convolutions then use cuDNN's heuristics: the guards set
@@ -24,7 +24,7 @@ memory a CUDA graph captured is not private and a neighbour trial may be handed 
   the first cuDNN convolution (``ATen/native/ConvUtils.h``, torch 2.13), and which makes cuDNN's
   v8 API pick plans with its heuristic mode B (a per-GPU model, slower to query once per shape,
   then cached) instead of the instant mode: closer to what benchmark mode picks for the
-  grouped convolutions of fused trials (issue 22, finding 8).
+  grouped convolutions of fused trials.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``):
   ``RuntimeError`` naming the fix.
 

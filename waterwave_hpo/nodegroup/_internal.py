@@ -1,7 +1,7 @@
 """What the NodeGroup package offers the project's other packages beyond its public facade.
 
 The HOME planner (``waterwave_hpo.planning``) profiles a model's NodeGroups and sizes tensors the
-way the gates do. It imports these from here only (issue 16, item 3). Not part of the public API.
+way the gates do. It imports these from here only. Not part of the public API.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class StepClock:
     Nothing waits while marking (a backward hook must never block: it would stall every
     co-hosted trial's backward on that thread). Durations are read once, after the step, by
     waiting on the last event only (``cudaEventSynchronize``). On the CPU a mark is
-    ``time.perf_counter()``. (Issue 14 §1.8.)
+    ``time.perf_counter()``.
 
     Args:
         device: The model's device; CUDA events only for a ``cuda`` device.

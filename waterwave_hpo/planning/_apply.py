@@ -112,7 +112,7 @@ class _Transfer:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(side)
             # The host runs ahead of the GPU: waiting for the event to be seen complete would
-            # keep every swapped activation alive through the forward (issue 22, finding 2).
+            # keep every swapped activation alive through the forward.
             # Hand the device memory's lifetime to the side stream instead: freed now, reused
             # by the allocator only after the copy (the pinned host buffer's lifetime is
             # tracked by torch's host allocator, which records the copy's stream itself).
@@ -135,8 +135,8 @@ class _Transfer:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(side)
             # If backward raises before the unpack made the compute stream wait for this copy,
-            # ``dev`` is freed on the compute stream while the side stream may still write it
-            # (issue 22, finding 3): order its release after the copy on every path.
+            # ``dev`` is freed on the compute stream while the side stream may still write it:
+            # order its release after the copy on every path.
             if not _free_after(dev, side):
                 compute.wait_event(event)  # GPU-side: the compute stream's free follows it
             return dev, event

@@ -3,7 +3,7 @@
 The executor plans a trial's model only when it does not fit the memory left beside its
 neighbours: it profiles once (:func:`profile_units`), compares the plain step's peak and the
 smallest plannable peak (:func:`plan_smallest`) with the room, then installs a plan from the
-same profile (:func:`install_plan`). It imports these from here only (issue 16, item 3). Not
+same profile (:func:`install_plan`). It imports these from here only. Not
 part of the public API.
 """
 

@@ -3,7 +3,7 @@
 A process that runs trials (a Ray host actor, a worker process under process isolation) cannot
 share the driver's ``optuna.Study``; its trials use :class:`RelayedStorage`, whose calls a
 transport carries to the driver's :class:`StorageService`, which checks each against the run's
-:class:`StudyAccessPolicy` and runs it on the study's own storage (issue 18). The transports
+:class:`StudyAccessPolicy` and runs it on the study's own storage. The transports
 live with what they carry: over Ray in ``cluster/``, over a pipe in ``executor/``.
 """
 

@@ -1,6 +1,6 @@
 """The study's storage seen from a process that runs trials: calls relayed to the driver.
 
-What a process may keep (issue 24, item 4: fewer round trips per trial): the trials it runs
+What a process may keep: the trials it runs
 (:meth:`RelayedStorage.adopt`: read from its own copy, written through to the driver), their
 final state when the driver tells them (``defer_finish``), and the study's finished trials
 (Optuna never changes a finished trial, so a process fetches only what is new or unfinished).
@@ -44,7 +44,7 @@ class RelayedStorage(BaseStorage):
     run ended raises ``ConnectionError`` (the transport's to raise).
 
     Every write goes to the driver before it returns (other processes' samplers and pruners see
-    it at once, as on a shared RDB). What is kept here, to save round trips (issue 24, item 4):
+    it at once, as on a shared RDB). What is kept here, to save round trips:
 
     * the trials this process runs (:meth:`adopt`, with the copy the driver sent): reads of
       them are answered from that copy, which this process's own writes keep current, and a

@@ -2,7 +2,7 @@
 
 Hosts on Ray (``cluster/``) and worker processes of one machine (``executor/``, process
 isolation) reach the driver's storage through a relay; whatever carries the call, the driver
-checks it against the run's :class:`StudyAccessPolicy` before it touches the storage (issue 18).
+checks it against the run's :class:`StudyAccessPolicy` before it touches the storage.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cases issue 29's probe found: left RUNNING, silent, vague. Each failed on main at bcfa385."""
+"""The cases a bad-input probe found: left RUNNING, silent, vague. Each failed on main at bcfa385."""
 
 from __future__ import annotations
 
