@@ -40,7 +40,7 @@ PACKAGE = ROOT / "waterwave_hpo"
 
 #: module (relative to waterwave_hpo/) -> functions/classes that run only with CUDA, and why.
 CUDA_ONLY: dict[str, dict[str, str]] = {
-    "executor/_streams.py": {
+    "host/_streams.py": {
         name: "per-slot streams from the CUDA driver"
         for name in (
             "_load_driver",
@@ -51,7 +51,7 @@ CUDA_ONLY: dict[str, dict[str, str]] = {
             "release_stream",
         )
     },
-    "executor/_backward.py": {"backward_in_this_thread": "entered only on a trial's CUDA stream"},
+    "host/_backward.py": {"backward_in_this_thread": "entered only on a trial's CUDA stream"},
     "memory/_cupy.py": {
         name: "CuPy runs only on CUDA"
         for name in ("CupySegmentSource", "_PoolBlock", "make_cupy_allocator", "cupy_on_stream")

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import waterwave_hpo as ww
-from waterwave_hpo.executor._planning import GATED_PLAN_MAX_SLOWDOWN
+from waterwave_hpo.host._planning import GATED_PLAN_MAX_SLOWDOWN
 from waterwave_hpo.nodegroup import trial_profile
 from waterwave_hpo.planning import DEFAULT_BANDWIDTH_BYTES_PER_S
 from waterwave_hpo.planning import PLANNERS

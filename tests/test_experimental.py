@@ -23,10 +23,10 @@ from waterwave_hpo.bench import Workload
 from waterwave_hpo.bench import WorkloadSpec
 from waterwave_hpo.bench import _runners
 from waterwave_hpo.cluster import _tune
-from waterwave_hpo.cluster._leases import MemoryLease
 from waterwave_hpo.executor import MemoryPoolMode
-from waterwave_hpo.executor._internal import make_device_memory
+from waterwave_hpo.host import make_device_memory
 from waterwave_hpo.memory import StreamAwarePool
+from waterwave_hpo.memory._internal import MemoryLease
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The mechanisms a trial uses lie below the code that runs trials.
+"""Imports point down: mechanisms below the code that runs trials, the device side below the driver.
 
 NodeGroup gates, memory plans, the pool and the scheduler read the running trial's context
 from ``waterwave_hpo.trial``; the executor and the cluster, which run trials, build on them.
@@ -16,12 +16,26 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "waterwave_hpo"
 # Each package below, with the packages it must never import.
 BELOW = {
-    "trial": ("executor", "cluster", "nodegroup", "planning", "memory", "scheduler"),
-    "nodegroup": ("executor", "cluster"),
-    "planning": ("executor", "cluster"),
-    "memory": ("executor", "cluster"),
-    "scheduler": ("executor", "cluster"),
-    "relay": ("executor", "cluster"),
+    "trial": (
+        "executor",
+        "host",
+        "workers",
+        "cluster",
+        "nodegroup",
+        "planning",
+        "memory",
+        "scheduler",
+    ),
+    "nodegroup": ("executor", "host", "workers", "cluster"),
+    "planning": ("executor", "host", "workers", "cluster"),
+    "memory": ("executor", "host", "workers", "cluster"),
+    "scheduler": ("executor", "host", "workers", "cluster"),
+    "relay": ("executor", "host", "workers", "cluster"),
+    # The device side runs trials wherever they run (the driver's process, a worker process, a
+    # Ray actor): it never imports the driver or a transport.
+    "host": ("executor", "workers", "cluster"),
+    # Process isolation's pipe (both ends): the driver imports it, never the other way.
+    "workers": ("executor", "cluster"),
 }
 
 
@@ -56,7 +70,7 @@ def test_no_module_below_imports_the_code_that_runs_trials(own: str) -> None:
     ("source", "upward"),
     [
         ("def f():\n    from waterwave_hpo.executor import current_or_none\n", True),
-        ("if TYPE_CHECKING:\n    from waterwave_hpo.executor._planning import X\n", True),
+        ("if TYPE_CHECKING:\n    from waterwave_hpo.host._planning import X\n", True),
         ("import waterwave_hpo.executor\n", True),
         ("from waterwave_hpo import executor\n", True),
         ("from waterwave_hpo.trial import current_or_none\n", False),

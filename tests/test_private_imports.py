@@ -102,9 +102,9 @@ def test_no_private_reaches_across_packages() -> None:
 @pytest.mark.parametrize(
     ("own", "module", "names", "reach"),
     [
-        ("cluster", "waterwave_hpo.executor._host", ["RunSettings"], True),
+        ("cluster", "waterwave_hpo.host._device_host", ["RunSettings"], True),
         ("cluster", "waterwave_hpo.executor", ["_streams"], True),
-        ("cluster", "waterwave_hpo.executor._internal", ["RunSettings"], False),
+        ("cluster", "waterwave_hpo.executor._internal", ["Callback"], False),
         ("cluster", "waterwave_hpo.executor", ["WaterwaveExecutor"], False),
         ("cluster", "waterwave_hpo.cluster._fleet", ["HostFleet"], False),
         ("demo", "waterwave_hpo", ["_optuna_compat"], False),

@@ -1,4 +1,4 @@
-"""The cases a bad-input probe found: left RUNNING, silent, vague. Each failed on main at bcfa385."""
+"""Cases a bad-input probe found: left RUNNING, silent, vague. Each failed on main at bcfa385."""
 
 from __future__ import annotations
 

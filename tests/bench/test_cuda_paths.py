@@ -1,6 +1,7 @@
-"""The bench's waterwave method through its CUDA paths on the CPU, under the fake CUDA topology of ``tests/fakes/cuda_topology.py``: the pool is installed
-before CUDA initialises, the results say it ran on the pool, and nothing the bench runs calls a
-device-wide ``torch.cuda.synchronize`` or PyTorch's per-device stats APIs."""
+"""The bench's waterwave method through its CUDA paths on the CPU, under the fake CUDA topology of
+``tests/fakes/cuda_topology.py``: the pool is installed before CUDA initialises, the results say it
+ran on the pool, and nothing the bench runs calls a device-wide ``torch.cuda.synchronize`` or
+PyTorch's per-device stats APIs."""
 
 from __future__ import annotations
 

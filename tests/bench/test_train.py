@@ -6,7 +6,7 @@ import torch
 
 from waterwave_hpo.bench._train import _trial_bytes
 from waterwave_hpo.executor import trial_scope
-from waterwave_hpo.executor._memory import DeviceMemory
+from waterwave_hpo.host._memory import DeviceMemory
 from waterwave_hpo.memory import StreamAwarePool
 
 MIB = 1 << 20

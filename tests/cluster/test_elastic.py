@@ -28,8 +28,8 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 import waterwave_hpo as ww  # noqa: E402
 from waterwave_hpo.cluster import ATTR_NODE  # noqa: E402
 from waterwave_hpo.cluster import RayExecutor  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,8 @@ from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402
 from waterwave_hpo.cluster import RayExecutor  # noqa: E402
 from waterwave_hpo.cluster._broker import find_broker  # noqa: E402
 from waterwave_hpo.cluster._isolated import summarize_crash_report  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
 
 RAY_GPUS = 1  # one logical GPU: K host actors share it (tests/conftest.py)
@@ -169,7 +169,7 @@ def test_on_cuda_each_trial_is_bounded_by_its_process_lease(
     # The CUDA path (never run on a GPU here): each trial of an isolated host bounds its
     # process by the lease before the objective runs, with the trial's pool account.
     from waterwave_hpo.cluster import _isolated
-    from waterwave_hpo.executor._internal import TRIAL_ACCOUNT
+    from waterwave_hpo.host import TRIAL_ACCOUNT
 
     calls: list[tuple[object, int, object]] = []
     monkeypatch.setattr(

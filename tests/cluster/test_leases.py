@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from waterwave_hpo.cluster._leases import LeaseBook
-from waterwave_hpo.cluster._leases import LeaseStats
+from waterwave_hpo.memory._internal import LeaseBook
+from waterwave_hpo.memory._internal import LeaseStats
 
 
 class _Clock:

@@ -20,9 +20,9 @@ import waterwave_hpo as ww  # noqa: E402
 from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402
 from waterwave_hpo.cluster import AllHostsLostError  # noqa: E402
 from waterwave_hpo.cluster import RayExecutor  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_ATTEMPT  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON  # noqa: E402
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_ATTEMPT  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_FAIL_REASON  # noqa: E402
+from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
 
 N_GPUS = 2

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import waterwave_hpo as ww
-from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
+from waterwave_hpo.host._attrs import ATTR_PEAK_BYTES
 
 MIB = 1 << 20
 
@@ -105,7 +105,7 @@ def test_a_trials_backward_runs_in_its_own_thread_with_its_context(
 def test_a_slot_that_cannot_get_a_cuda_stream_fails_its_trial_with_the_reason(
     topology: cuda_topology.Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from waterwave_hpo.executor import _streams
+    from waterwave_hpo.host import _streams
 
     def no_stream(device: torch.device) -> None:
         raise RuntimeError("cuStreamCreate failed with CUresult 2")

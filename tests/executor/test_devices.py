@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from waterwave_hpo.executor._devices import resolve_devices
+from waterwave_hpo.host._devices import resolve_devices
 
 
 def test_cpu_spellings() -> None:

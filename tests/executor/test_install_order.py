@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import waterwave_hpo as ww
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._outcome import OnOOM
+from waterwave_hpo.host._device_host import RunSettings
+from waterwave_hpo.host._outcome import OnOOM
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from waterwave_hpo.executor import trial_scope
-from waterwave_hpo.executor._memory import DeviceMemory
+from waterwave_hpo.host._memory import DeviceMemory
 from waterwave_hpo.memory import StreamAwarePool
 
 MIB = 1 << 20
@@ -58,8 +58,8 @@ def test_without_a_pool_or_scheduler_nothing_is_measured() -> None:
 def test_the_default_cuda_budget_leaves_room_outside_the_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from waterwave_hpo.executor._memory import MemoryPoolMode
-    from waterwave_hpo.executor._memory import make_device_memory
+    from waterwave_hpo.host._memory import MemoryPoolMode
+    from waterwave_hpo.host._memory import make_device_memory
 
     total = 16 << 30
     monkeypatch.setattr(

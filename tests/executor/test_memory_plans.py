@@ -450,7 +450,7 @@ def test_a_gated_model_short_of_room_beside_a_neighbour_keeps_its_gates_when_a_p
 ) -> None:
     # Any plan slower than the limit (here every plan: the limit is below 1x): its claim fits
     # the budget, so it waits for the neighbour under its gates, unplanned.
-    monkeypatch.setattr("waterwave_hpo.executor._planning.GATED_PLAN_MAX_SLOWDOWN", 0.5)
+    monkeypatch.setattr("waterwave_hpo.host._planning.GATED_PLAN_MAX_SLOWDOWN", 0.5)
     study, still_gated = _gated_beside_a_neighbour(caplog)
     assert trial_memory_plan(study.trials[1]) is None and still_gated == [True]
     assert any("fits the budget but not beside its neighbours" in r.message for r in caplog.records)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import waterwave_hpo as ww
-from waterwave_hpo.executor._process import exit_reason
+from waterwave_hpo.workers import exit_reason
 
 _WAIT_S = 120.0  # a worker's first trial waits for its interpreter and torch to import
 
@@ -541,7 +541,7 @@ def test_neighbour_counts_are_sent_on_change_without_blocking_the_caller() -> No
 
     import cloudpickle
 
-    from waterwave_hpo.executor._process._host import _Worker
+    from waterwave_hpo.workers._handle import _Worker
 
     worker = _Worker.__new__(_Worker)  # its pipe, without a process: nobody reads the far end
     worker.conn, far = multiprocessing.Pipe(duplex=True)

@@ -1,4 +1,4 @@
-"""Memory leases of process isolation's workers (``executor/_process/_leases.py``), with the CUDA
+"""Memory leases of process isolation's workers (``workers/_lease_service.py``), with the CUDA
 fakes: the driver's book splits the device's budget, a worker waits for room, and a held lease
 bounds the trial's pool account, PyTorch's memory fraction and CuPy's pool."""
 
@@ -14,9 +14,9 @@ from fakes.cuda_init import FakeCuda
 import pytest
 import torch
 
-from waterwave_hpo.executor._memory import _TRIAL_ACCOUNT
-from waterwave_hpo.executor._process._leases import LeaseServer
-from waterwave_hpo.executor._process._leases import hold_lease
+from waterwave_hpo.host._memory import _TRIAL_ACCOUNT
+from waterwave_hpo.workers._lease_service import LeaseServer
+from waterwave_hpo.workers._lease_service import hold_lease
 
 pytestmark = pytest.mark.filterwarnings("ignore::waterwave_hpo.ExperimentalWarning")
 CUDA0 = torch.device("cuda", 0)
@@ -158,12 +158,12 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
     import cloudpickle
     import optuna
 
-    from waterwave_hpo.executor._host import RunSettings
-    from waterwave_hpo.executor._memory import MemoryPoolMode
-    from waterwave_hpo.executor._memory import default_budget_bytes
-    from waterwave_hpo.executor._outcome import OnOOM
-    from waterwave_hpo.executor._planning import PlanSettings
-    from waterwave_hpo.executor._process._payload import process_hosts
+    from waterwave_hpo.host._device_host import RunSettings
+    from waterwave_hpo.host._memory import MemoryPoolMode
+    from waterwave_hpo.host._memory import default_budget_bytes
+    from waterwave_hpo.host._outcome import OnOOM
+    from waterwave_hpo.host._planning import PlanSettings
+    from waterwave_hpo.workers._payload import process_hosts
 
     FakeCuda(total_memory=8 << 30).install(monkeypatch)
     settings = RunSettings(

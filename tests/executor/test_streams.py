@@ -1,4 +1,4 @@
-"""Per-slot CUDA streams from the driver (``executor/_streams.py``), against a fake driver."""
+"""Per-slot CUDA streams from the driver (``host/_streams.py``), against a fake driver."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fakes.cuda_driver import FakeTorchStreamPool
 import pytest
 import torch
 
-from waterwave_hpo.executor import _streams
+from waterwave_hpo.host import _streams
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from fakes.autograd_worker import SharedAutogradWorker
 import pytest
 import torch
 
-from waterwave_hpo.executor._run import on_trial_stream
+from waterwave_hpo.host._attempt import on_trial_stream
 
 
 class _Stream:

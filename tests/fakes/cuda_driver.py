@@ -1,7 +1,7 @@
 """A fake CUDA driver for ``ctypes`` callers: ``libcuda.so.1``'s entry points as Python callables.
 
 Code that loads the driver with ``ctypes.CDLL("libcuda.so.1")`` and passes ``ctypes.byref(x)``
-out-parameters (``executor/_streams.py``) runs against :class:`FakeDriver`: each entry point
+out-parameters (``host/_streams.py``) runs against :class:`FakeDriver`: each entry point
 writes its out-parameter through the ``byref`` object and returns a ``CUresult`` (0 = success).
 It records the calls, hands out distinct stream handles, and fails any call named in
 ``fail`` with the result given there.

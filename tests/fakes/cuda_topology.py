@@ -135,7 +135,7 @@ def _is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def install(monkeypatch: pytest.MonkeyPatch) -> Topology:
     """Install every fake for one test; see the module docstring."""
-    from waterwave_hpo.executor import _streams
+    from waterwave_hpo.host import _streams
     import waterwave_hpo.memory as memory
     from waterwave_hpo.memory import StreamAwarePool
     from waterwave_hpo.memory._torch_api import install_guards

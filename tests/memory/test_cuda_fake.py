@@ -210,7 +210,7 @@ def test_only_cuda_out_of_memory_is_an_oom_other_driver_errors_are_backend_error
     assert status == 5  # WW_BACKEND_ERROR
     assert "illegal memory access" in message and OOM_MARKER not in message
     # What PyTorch raises with that message is not an OOM for the executor either.
-    from waterwave_hpo.executor._oom import is_out_of_memory
+    from waterwave_hpo.host._oom import is_out_of_memory
 
     assert not is_out_of_memory(RuntimeError(message))
     assert not is_out_of_memory(RuntimeError(out["alloc_illegal"][1]))
@@ -241,7 +241,7 @@ import ctypes, json, logging
 import torch
 import waterwave_hpo.memory as wm
 from waterwave_hpo.memory._lib import load_library, last_error
-from waterwave_hpo.executor._memory import MemoryPoolMode, _device_pool
+from waterwave_hpo.host._memory import MemoryPoolMode, _device_pool
 
 made = []
 class FakePluggable:
@@ -357,7 +357,7 @@ SHIM_FAILS_SCRIPT = r"""
 import json, sys, warnings
 import torch
 import waterwave_hpo.memory as wm
-from waterwave_hpo.executor._memory import MemoryPoolMode, _device_pool
+from waterwave_hpo.host._memory import MemoryPoolMode, _device_pool
 
 made = []
 class FakePluggable:

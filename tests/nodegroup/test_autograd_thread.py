@@ -1,5 +1,6 @@
 """NodeGroup gates and profiling under CUDA's autograd topology, reproduced on the CPU: every
-trial's backward on one shared worker thread under an empty contextvars context, and checkpointed forwards re-run inside backward."""
+trial's backward on one shared worker thread under an empty contextvars context, and checkpointed
+forwards re-run inside backward."""
 
 from __future__ import annotations
 

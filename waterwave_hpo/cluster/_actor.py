@@ -4,7 +4,7 @@ Each actor owns one device (the GPU Ray gave it, ``num_gpus=1``; the CPU where i
 co-hosts trials on it exactly as on one machine: slot threads, one CUDA stream each, the pool and
 the pipeline scheduler. It opens the study through the driver's storage channel (over Ray), runs
 the trials the driver hands it and reports how each ended as records the driver tells. What does
-not depend on Ray (the spec, the record, the host side) is ``executor/_remote.py``'s, shared with
+not depend on Ray (the spec, the record, the host side) is ``host/_runner.py``'s, shared with
 the worker processes of process isolation; this module adds where the actor runs.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 import optuna
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._internal import HostRunner
-from waterwave_hpo.executor._internal import HostSnapshot
-from waterwave_hpo.executor._internal import HostSpec
-from waterwave_hpo.executor._internal import TrialRecord
-from waterwave_hpo.executor._internal import resolve_devices
+from waterwave_hpo.host import HostRunner
+from waterwave_hpo.host import HostSnapshot
+from waterwave_hpo.host import HostSpec
+from waterwave_hpo.host import TrialRecord
+from waterwave_hpo.host import resolve_devices
 
 __all__ = [
     "ATTR_HOST",
@@ -52,7 +52,7 @@ class HostInfo:
 class HostActor:
     """One device host in a Ray actor (create it with ``ray.remote(HostActor).options(...)``).
 
-    Methods are called by the driver's :class:`~waterwave_hpo.cluster._remote.RemoteHost`; the
+    Methods are called by the driver's :class:`~waterwave_hpo.cluster._handle.RayHostHandle`; the
     actor is threaded (``max_concurrency > 1``) so that :meth:`submit` runs while :meth:`poll`
     waits for outcomes.
 
@@ -95,7 +95,7 @@ class HostActor:
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
-        The job goes the executor's one run path (``executor/_run.py``), as on one machine.
+        The job goes the executor's one run path (``host/_attempt.py``), as on one machine.
 
         Args:
             slot: The slot's index.

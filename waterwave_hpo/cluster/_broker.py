@@ -25,9 +25,9 @@ from typing import Any
 
 from waterwave_hpo import _experimental
 from waterwave_hpo.cluster._imports import import_ray
-from waterwave_hpo.cluster._leases import LeaseBook
-from waterwave_hpo.cluster._leases import LeaseStats
-from waterwave_hpo.cluster._leases import MemoryLease
+from waterwave_hpo.memory._internal import LeaseBook
+from waterwave_hpo.memory._internal import LeaseStats
+from waterwave_hpo.memory._internal import MemoryLease
 
 _logger = logging.getLogger("waterwave_hpo")
 NAMESPACE = "waterwave_hpo"

@@ -19,21 +19,21 @@ from waterwave_hpo.cluster._actor import HostActor
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import HostSpec
 from waterwave_hpo.cluster._fleet import HostFleet
+from waterwave_hpo.cluster._handle import RayHostHandle
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._imports import start_ray
 from waterwave_hpo.cluster._isolated import IsolatedHostActor
 from waterwave_hpo.cluster._isolated import IsolatedSpec
 from waterwave_hpo.cluster._isolated import describe_loss
-from waterwave_hpo.cluster._remote import RemoteHost
 from waterwave_hpo.cluster._storage import StorageServer
 from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import OnOOM
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._internal import Callback
-from waterwave_hpo.executor._internal import Host
+from waterwave_hpo.executor._internal import HostHandle
 from waterwave_hpo.executor._internal import ObjectiveFunc
-from waterwave_hpo.executor._internal import RunSettings
+from waterwave_hpo.host import RunSettings
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
 
@@ -350,7 +350,7 @@ class RayExecutor(WaterwaveExecutor):
             )
         return n_hosts
 
-    def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
+    def _make_hosts(self, settings: RunSettings) -> Sequence[HostHandle[Any]]:
         ray = import_ray()
         assert self._server is not None
         study = settings.study
@@ -386,9 +386,9 @@ class RayExecutor(WaterwaveExecutor):
             )
 
         def make_host(
-            actor: Any, info: HostInfo, on_lost: Callable[[RemoteHost, BaseException], None]
-        ) -> RemoteHost:
-            return RemoteHost(
+            actor: Any, info: HostInfo, on_lost: Callable[[RayHostHandle, BaseException], None]
+        ) -> RayHostHandle:
+            return RayHostHandle(
                 actor,
                 info,
                 1 if isolated else self.trials_per_device,

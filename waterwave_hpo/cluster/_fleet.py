@@ -11,7 +11,7 @@ thread then looks at the cluster every :data:`_WATCH_S` seconds: it adopts hosts
 late, starts hosts on GPUs that joined (a node added by hand or by Ray's autoscaler) while fewer
 than the cap run, and, with ``max_devices``, asks the autoscaler for more GPUs
 (``ray.autoscaler.sdk.request_resources``) while every host is full. Hosts lost mid-study are
-handled by their :class:`~waterwave_hpo.cluster._remote.RemoteHost` poller (trials told FAIL with
+handled by their :class:`~waterwave_hpo.cluster._handle.RayHostHandle` poller (trials told FAIL with
 the reason, their parameters re-queued); the fleet only counts them, and stops the study when no
 host is left and none is starting.
 
@@ -39,17 +39,17 @@ import optuna
 
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.cluster._actor import HostInfo
+from waterwave_hpo.cluster._handle import RayHostHandle
 from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
 from waterwave_hpo.cluster._nodes import interleave
-from waterwave_hpo.cluster._remote import RemoteHost
 
 _logger = logging.getLogger("waterwave_hpo")
 _WATCH_S = 0.5
 
-MakeHost = Callable[[Any, HostInfo, Callable[[RemoteHost, BaseException], None]], RemoteHost]
-"""Builds the driver's :class:`RemoteHost` for a started actor: ``(actor, info, on_lost)``."""
+MakeHost = Callable[[Any, HostInfo, Callable[[RayHostHandle, BaseException], None]], RayHostHandle]
+"""Builds the driver's :class:`RayHostHandle` for a started actor: ``(actor, info, on_lost)``."""
 
 
 @dataclass
@@ -69,7 +69,7 @@ class HostFleet:
         actor_options: Its options (``num_gpus``, ``num_cpus``, ``resources``, ...); the
             fleet adds the scheduling strategy.
         spec: The :class:`~waterwave_hpo.cluster._actor.HostSpec` every actor is created with.
-        make_host: Builds the :class:`RemoteHost` of a started actor.
+        make_host: Builds the :class:`RayHostHandle` of a started actor.
         study: The driver's study (stopped when no host is left).
         n_hosts: Hosts to start with; ``None``: one per GPU in the cluster ("auto").
         num_gpus_per_host: ``1`` (one host per GPU, placed per node) or ``0`` (CPU hosts,
@@ -119,7 +119,7 @@ class HostFleet:
         devices = max_devices if max_devices is not None else n_hosts
         self._cap = None if devices is None else devices * hosts_per_gpu
         self._startup_timeout_s = startup_timeout_s
-        self.hosts: list[RemoteHost] = []
+        self.hosts: list[RayHostHandle] = []
         """Every host that came up, in order; only grows (the executor's loop reads it)."""
         self.n_lost = 0
         self.last_error: BaseException | None = None
@@ -137,7 +137,7 @@ class HostFleet:
 
     # -- start and stop -------------------------------------------------------------------
 
-    def start(self) -> list[RemoteHost]:
+    def start(self) -> list[RayHostHandle]:
         """Start the first hosts and return as soon as one is up.
 
         Start the first hosts; return :attr:`hosts` as soon as one has come up (the study
@@ -221,7 +221,7 @@ class HostFleet:
 
     # -- the loss of a host (its poller thread) ---------------------------------------------
 
-    def host_lost(self, host: RemoteHost, error: BaseException) -> None:
+    def host_lost(self, host: RayHostHandle, error: BaseException) -> None:
         """Count ``host`` lost, replace it, or stop the study.
 
         Count ``host`` lost; replace it on a GPU never used yet if there is one; stop the
@@ -245,7 +245,7 @@ class HostFleet:
                 # Nothing can run any more: stop asking (the flag _optuna_compat reads).
                 _optuna_compat.request_stop(self._study)
 
-    def _replace(self, host: RemoteHost) -> None:
+    def _replace(self, host: RayHostHandle) -> None:
         """Start a host in place of ``host`` (lost on an alive node), within the cap."""
         if self._num_gpus_per_host:
             # Its GPU share is free again: _grow (called next) starts the new host there.

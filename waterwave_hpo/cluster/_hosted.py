@@ -44,15 +44,15 @@ from waterwave_hpo.cluster import _ray_compat
 from waterwave_hpo.executor import MemoryPoolMode
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import is_out_of_memory
-from waterwave_hpo.executor._internal import MemoryPlanMode
-from waterwave_hpo.executor._internal import NoOptunaTrial
-from waterwave_hpo.executor._internal import TrialPlanning
-from waterwave_hpo.executor._internal import acquire_stream
-from waterwave_hpo.executor._internal import is_batched
-from waterwave_hpo.executor._internal import make_device_memory
-from waterwave_hpo.executor._internal import plan_settings
-from waterwave_hpo.executor._internal import release_stream
-from waterwave_hpo.executor._internal import run_attempt
+from waterwave_hpo.host import MemoryPlanMode
+from waterwave_hpo.host import TrialPlanning
+from waterwave_hpo.host import acquire_stream
+from waterwave_hpo.host import is_batched
+from waterwave_hpo.host import make_device_memory
+from waterwave_hpo.host import plan_settings
+from waterwave_hpo.host import release_stream
+from waterwave_hpo.host import run_attempt
+from waterwave_hpo.trial import NoOptunaTrial
 
 _WAIT_S = 0.05
 _ERROR_MAX_CHARS = 8000
@@ -377,7 +377,7 @@ class TrialHost:
                 self._cond.wait(_WAIT_S)
 
     def _run(self, members: list[_Hosted]) -> None:
-        # The executor's one run path (executor/_run.py): context, pool account, stream, and
+        # The executor's one run path (host/_attempt.py): context, pool account, stream, and
         # the scheduler's share ended however the trial ends; only the reporting is Tune's. A
         # fused batch is one call of a batched trainable for all its trials.
         device = self.device

@@ -43,11 +43,11 @@ from waterwave_hpo.cluster._broker import cuda_device
 from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
 from waterwave_hpo.cluster._broker import renew_lease
-from waterwave_hpo.cluster._leases import MemoryLease
+from waterwave_hpo.cluster._handle import RayHostHandle
 from waterwave_hpo.cluster._nodes import alive_nodes
-from waterwave_hpo.cluster._remote import RemoteHost
-from waterwave_hpo.executor._internal import TRIAL_ACCOUNT
-from waterwave_hpo.executor._internal import bound_process
+from waterwave_hpo.host import TRIAL_ACCOUNT
+from waterwave_hpo.memory._internal import MemoryLease
+from waterwave_hpo.workers import bound_process
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.05
@@ -213,7 +213,7 @@ def _report_crashes(pid: int) -> IO[str]:
     return file
 
 
-def describe_loss(ray: Any, host: RemoteHost, error: BaseException) -> tuple[str, bool]:
+def describe_loss(ray: Any, host: RayHostHandle, error: BaseException) -> tuple[str, bool]:
     """Why an isolated host died, for its trial's fail reason, and whether to re-run the trial.
 
     Frees the dead process's lease and reads its crash report through the node's broker.

@@ -27,8 +27,8 @@ from waterwave_hpo.cluster._broker import find_broker
 from waterwave_hpo.cluster._broker import get_broker
 from waterwave_hpo.cluster._broker import renew_lease as _renew
 from waterwave_hpo.cluster._imports import import_ray
-from waterwave_hpo.cluster._leases import LeaseStats
-from waterwave_hpo.cluster._leases import MemoryLease
+from waterwave_hpo.memory._internal import LeaseStats
+from waterwave_hpo.memory._internal import MemoryLease
 
 _logger = logging.getLogger("waterwave_hpo")
 _POLL_S = 0.05

@@ -33,7 +33,7 @@ from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
 from waterwave_hpo.cluster._nodes import interleave
-from waterwave_hpo.executor._internal import is_batched
+from waterwave_hpo.host import is_batched
 
 _POLL_S = 1.0
 _WATCH_S = 1.0

@@ -14,7 +14,7 @@ from waterwave_hpo.cluster._shared_gpu import _check_int
 from waterwave_hpo.cluster._shared_gpu import _check_number
 from waterwave_hpo.cluster._shared_gpu import _check_trials_per_gpu
 from waterwave_hpo.executor import MemoryPoolMode
-from waterwave_hpo.executor._internal import plan_settings
+from waterwave_hpo.host import plan_settings
 from waterwave_hpo.scheduler import PolicyName
 
 if TYPE_CHECKING:

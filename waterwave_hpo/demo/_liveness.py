@@ -34,8 +34,8 @@ from optuna.trial import TrialState
 from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.demo._process import ProcessIdentity
-from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
-from waterwave_hpo.executor._internal import ATTR_RETRY_OF
+from waterwave_hpo.host import ATTR_FAIL_REASON
+from waterwave_hpo.host import ATTR_RETRY_OF
 
 ATTR_OWNER = "waterwave:owner"
 """Trial system attribute: the :class:`ProcessIdentity` (as JSON) of the process running it."""

@@ -45,7 +45,7 @@ from waterwave_hpo.demo._process import this_process
 from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import batched
-from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+from waterwave_hpo.host import ATTR_FAIL_REASON
 from waterwave_hpo.integrations.optuna import create_study
 from waterwave_hpo.integrations.optuna import load_study
 from waterwave_hpo.report import max_concurrent_trials

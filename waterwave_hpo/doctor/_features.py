@@ -593,7 +593,7 @@ def check_worker_crash(
     import optuna
 
     import waterwave_hpo as ww
-    from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
+    from waterwave_hpo.host import ATTR_FAIL_REASON
 
     study = optuna.create_study()
     study.set_user_attr("crash", crash)

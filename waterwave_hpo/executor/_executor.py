@@ -16,23 +16,23 @@ import torch
 
 from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._batch import is_batched
-from waterwave_hpo.executor._devices import DeviceSpec
-from waterwave_hpo.executor._devices import resolve_devices
-from waterwave_hpo.executor._host import DeviceHost
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host_protocol import Host
+from waterwave_hpo.executor._handle import HostHandle
 from waterwave_hpo.executor._isolation import Isolation
-from waterwave_hpo.executor._memory import DeviceMemory
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._memory import make_device_memory
 from waterwave_hpo.executor._optimize import Callback
 from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._optimize import OptimizeRun
-from waterwave_hpo.executor._outcome import OnOOM
-from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import plan_settings
 from waterwave_hpo.executor._storage_errors import check_storage_writable
+from waterwave_hpo.host import DeviceHost
+from waterwave_hpo.host import DeviceMemory
+from waterwave_hpo.host import DeviceSpec
+from waterwave_hpo.host import MemoryPlanMode
+from waterwave_hpo.host import MemoryPoolMode
+from waterwave_hpo.host import OnOOM
+from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import is_batched
+from waterwave_hpo.host import make_device_memory
+from waterwave_hpo.host import plan_settings
+from waterwave_hpo.host import resolve_devices
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -280,20 +280,20 @@ class WaterwaveExecutor:
                 "memory_pool", memory_pool, "is not one of 'auto', 'on', 'off'", "pass 'auto'"
             ) from None
 
-    def _make_hosts(self, settings: RunSettings) -> Sequence[Host[Any]]:
+    def _make_hosts(self, settings: RunSettings) -> Sequence[HostHandle[Any]]:
         """The device hosts of one ``optimize`` call.
 
-        The device hosts of one ``optimize`` call (a subclass may return other
-        :class:`Host` implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote
-        hosts). The loop reads the returned list on every turn, so a subclass may append hosts
-        to it later from another thread (a host that joins mid-study).
+        The device hosts of one ``optimize`` call (a subclass may return other :class:`HostHandle`
+        implementations, e.g. :class:`waterwave_hpo.cluster.RayExecutor`'s remote hosts). The loop
+        reads the returned list on every turn, so a subclass may append hosts to it later from
+        another thread (a host that joins mid-study).
 
         Raises:
             TypeError: With ``isolation="process"``, if the objective, the sampler, the pruner
                 or ``catch`` cannot be pickled (before any trial is asked).
         """
         if self.isolation is Isolation.PROCESS:
-            from waterwave_hpo.executor._process import process_hosts
+            from waterwave_hpo.workers import process_hosts
 
             return process_hosts(
                 self.devices,

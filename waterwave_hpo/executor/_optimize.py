@@ -3,7 +3,7 @@
 :class:`~waterwave_hpo.executor.WaterwaveExecutor` is the public, thin class (its arguments,
 their checks, its docstrings); this module is its run loop, as Optuna's ``Study.optimize`` calls
 ``optuna/study/_optimize.py``. It lives in the calling thread; the hosts' slot threads reach it
-only through the outcome queue of :class:`~waterwave_hpo.executor._host.RunSettings`.
+only through the outcome queue of :class:`~waterwave_hpo.host._device_host.RunSettings`.
 """
 
 from __future__ import annotations
@@ -26,23 +26,23 @@ from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._attrs import ATTR_ATTEMPT
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_PLAN_CAP
-from waterwave_hpo.executor._attrs import ATTR_RETRY_OF
-from waterwave_hpo.executor._attrs import trial_attr
-from waterwave_hpo.executor._batch import BatchedObjective
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._host_protocol import Host
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import TrialPlanning
-from waterwave_hpo.executor._run import planned_rerun_cap
+from waterwave_hpo.executor._handle import HostHandle
 from waterwave_hpo.executor._storage_errors import is_storage_error
 from waterwave_hpo.executor._storage_errors import refused_write_error
 from waterwave_hpo.executor._storage_errors import running_trials
+from waterwave_hpo.host import ATTR_ATTEMPT
+from waterwave_hpo.host import ATTR_FAIL_REASON
+from waterwave_hpo.host import ATTR_PLAN_CAP
+from waterwave_hpo.host import ATTR_RETRY_OF
+from waterwave_hpo.host import BatchedObjective
+from waterwave_hpo.host import MemoryPlanMode
+from waterwave_hpo.host import OutcomeKind
+from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import TrialJob
+from waterwave_hpo.host import TrialOutcome
+from waterwave_hpo.host import TrialPlanning
+from waterwave_hpo.host import planned_rerun_cap
+from waterwave_hpo.host import trial_attr
 
 if TYPE_CHECKING:
     from waterwave_hpo.executor._executor import WaterwaveExecutor
@@ -206,7 +206,7 @@ class OptimizeRun:
             with _ctrl_c_deferred():
                 self._ask_and_submit(host)
 
-    def _ask_and_submit(self, host: Host[Any]) -> None:
+    def _ask_and_submit(self, host: HostHandle[Any]) -> None:
         slot = host.idle_slot()
         assert slot is not None
         jobs = [self._ask_job()]
@@ -303,7 +303,7 @@ class OptimizeRun:
         self.retries.remove(request)
         return False
 
-    def _host_for(self, max_running: int | None) -> Host[Any] | None:
+    def _host_for(self, max_running: int | None) -> HostHandle[Any] | None:
         # The host with the most room: fewest running trials among those with an idle slot.
         candidates = [
             host

@@ -1,11 +1,12 @@
 """Builds and loads the torch-facing shim of the pool (``allocator_ext/torch_shim/``).
 
 A pluggable allocator's C++ exception reaches PyTorch as a plain ``RuntimeError`` unless it is
-PyTorch's own ``c10::OutOfMemoryError``; only that type makes PyTorch's internal recovery run
-(cuDNN v8 retries with a smaller workspace) and surfaces as ``torch.OutOfMemoryError``. The shim throws it, so it must be compiled against the headers of the torch that
-runs and linked to its ``libc10.so``; the package build has no torch, so the shim is built here, at
-first CUDA use, with the C++ compiler into a per-user cache (a few seconds). On a CUDA build of
-torch it also registers the pool's record-stream hook with the pluggable allocator (section 1.4).
+PyTorch's own ``c10::OutOfMemoryError``; only that type makes PyTorch's internal recovery run (cuDNN
+v8 retries with a smaller workspace) and surfaces as ``torch.OutOfMemoryError``. The shim throws it,
+so it must be compiled against the headers of the torch that runs and linked to its ``libc10.so``;
+the package build has no torch, so the shim is built here, at first CUDA use, with the C++ compiler
+into a per-user cache (a few seconds). On a CUDA build of torch it also registers the pool's
+record-stream hook with the pluggable allocator (section 1.4).
 
 It is compiled as C++20 (:data:`CXX_STANDARD`): c10's headers use ``std::bit_width`` and
 ``std::strong_ordering`` from torch 2.14 on, and ``torch.utils.cpp_extension`` passes

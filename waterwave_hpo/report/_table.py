@@ -11,11 +11,11 @@ import pandas as pd
 from waterwave_hpo import _checks
 from waterwave_hpo.executor import trial_attr
 from waterwave_hpo.executor import trial_memory_plan
-from waterwave_hpo.executor._internal import ATTR_DEVICE
-from waterwave_hpo.executor._internal import ATTR_FAIL_REASON
-from waterwave_hpo.executor._internal import ATTR_PEAK_BYTES
-from waterwave_hpo.executor._internal import ATTR_RETRY_OF
-from waterwave_hpo.executor._internal import ATTR_SLOT
+from waterwave_hpo.host import ATTR_DEVICE
+from waterwave_hpo.host import ATTR_FAIL_REASON
+from waterwave_hpo.host import ATTR_PEAK_BYTES
+from waterwave_hpo.host import ATTR_RETRY_OF
+from waterwave_hpo.host import ATTR_SLOT
 
 _COLUMNS = [
     "number",

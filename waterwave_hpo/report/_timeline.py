@@ -11,9 +11,9 @@ from optuna.trial import TrialState
 
 from waterwave_hpo import _checks
 from waterwave_hpo.executor import trial_attr
-from waterwave_hpo.executor._internal import ATTR_BATCH
-from waterwave_hpo.executor._internal import ATTR_DEVICE
-from waterwave_hpo.executor._internal import ATTR_SLOT
+from waterwave_hpo.host import ATTR_BATCH
+from waterwave_hpo.host import ATTR_DEVICE
+from waterwave_hpo.host import ATTR_SLOT
 from waterwave_hpo.report._concurrency import check_trials
 
 _COLOURS = {

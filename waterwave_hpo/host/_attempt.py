@@ -1,7 +1,7 @@
 """One run path for a trial: a single trial is a batch of one.
 
 Every runner of trials goes through :func:`run_attempt`: the executor's slots (one GPU, and a
-Ray host actor, which is a :class:`~waterwave_hpo.executor._host.DeviceHost` in an actor) and
+Ray host actor, which is a :class:`~waterwave_hpo.host._device_host.DeviceHost` in an actor) and
 the Tune host of ``tune_hosts()``. It makes the trial's context current, opens its pool
 account, makes its stream current, calls the objective once, and on the way out frees a failed
 attempt's memory, closes the account and ends the trial's share in the pipeline scheduler.
@@ -28,27 +28,27 @@ from optuna.trial import TrialState
 import torch
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._attrs import ATTR_BATCH
-from waterwave_hpo.executor._attrs import ATTR_DEVICE
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._attrs import ATTR_PEAK_BYTES
-from waterwave_hpo.executor._attrs import ATTR_SLOT
-from waterwave_hpo.executor._backward import backward_in_this_thread
-from waterwave_hpo.executor._oom import is_out_of_memory
-from waterwave_hpo.executor._outcome import OnOOM
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import NoPlanFitsError
-from waterwave_hpo.executor._planning import find_no_plan_fits
+from waterwave_hpo.host._attrs import ATTR_BATCH
+from waterwave_hpo.host._attrs import ATTR_DEVICE
+from waterwave_hpo.host._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.host._attrs import ATTR_PEAK_BYTES
+from waterwave_hpo.host._attrs import ATTR_SLOT
+from waterwave_hpo.host._backward import backward_in_this_thread
+from waterwave_hpo.host._oom import is_out_of_memory
+from waterwave_hpo.host._outcome import OnOOM
+from waterwave_hpo.host._outcome import OutcomeKind
+from waterwave_hpo.host._outcome import TrialJob
+from waterwave_hpo.host._outcome import TrialOutcome
+from waterwave_hpo.host._planning import MemoryPlanMode
+from waterwave_hpo.host._planning import NoPlanFitsError
+from waterwave_hpo.host._planning import find_no_plan_fits
 from waterwave_hpo.sim import PLAN_SHRINK
 from waterwave_hpo.trial import TrialContext
 from waterwave_hpo.trial._internal import CURRENT_CONTEXT
 
 if TYPE_CHECKING:
-    from waterwave_hpo.executor._host import RunSettings
-    from waterwave_hpo.executor._memory import DeviceMemory
+    from waterwave_hpo.host._device_host import RunSettings
+    from waterwave_hpo.host._memory import DeviceMemory
 
 _REASON_MAX_CHARS = 500
 
@@ -151,7 +151,7 @@ def run_attempt(
 
 
 class SlotSeat(Protocol):
-    """A local slot (``executor/_host.py``'s ``_Slot``): a seat with a host and an index."""
+    """A local slot (``host/_device_host.py``'s ``_Slot``): a seat with a host and an index."""
 
     index: int
     host: Any

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from waterwave_hpo import _experimental
-from waterwave_hpo.executor._memory import _TRIAL_ACCOUNT
-from waterwave_hpo.executor._memory import default_budget_bytes
+from waterwave_hpo.host import TRIAL_ACCOUNT as _TRIAL_ACCOUNT
+from waterwave_hpo.host import default_budget_bytes
 from waterwave_hpo.memory._internal import LeaseBook
 
 LEASE_TTL_S = 10.0

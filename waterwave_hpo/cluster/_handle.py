@@ -1,10 +1,10 @@
 """The driver's side of a host actor.
 
-The driver's side of a host actor: a :class:`RemoteHost` that the executor drives like a
-:class:`~waterwave_hpo.executor._host.DeviceHost`, and a thread that tells the study.
+The driver's side of a host actor: a :class:`RayHostHandle` that the executor drives like a
+:class:`~waterwave_hpo.host._device_host.DeviceHost`, and a thread that tells the study.
 
 The executor's loop (``OptimizeRun`` in ``executor/_optimize.py``) asks trials and hands them to
-hosts; for a remote host, :meth:`RemoteHost.submit` hands the trial's id to the host's poller
+hosts; for a remote host, :meth:`RayHostHandle.submit` hands the trial's id to the host's poller
 thread, which sends it with its next poll (one actor call per trial), or sends it at once when a
 poll is under way. The poller collects how each attempt ended, tells the study in the driver's
 process (so the user's sampler, pruner state and callbacks see it), and puts the outcome on the
@@ -29,15 +29,15 @@ from waterwave_hpo.cluster._actor import ATTR_HOST
 from waterwave_hpo.cluster._actor import ATTR_NODE
 from waterwave_hpo.cluster._actor import HostInfo
 from waterwave_hpo.cluster._actor import TrialRecord
-from waterwave_hpo.executor._internal import ATTR_BATCH
-from waterwave_hpo.executor._internal import ATTR_DEVICE
-from waterwave_hpo.executor._internal import ATTR_SLOT
-from waterwave_hpo.executor._internal import OutcomeKind
-from waterwave_hpo.executor._internal import RunSettings
-from waterwave_hpo.executor._internal import TrialJob
-from waterwave_hpo.executor._internal import TrialOutcome
-from waterwave_hpo.executor._internal import fail_trial
-from waterwave_hpo.executor._internal import tell_record
+from waterwave_hpo.host import ATTR_BATCH
+from waterwave_hpo.host import ATTR_DEVICE
+from waterwave_hpo.host import ATTR_SLOT
+from waterwave_hpo.host import OutcomeKind
+from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import TrialJob
+from waterwave_hpo.host import TrialOutcome
+from waterwave_hpo.host import fail_trial
+from waterwave_hpo.host import tell_record
 from waterwave_hpo.relay import StudyAccessPolicy
 from waterwave_hpo.scheduler import PipelineScheduler
 
@@ -63,10 +63,10 @@ class _NoMemory:
         pass
 
 
-class RemoteSlot:
+class RaySlot:
     """A slot of a remote host, as the executor sees it."""
 
-    def __init__(self, host: RemoteHost, index: int) -> None:
+    def __init__(self, host: RayHostHandle, index: int) -> None:
         self.host = host
         self.index = index
         self.job: TrialJob | None = None
@@ -77,11 +77,11 @@ class RemoteSlot:
             self.host.actor.interrupt.remote(self.index)
 
 
-class RemoteHost:
+class RayHostHandle:
     """A host actor, driven by the executor's thread like a ``DeviceHost``.
 
     A host actor, driven by the executor's thread through the
-    :class:`~waterwave_hpo.executor._host_protocol.Host` interface (as a ``DeviceHost`` is).
+    :class:`~waterwave_hpo.executor._handle.HostHandle` interface (as a ``DeviceHost`` is).
 
     Args:
         actor: The started :class:`~waterwave_hpo.cluster._actor.HostActor` handle.
@@ -109,8 +109,8 @@ class RemoteHost:
         admit_by_memory: bool,
         settings: RunSettings,
         max_host_retries: int,
-        on_lost: Callable[[RemoteHost, BaseException], None],
-        describe_loss: Callable[[RemoteHost, BaseException], tuple[str, bool]] | None = None,
+        on_lost: Callable[[RayHostHandle, BaseException], None],
+        describe_loss: Callable[[RayHostHandle, BaseException], tuple[str, bool]] | None = None,
         access: StudyAccessPolicy | None = None,
     ) -> None:
         self.actor = actor
@@ -122,7 +122,7 @@ class RemoteHost:
         self.settings = settings
         self.admit_by_memory = admit_by_memory
         self.max_host_retries = max_host_retries
-        self.slots = [RemoteSlot(self, index) for index in range(n_slots)]
+        self.slots = [RaySlot(self, index) for index in range(n_slots)]
         self.lost = False
         self._shut_down = False
         self._on_lost = on_lost
@@ -155,7 +155,7 @@ class RemoteHost:
         """Trials handed to this host whose outcome the executor has not handled yet."""
         return sum(1 for slot in self.slots if slot.job is not None)
 
-    def idle_slot(self) -> RemoteSlot | None:
+    def idle_slot(self) -> RaySlot | None:
         """A slot that may take a trial now, or ``None`` (all busy, no memory room, or lost)."""
         if self.lost:
             return None
@@ -166,7 +166,7 @@ class RemoteHost:
                 return slot
         return None
 
-    def submit(self, slot: RemoteSlot, job: TrialJob) -> None:
+    def submit(self, slot: RaySlot, job: TrialJob) -> None:
         """Send ``job`` to the actor's slot; a host lost meanwhile reports it HOST_LOST."""
         with self._lock:
             slot.job = job
@@ -199,7 +199,7 @@ class RemoteHost:
         except Exception as error:  # the actor died; the poller reports the others
             self._mark_lost(error)
 
-    def _bookkeeping(self, slot: RemoteSlot, job: TrialJob) -> list[optuna.trial.FrozenTrial]:
+    def _bookkeeping(self, slot: RaySlot, job: TrialJob) -> list[optuna.trial.FrozenTrial]:
         """Write where the job runs (as the host's run path would) and read its trials.
 
         The host then starts from these copies: no storage round trip to open a trial or
@@ -226,7 +226,7 @@ class RemoteHost:
             frozen.append(storage.get_trial(trial_id))
         return frozen
 
-    def running_jobs(self) -> list[tuple[RemoteSlot, TrialJob]]:
+    def running_jobs(self) -> list[tuple[RaySlot, TrialJob]]:
         """The (slot, job) pairs running now."""
         return [(slot, slot.job) for slot in self.slots if slot.job is not None]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from waterwave_hpo import _experimental
-from waterwave_hpo.executor._planning import DevicePlans
+from waterwave_hpo.host._planning import DevicePlans
 from waterwave_hpo.scheduler import PipelineScheduler
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName

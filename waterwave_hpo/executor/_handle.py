@@ -1,8 +1,10 @@
-"""The host interface: what the executor's loop needs from a device host, local or remote.
+"""The driver's handle to a device host: what the executor's loop needs, wherever the host runs.
 
-:class:`~waterwave_hpo.executor._host.DeviceHost` (slot threads in this process) and the Ray
-executor's :class:`~waterwave_hpo.cluster._remote.RemoteHost` (a host actor, driven from the
-driver) both implement :class:`Host`; the loop (``OptimizeRun`` in ``executor/_optimize.py``)
+Three implement :class:`HostHandle`: :class:`~waterwave_hpo.host.DeviceHost` (slot threads in the
+driver's own process: the host is its own handle), process isolation's
+:class:`~waterwave_hpo.workers.ProcessHostHandle` (slots that own worker processes, over pipes)
+and the Ray executor's :class:`~waterwave_hpo.cluster._handle.RayHostHandle` (a host actor, over
+Ray). The loop (``OptimizeRun`` in ``executor/_optimize.py``)
 sees only this interface, as Optuna's heartbeat sees only ``BaseHeartbeat``
 (``optuna/storages/_heartbeat.py``).
 """
@@ -17,11 +19,11 @@ from typing import TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from waterwave_hpo.executor._outcome import TrialJob
+    from waterwave_hpo.host import TrialJob
     from waterwave_hpo.scheduler import PipelineScheduler
 
 
-class HostSlot(Protocol):
+class SlotHandle(Protocol):
     """One trial at a time on a host: the executor's thread owns :attr:`job`."""
 
     job: TrialJob | None
@@ -38,16 +40,16 @@ class HostMemory(Protocol):
         """Forget ``trial_number`` (its outcome was handled). Idempotent."""
 
 
-SlotT = TypeVar("SlotT", bound=HostSlot)
+SlotT = TypeVar("SlotT", bound=SlotHandle)
 
 
-class Host(Protocol[SlotT]):
+class HostHandle(Protocol[SlotT]):
     """A device host for one ``optimize`` call, as the executor's loop drives it.
 
     Preconditions: only the executor's thread calls :meth:`idle_slot`, :meth:`submit`,
     :meth:`running_jobs` and :meth:`shutdown`; :meth:`submit` is only given a slot that
     :meth:`idle_slot` returned since the slot's previous outcome was handled. Every job
-    submitted ends with exactly one :class:`~waterwave_hpo.executor._outcome.TrialOutcome` on
+    submitted ends with exactly one :class:`~waterwave_hpo.host._outcome.TrialOutcome` on
     the call's outcome queue, whatever happens to the host.
     """
 

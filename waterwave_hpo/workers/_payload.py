@@ -18,13 +18,13 @@ import torch
 
 from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._process._host import ProcessHost
-from waterwave_hpo.executor._process._leases import LeaseServer
-from waterwave_hpo.executor._remote import HostSpec
+from waterwave_hpo.host import HostSpec
+from waterwave_hpo.host import MemoryPoolMode
+from waterwave_hpo.host import PlanSettings
+from waterwave_hpo.host import RunSettings
 from waterwave_hpo.relay import StorageService
+from waterwave_hpo.workers._handle import ProcessHostHandle
+from waterwave_hpo.workers._lease_service import LeaseServer
 
 if TYPE_CHECKING:
     import optuna
@@ -61,7 +61,7 @@ def process_hosts(
     memory_budget_bytes: int | None,
     policy: Any,
     memory_plan: PlanSettings,
-) -> list[ProcessHost]:
+) -> list[ProcessHostHandle]:
     """The process hosts of one ``optimize`` call, one per device.
 
     Raises:
@@ -100,5 +100,5 @@ def process_hosts(
                 record_trial_attrs=settings.record_trial_attrs,
             )
             payloads[share] = pickle_for_workers("catch", (spec, heartbeat))
-        hosts.append(ProcessHost(device, n_slots, settings, payloads[share], service, leases))
+        hosts.append(ProcessHostHandle(device, n_slots, settings, payloads[share], service, leases))
     return hosts

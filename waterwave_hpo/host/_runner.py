@@ -3,11 +3,11 @@
 The run of a trial outside the driver is one thing, wherever it happens: the host process opens
 the study through a relay of the driver's storage (``waterwave_hpo.relay``) with the driver's
 pickled sampler and pruner, runs the jobs the driver hands it on a
-:class:`~waterwave_hpo.executor._host.DeviceHost` (the one run path, ``executor/_run.py``), and
+:class:`~waterwave_hpo.host._device_host.DeviceHost` (the one run path, ``host/_attempt.py``), and
 reports how each attempt ended as a :class:`TrialRecord`; the driver then tells the study from
 the record (:func:`tell_record`), so the user's callbacks, logs and the run loop see every
 outcome in the driver's process. Two transports use it: a Ray host actor
-(``cluster/_actor.py``) and a worker process of process isolation (``executor/_process/``).
+(``cluster/_actor.py``) and a worker process of process isolation (``workers/``).
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from optuna.trial import TrialState
 import torch
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._attrs import ATTR_FAIL_REASON
-from waterwave_hpo.executor._host import DeviceHost
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._memory import MemoryPoolMode
-from waterwave_hpo.executor._memory import make_device_memory
-from waterwave_hpo.executor._outcome import OnOOM
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._planning import MemoryPlanMode
-from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._planning import TrialPlanning
+from waterwave_hpo.host._attrs import ATTR_FAIL_REASON
+from waterwave_hpo.host._device_host import DeviceHost
+from waterwave_hpo.host._device_host import RunSettings
+from waterwave_hpo.host._memory import MemoryPoolMode
+from waterwave_hpo.host._memory import make_device_memory
+from waterwave_hpo.host._outcome import OnOOM
+from waterwave_hpo.host._outcome import OutcomeKind
+from waterwave_hpo.host._outcome import TrialJob
+from waterwave_hpo.host._outcome import TrialOutcome
+from waterwave_hpo.host._planning import MemoryPlanMode
+from waterwave_hpo.host._planning import PlanSettings
+from waterwave_hpo.host._planning import TrialPlanning
 from waterwave_hpo.relay import RelayedStorage
 
 _REASON_MAX_CHARS = 500
@@ -260,7 +260,7 @@ class HostRunner:
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
-        The job goes the executor's one run path (``executor/_run.py``), as on one machine.
+        The job goes the executor's one run path (``host/_attempt.py``), as on one machine.
 
         Args:
             slot: The slot's index.

@@ -4,7 +4,7 @@ Horizontal fusion (HFTA: Wang et al., "Horizontally Fused Training Array", MLSys
 arXiv:2102.02344) trains K models of one structure as one model whose operators are batched.
 The executor's side of it is here: :func:`batched` marks an objective that takes a list of
 trials, ``WaterwaveExecutor(fuse=K)`` hands each slot up to K trials, and the one run path of a
-trial (``executor/_run.py``: a single trial is a batch of one) runs the objective once and tells
+trial (``host/_attempt.py``: a single trial is a batch of one) runs the objective once and tells
 the study every trial's own outcome (its value, PRUNED or FAIL), so that one trial's failure,
 pruning or NaN touches no other trial of its batch.
 """

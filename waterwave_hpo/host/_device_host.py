@@ -5,7 +5,7 @@ A host has ``trials_per_device`` slots; a slot is a long-lived thread that owns 
 whole life and runs one trial at a time, so at most ``trials_per_device`` trials run on the device
 at once. Every attempt ends with the study told COMPLETE, PRUNED or FAIL from the slot's thread,
 and a :class:`TrialOutcome` put on the executor's queue; the run itself is
-``executor/_run.py``'s, shared with the cluster's hosts.
+``host/_attempt.py``'s, shared with the cluster's hosts.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import optuna
 import torch
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor import _streams
-from waterwave_hpo.executor._memory import DeviceMemory
-from waterwave_hpo.executor._outcome import OnOOM
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._planning import PlanSettings
-from waterwave_hpo.executor._run import TrialInterrupted
-from waterwave_hpo.executor._run import fail_without_running
-from waterwave_hpo.executor._run import release_interrupted
-from waterwave_hpo.executor._run import run_job
+from waterwave_hpo.host import _streams
+from waterwave_hpo.host._attempt import TrialInterrupted
+from waterwave_hpo.host._attempt import fail_without_running
+from waterwave_hpo.host._attempt import release_interrupted
+from waterwave_hpo.host._attempt import run_job
+from waterwave_hpo.host._memory import DeviceMemory
+from waterwave_hpo.host._outcome import OnOOM
+from waterwave_hpo.host._outcome import OutcomeKind
+from waterwave_hpo.host._outcome import TrialJob
+from waterwave_hpo.host._outcome import TrialOutcome
+from waterwave_hpo.host._planning import PlanSettings
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-    from waterwave_hpo.executor._planning import TrialPlanning
+    from waterwave_hpo.host._planning import TrialPlanning
 
 
 class OnOOM(str, enum.Enum):

@@ -1,10 +1,10 @@
 """A worker process of process isolation: one slot of the driver's host, over a pipe.
 
 Started by the driver (``multiprocessing``'s spawn context) with its end of a pipe, the pickled
-:class:`~waterwave_hpo.executor._remote.HostSpec` (cloudpickle: the objective goes by value
+:class:`~waterwave_hpo.host._runner.HostSpec` (cloudpickle: the objective goes by value
 when it is a closure or a lambda), its device and its slot's index. It opens the study through
 :class:`~waterwave_hpo.relay.RelayedStorage` over the pipe and runs the jobs the driver sends on
-a one-slot :class:`~waterwave_hpo.executor._remote.HostRunner` (the executor's one run path);
+a one-slot :class:`~waterwave_hpo.host._runner.HostRunner` (the executor's one run path);
 the records of how they ended go back over the same pipe.
 
 Messages (tuples, first item the kind). Driver to worker: ``("submit", members, fused, cap)``,
@@ -114,7 +114,7 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
         import torch
 
         torch.set_num_threads(torch_threads)
-        from waterwave_hpo.executor._remote import HostRunner
+        from waterwave_hpo.host import HostRunner
         from waterwave_hpo.relay import RelayedHeartbeatStorage
         from waterwave_hpo.relay import RelayedStorage
 
@@ -122,7 +122,7 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
         if torch.device(device).type == "cuda":
             from dataclasses import replace
 
-            from waterwave_hpo.executor._process._leases import leased
+            from waterwave_hpo.workers._lease_service import leased
 
             spec = replace(
                 spec, func=leased(spec.func, link.call, torch.device(device), os.getpid())
@@ -135,7 +135,7 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
         threading.Thread(target=_read, args=(link, lambda: runner), daemon=True).start()
         runner = HostRunner(spec, storage, torch.device(device), slot_indices=[slot])
     except BaseException as error:  # reported with the first job; the driver fails it
-        from waterwave_hpo.executor._remote import picklable_error
+        from waterwave_hpo.host import picklable_error
 
         try:
             link.send(("setup_error", picklable_error(_with_context(error))))
@@ -164,7 +164,7 @@ def poisons_context(error: BaseException | None) -> bool:
     """
     if error is None:
         return False
-    from waterwave_hpo.executor._oom import is_out_of_memory
+    from waterwave_hpo.host import is_out_of_memory
     from waterwave_hpo.memory import PoolBackendError
 
     if isinstance(error, PoolBackendError):

@@ -26,7 +26,7 @@ from torch import nn
 
 from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._attrs import ATTR_MEMORY_PLAN
+from waterwave_hpo.host._attrs import ATTR_MEMORY_PLAN
 from waterwave_hpo.planning import BUDGET_AWARE
 from waterwave_hpo.planning import DEFAULT_BANDWIDTH_BYTES_PER_S
 from waterwave_hpo.planning import MemoryPlan

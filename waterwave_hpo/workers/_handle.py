@@ -1,13 +1,13 @@
 """The driver's side of process isolation: a device host whose slots are worker processes.
 
-:class:`ProcessHost` is a :class:`~waterwave_hpo.executor._host_protocol.Host` like the thread
+:class:`ProcessHostHandle` is a :class:`~waterwave_hpo.executor._handle.HostHandle` like the thread
 host: the run loop asks trials and hands them to its slots. Each slot owns one worker process
 (``_worker.py``), started on the slot's first job (``multiprocessing``'s spawn context, so the
 K workers import in parallel), reused for the slot's later jobs and replaced after it dies. A
 thread per worker serves its pipe: the study's storage calls (checked by the run's
 :class:`~waterwave_hpo.relay.StorageService`), memory-lease calls (the device's
 :class:`~waterwave_hpo.memory.LeaseBook`), and the records of finished attempts, which it tells
-the study from (``executor/_remote.py``'s :func:`tell_record`) before it puts the outcome on the
+the study from (``host/_runner.py``'s :func:`tell_record`) before it puts the outcome on the
 run's queue.
 
 A worker that dies (a segmentation fault, ``abort()``, ``os._exit``, SIGKILL from outside or
@@ -32,17 +32,17 @@ from typing import Any
 import torch
 
 from waterwave_hpo import _optuna_compat
-from waterwave_hpo.executor._host import RunSettings
-from waterwave_hpo.executor._outcome import OutcomeKind
-from waterwave_hpo.executor._outcome import TrialJob
-from waterwave_hpo.executor._outcome import TrialOutcome
-from waterwave_hpo.executor._process._leases import LeaseServer
-from waterwave_hpo.executor._process._worker import worker_main
-from waterwave_hpo.executor._remote import TrialRecord
-from waterwave_hpo.executor._remote import fail_trial
-from waterwave_hpo.executor._remote import tell_record
+from waterwave_hpo.host import OutcomeKind
+from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import TrialJob
+from waterwave_hpo.host import TrialOutcome
+from waterwave_hpo.host import TrialRecord
+from waterwave_hpo.host import fail_trial
+from waterwave_hpo.host import tell_record
 from waterwave_hpo.relay import StorageService
 from waterwave_hpo.relay import sendable
+from waterwave_hpo.workers._lease_service import LeaseServer
+from waterwave_hpo.workers._worker import worker_main
 
 _logger = logging.getLogger("waterwave_hpo")
 _EXIT_WAIT_S = 5.0  # how long a worker whose pipe closed may take to be reaped
@@ -91,7 +91,7 @@ def _pidfd(pid: int | None) -> int | None:
 class _Worker:
     """One worker process and the driver thread that serves its pipe."""
 
-    def __init__(self, slot: ProcessSlot) -> None:
+    def __init__(self, slot: WorkerSlot) -> None:
         host = slot.host
         self.slot = slot
         context = multiprocessing.get_context("spawn")
@@ -302,10 +302,10 @@ class _Worker:
             host.outcome(TrialOutcome(member, kind, frozen, error, 0, None if error else reason))
 
 
-class ProcessSlot:
-    """One slot of a :class:`ProcessHost`: one trial (or fused batch) at a time, in a worker."""
+class WorkerSlot:
+    """One slot of a :class:`ProcessHostHandle`: a trial (or fused batch) at a time, in a worker."""
 
-    def __init__(self, host: ProcessHost, index: int) -> None:
+    def __init__(self, host: ProcessHostHandle, index: int) -> None:
         self.host = host
         self.index = index
         self.job: TrialJob | None = None  # owned by the run loop's thread
@@ -317,7 +317,7 @@ class ProcessSlot:
             self.worker.kill()
 
 
-class ProcessHost:
+class ProcessHostHandle:
     """A device host whose slots run their trials in worker processes (process isolation).
 
     Only the run loop's thread calls :meth:`idle_slot`, :meth:`submit`, :meth:`running_jobs`
@@ -349,7 +349,7 @@ class ProcessHost:
         self.scheduler = None
         self.memory = _NoMemory()
         self.torch_threads = torch.get_num_threads()
-        self.slots = [ProcessSlot(self, index) for index in range(n_slots)]
+        self.slots = [WorkerSlot(self, index) for index in range(n_slots)]
         self._shut_down = False
 
     @property
@@ -357,14 +357,14 @@ class ProcessHost:
         """Trials handed to this host whose outcome the run loop has not handled yet."""
         return sum(1 for slot in self.slots if slot.job is not None)
 
-    def idle_slot(self) -> ProcessSlot | None:
+    def idle_slot(self) -> WorkerSlot | None:
         """A slot whose last job has been handled, or ``None``."""
         for slot in self.slots:
             if slot.job is None:
                 return slot
         return None
 
-    def submit(self, slot: ProcessSlot, job: TrialJob) -> None:
+    def submit(self, slot: WorkerSlot, job: TrialJob) -> None:
         """Hand ``job`` to ``slot``'s worker, starting a new worker if it has none alive."""
         assert slot.job is None, "submit() to a busy slot"
         slot.job = job
@@ -375,7 +375,7 @@ class ProcessHost:
         worker.run(job)
         self._tell_neighbours()
 
-    def running_jobs(self) -> list[tuple[ProcessSlot, TrialJob]]:
+    def running_jobs(self) -> list[tuple[WorkerSlot, TrialJob]]:
         """The (slot, job) pairs running now."""
         return [(slot, slot.job) for slot in self.slots if slot.job is not None]
 
