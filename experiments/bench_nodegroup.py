@@ -44,6 +44,7 @@ import time
 import torch
 from torch import nn
 
+from waterwave_hpo.bench import BasicBlock
 from waterwave_hpo.executor import TrialContext
 from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.nodegroup import node_groups
@@ -54,19 +55,6 @@ from waterwave_hpo.scheduler import PipelineScheduler
 
 
 # ----------------------------------------------------------------------------- models
-class BasicBlock(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + x)
-
-
 class ResNetish(nn.Module):
     """ResNet-style CNN. Input [B, 3, 16, 16] -> logits [B, 10]."""
 

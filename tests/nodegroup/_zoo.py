@@ -9,6 +9,7 @@ import math
 import torch
 from torch import nn
 
+from waterwave_hpo.bench import BasicBlock
 from waterwave_hpo.executor import trial_scope
 from waterwave_hpo.scheduler import PipelineScheduler
 
@@ -48,22 +49,6 @@ def cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(16, 5),
     )
-
-
-class BasicBlock(nn.Module):
-    """ResNet basic block: the skip crosses its inside, so it must stay in one group."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + x)
 
 
 class ResNet(nn.Module):

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from waterwave_hpo.bench import BasicBlock
 from waterwave_hpo.nodegroup import node_groups
 from waterwave_hpo.nodegroup import pipeline
 from waterwave_hpo.nodegroup import trial_profile
 
 from ._zoo import MODELS
-from ._zoo import BasicBlock
 from ._zoo import batch_for
 from ._zoo import build
 from ._zoo import loss_of

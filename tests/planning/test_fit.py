@@ -12,6 +12,7 @@ from torch import nn
 import torch.utils.checkpoint
 
 import waterwave_hpo as ww
+from waterwave_hpo.bench import BasicBlock
 from waterwave_hpo.planning import PLANNERS
 from waterwave_hpo.planning import CheckpointedModelError
 from waterwave_hpo.planning import Placement
@@ -54,21 +55,6 @@ class Block(nn.Module):
 def residual() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 3))
-
-
-class BasicBlock(nn.Module):
-    """ResNet's basic block (BatchNorm: running statistics must be updated once per step)."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + x)
 
 
 def resnet() -> nn.Module:

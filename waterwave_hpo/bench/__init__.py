@@ -34,6 +34,7 @@ from waterwave_hpo.bench._runners import MethodRun
 from waterwave_hpo.bench._runners import PoolNotInstalledError
 from waterwave_hpo.bench._runners import run_method
 from waterwave_hpo.bench._train import TrialRecord
+from waterwave_hpo.bench._workloads import BasicBlock
 from waterwave_hpo.bench._workloads import Setting
 from waterwave_hpo.bench._workloads import Workload
 from waterwave_hpo.bench._workloads import WorkloadSpec
@@ -56,6 +57,7 @@ __all__ = [
     "TRANSFORMERS_SAMPLE",
     "UNITS",
     "Allocator",
+    "BasicBlock",
     "BenchConfig",
     "BenchResult",
     "Method",

@@ -62,7 +62,14 @@ class WorkloadSpec:
 # -- models --------------------------------------------------------------------------------------
 
 
-class _ResBlock(nn.Module):
+class BasicBlock(nn.Module):
+    """ResNet's basic block, ``[B, C, H, W] -> [B, C, H, W]`` (He et al., CVPR 2016).
+
+    Two 3x3 convolutions with batch norm and a skip connection: the one residual block of the
+    project's models, tests and experiments (its skip crosses its inside, so a NodeGroup keeps
+    it whole).
+    """
+
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
@@ -99,7 +106,7 @@ def build_resnet(trial: optuna.trial.BaseTrial) -> nn.Module:
                 )
             )
             channels *= 2
-        layers += [_ResBlock(channels) for _ in range(blocks)]
+        layers += [BasicBlock(channels) for _ in range(blocks)]
     layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)))
     return nn.Sequential(*layers)
 

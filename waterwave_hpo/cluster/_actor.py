@@ -95,18 +95,9 @@ class HostActor:
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
-        The job goes the executor's one run path (``host/_attempt.py``), as on one machine.
-
-        Args:
-            slot: The slot's index.
-            members: ``(trial_id, attempt, retry_of)`` of each trial: one, or a fused batch's.
-            fused: A fused batch (``fuse=K``): the objective takes the list of trials.
-            plan_cap_bytes: With ``memory_plan="home"``: a re-run's plan cap, else ``None``.
-            frozen: The members as the driver's storage holds them, with this host's
-                bookkeeping attributes (``ATTR_HOST``, ``ATTR_NODE``...) written by the driver;
-                ``None``: this host writes them and reads the trials.
-
-        Precondition: the driver only submits to a slot whose previous job it has seen end.
+        :meth:`HostRunner.submit <waterwave_hpo.host.HostRunner.submit>`, with this host's
+        bookkeeping attributes (``ATTR_HOST``, ``ATTR_NODE``) written here when the driver sent
+        no ``frozen`` copies (with them, the driver wrote those attributes itself).
         """
         if frozen is None:
             for trial_id, _, _ in members:

@@ -33,6 +33,7 @@ from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor._internal import Callback
 from waterwave_hpo.executor._internal import HostHandle
 from waterwave_hpo.executor._internal import ObjectiveFunc
+from waterwave_hpo.executor._internal import check_isolation
 from waterwave_hpo.host import RunSettings
 from waterwave_hpo.scheduler import Policy
 from waterwave_hpo.scheduler import PolicyName
@@ -165,22 +166,7 @@ class RayExecutor(WaterwaveExecutor):
         isolation: Isolation | str = Isolation.THREADS,
     ) -> None:
         import_ray()
-        checked = _checks.check_choice(
-            "isolation",
-            isolation,
-            Isolation,
-            "pass 'threads' (default: one host actor per GPU, its trials threads) or 'process' "
-            "(one single-slot host actor per trial slot)",
-        )
-        if checked is Isolation.PROCESS and trials_per_device == "auto":
-            raise _checks.value_error(
-                "trials_per_device",
-                trials_per_device,
-                "with isolation='process' each trial slot is a host actor of its own, started "
-                "up front",
-                "pass an int, e.g. trials_per_device=4",
-            )
-        self.isolation = checked
+        self.isolation = check_isolation(isolation, trials_per_device)
         # Not WaterwaveExecutor.__init__: the driver resolves no device; each host actor
         # resolves its own ("auto") where Ray placed it.
         self._init_trial_settings(

@@ -32,8 +32,10 @@ from waterwave_hpo.cluster._actor import TrialRecord
 from waterwave_hpo.host import ATTR_BATCH
 from waterwave_hpo.host import ATTR_DEVICE
 from waterwave_hpo.host import ATTR_SLOT
+from waterwave_hpo.host import NoMemory
 from waterwave_hpo.host import OutcomeKind
 from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import SlotTable
 from waterwave_hpo.host import TrialJob
 from waterwave_hpo.host import TrialOutcome
 from waterwave_hpo.host import fail_trial
@@ -56,13 +58,6 @@ host is collected when no job follows (the study's last trials)."""
 _UNAVAILABLE_RETRIES = 50  # ActorUnavailableError is transient (a network blip): ~5 s of retries
 
 
-class _NoMemory:
-    """The remote host's memory lives in the actor; the executor's calls are no-ops here."""
-
-    def trial_ended(self, trial_number: int) -> None:
-        pass
-
-
 class RaySlot:
     """A slot of a remote host, as the executor sees it."""
 
@@ -77,7 +72,7 @@ class RaySlot:
             self.host.actor.interrupt.remote(self.index)
 
 
-class RayHostHandle:
+class RayHostHandle(SlotTable[RaySlot]):
     """A host actor, driven by the executor's thread like a ``DeviceHost``.
 
     A host actor, driven by the executor's thread through the
@@ -118,7 +113,7 @@ class RayHostHandle:
         self.info = info
         self.device: str = info.label
         self.scheduler: PipelineScheduler | None = None  # the actor's own; none in the driver
-        self.memory = _NoMemory()
+        self.memory = NoMemory()
         self.settings = settings
         self.admit_by_memory = admit_by_memory
         self.max_host_retries = max_host_retries
@@ -150,21 +145,13 @@ class RayHostHandle:
 
     # -- the executor's thread --------------------------------------------------------------
 
-    @property
-    def n_running(self) -> int:
-        """Trials handed to this host whose outcome the executor has not handled yet."""
-        return sum(1 for slot in self.slots if slot.job is not None)
-
     def idle_slot(self) -> RaySlot | None:
         """A slot that may take a trial now, or ``None`` (all busy, no memory room, or lost)."""
         if self.lost:
             return None
         if self.admit_by_memory and self.n_running > 0 and not self._has_room:
             return None
-        for slot in self.slots:
-            if slot.job is None:
-                return slot
-        return None
+        return self.first_idle()
 
     def submit(self, slot: RaySlot, job: TrialJob) -> None:
         """Send ``job`` to the actor's slot; a host lost meanwhile reports it HOST_LOST."""

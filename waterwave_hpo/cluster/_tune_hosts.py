@@ -33,6 +33,7 @@ from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
 from waterwave_hpo.cluster._nodes import interleave
+from waterwave_hpo.host import check_fuse_matches
 from waterwave_hpo.host import is_batched
 
 _POLL_S = 1.0
@@ -378,7 +379,14 @@ class TuneHosts:
                 f"wrap() takes a function trainable, got {trainable!r}; class trainables cannot "
                 "be hosted (use shared_gpu() for them)."
             )
-        _check_fuse_matches(trainable, self.fuse)
+        check_fuse_matches(
+            trainable,
+            self.fuse,
+            name="trainable",
+            kind="trainable",
+            setting="ww.tune_hosts(fuse=K)",
+            noun="Tune trials",
+        )
         if batch_key is not None and not callable(batch_key):
             raise _checks.type_error(
                 "batch_key", batch_key, "callable", "pass a function of the config, or None"
@@ -498,25 +506,6 @@ def _report(event: HostedEvent) -> None:
         tune.report(event.metrics, checkpoint=tune.Checkpoint.from_directory(directory))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _check_fuse_matches(trainable: object, fuse: int | None) -> None:
-    if is_batched(trainable) and fuse is None:
-        raise _checks.value_error(
-            "fuse",
-            fuse,
-            f"must be set, since trainable {trainable!r} is batched (it takes a list of trials)",
-            "pass ww.tune_hosts(fuse=K) to run up to K Tune trials per call, or drop "
-            "waterwave_hpo.batched to run one trial per call",
-        )
-    if fuse is not None and not is_batched(trainable):
-        raise _checks.type_error(
-            "trainable",
-            trainable,
-            f"a batched trainable, since fuse={fuse} runs up to {fuse} Tune trials per call",
-            "mark a function taking a list of trials with waterwave_hpo.batched(train), or "
-            "pass tune_hosts(fuse=None) for a trainable taking one config",
-        )
 
 
 def _gpus(node: NodeView) -> int:

@@ -29,8 +29,8 @@ from waterwave_hpo.host import MemoryPlanMode
 from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import OnOOM
 from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import check_fuse_matches
 from waterwave_hpo.host import is_batched
-from waterwave_hpo.host import make_device_memory
 from waterwave_hpo.host import plan_settings
 from waterwave_hpo.host import resolve_devices
 from waterwave_hpo.scheduler import PipelineScheduler
@@ -192,7 +192,7 @@ class WaterwaveExecutor:
         isolation: Isolation | str = Isolation.THREADS,
     ) -> None:
         self.devices: list[torch.device] = resolve_devices(devices)
-        self.isolation = _check_isolation(isolation, trials_per_device)
+        self.isolation = check_isolation(isolation, trials_per_device)
         self._init_trial_settings(
             trials_per_device,
             on_oom=on_oom,
@@ -305,18 +305,13 @@ class WaterwaveExecutor:
                 memory_plan=self.memory_plan,
             )
         return [
-            DeviceHost(
+            DeviceHost.build(
                 device,
                 self.trials_per_device,
                 settings,
-                memory=make_device_memory(
-                    device,
-                    self.memory_pool,
-                    self.memory_budget_bytes,
-                    self.policy,
-                    max_trials=self.trials_per_device,
-                    plans=self.memory_plan.mode is not MemoryPlanMode.OFF,
-                ),
+                memory_pool=self.memory_pool,
+                memory_budget_bytes=self.memory_budget_bytes,
+                policy=self.policy,
                 admit_by_memory=self.auto_trials,
             )
             for device in self.devices
@@ -384,7 +379,14 @@ class WaterwaveExecutor:
             raise _checks.type_error(
                 "func", func, "callable", "pass the objective, a function taking a trial"
             )
-        _check_fuse_matches(func, self.fuse)
+        check_fuse_matches(
+            func,
+            self.fuse,
+            name="func",
+            kind="objective",
+            setting="WaterwaveExecutor(fuse=K)",
+            noun="trials",
+        )
         _checks.check_takes_one_argument(
             "func",
             func,
@@ -515,40 +517,27 @@ def _check_positive_int(name: str, value: object, minimum: int) -> int:
     return _checks.check_int(name, value, minimum=minimum)
 
 
-def _check_fuse_matches(func: object, fuse: int | None) -> None:
-    if is_batched(func) and fuse is None:
-        raise _checks.value_error(
-            "fuse",
-            fuse,
-            f"must be set, since func {func!r} is a batched objective (it takes a list of trials)",
-            "pass WaterwaveExecutor(fuse=K) to run up to K trials per call, or drop "
-            "waterwave_hpo.batched to run one trial per call",
-        )
-    if fuse is not None and not is_batched(func):
-        raise _checks.type_error(
-            "func",
-            func,
-            f"a batched objective, since fuse={fuse} runs up to {fuse} trials per call",
-            "mark a function taking a list of trials with waterwave_hpo.batched(objective), "
-            "or pass fuse=None for an objective taking one trial",
-        )
+def check_isolation(value: object, trials_per_device: object) -> Isolation:
+    """``isolation=`` of an executor (this one or the Ray executor), with its one constraint.
 
-
-def _check_isolation(value: object, trials_per_device: object) -> Isolation:
+    Raises:
+        ValueError: ``value`` is not an :class:`Isolation`, or it is ``"process"`` with
+            ``trials_per_device="auto"``.
+    """
     isolation = _checks.check_choice(
         "isolation",
         value,
         Isolation,
-        "pass 'threads' (default: trials share one process and its memory pool) or 'process' "
-        "(each slot runs its trials in a worker process of its own)",
+        "pass 'threads' (default: the trials of a device share one process and its memory "
+        "pool) or 'process' (each trial slot runs its trials in a process of its own)",
     )
     if isolation is Isolation.PROCESS and trials_per_device == "auto":
         raise _checks.value_error(
             "trials_per_device",
             trials_per_device,
-            "is not supported with isolation='process' (worker processes do not share the "
-            "memory measurements 'auto' admits trials by)",
-            "pass the number of worker processes per device, e.g. trials_per_device=4",
+            "is not supported with isolation='process' (each slot is a process started up "
+            "front, and processes do not share the memory measurements 'auto' admits trials by)",
+            "pass the number of trial processes per device, e.g. trials_per_device=4",
         )
     return isolation
 

@@ -10,8 +10,9 @@ to users.
 
 from __future__ import annotations
 
+from waterwave_hpo.executor._executor import check_isolation
 from waterwave_hpo.executor._handle import HostHandle
 from waterwave_hpo.executor._optimize import Callback
 from waterwave_hpo.executor._optimize import ObjectiveFunc
 
-__all__ = ["Callback", "HostHandle", "ObjectiveFunc"]
+__all__ = ["Callback", "HostHandle", "ObjectiveFunc", "check_isolation"]

@@ -27,6 +27,7 @@ from waterwave_hpo.host._attrs import trial_attr
 from waterwave_hpo.host._attrs import trial_memory_plan
 from waterwave_hpo.host._batch import BatchedObjective
 from waterwave_hpo.host._batch import batched
+from waterwave_hpo.host._batch import check_fuse_matches
 from waterwave_hpo.host._batch import is_batched
 from waterwave_hpo.host._device_host import DeviceHost
 from waterwave_hpo.host._device_host import RunSettings
@@ -56,6 +57,8 @@ from waterwave_hpo.host._runner import TrialRecord
 from waterwave_hpo.host._runner import fail_trial
 from waterwave_hpo.host._runner import picklable_error
 from waterwave_hpo.host._runner import tell_record
+from waterwave_hpo.host._slots import NoMemory
+from waterwave_hpo.host._slots import SlotTable
 from waterwave_hpo.host._streams import acquire_stream
 from waterwave_hpo.host._streams import release_stream
 
@@ -79,11 +82,13 @@ __all__ = [
     "HostSpec",
     "MemoryPlanMode",
     "MemoryPoolMode",
+    "NoMemory",
     "NoPlanFitsError",
     "OnOOM",
     "OutcomeKind",
     "PlanSettings",
     "RunSettings",
+    "SlotTable",
     "TrialInterrupted",
     "TrialJob",
     "TrialOutcome",
@@ -91,6 +96,7 @@ __all__ = [
     "TrialRecord",
     "acquire_stream",
     "batched",
+    "check_fuse_matches",
     "default_budget_bytes",
     "fail_trial",
     "fit_trial_memory",

@@ -107,3 +107,39 @@ def batched(
 def is_batched(func: object) -> bool:
     """Whether ``func`` was marked by :func:`batched`."""
     return isinstance(func, BatchedObjective)
+
+
+def check_fuse_matches(
+    func: object, fuse: int | None, *, name: str, kind: str, setting: str, noun: str
+) -> None:
+    """Refuse a batched callable without ``fuse=K``, and ``fuse=K`` with a per-trial callable.
+
+    Args:
+        func: The objective (or Tune trainable) about to run.
+        fuse: The executor's ``fuse`` setting (``None``: one trial per call).
+        name: The argument ``func`` was passed as (``"func"``, ``"trainable"``).
+        kind: What ``func`` is called in messages (``"objective"``, ``"trainable"``).
+        setting: How a user sets ``fuse`` there (``"WaterwaveExecutor(fuse=K)"``).
+        noun: What one call runs per item (``"trials"``, ``"Tune trials"``).
+
+    Raises:
+        ValueError: ``func`` is batched (:func:`batched`) and ``fuse`` is ``None``.
+        TypeError: ``fuse`` is set and ``func`` takes one trial.
+    """
+    if is_batched(func) and fuse is None:
+        raise _checks.value_error(
+            "fuse",
+            fuse,
+            f"must be set, since {name} {func!r} is a batched {kind} (it takes a list of trials)",
+            f"pass {setting} to run up to K {noun} per call, or drop waterwave_hpo.batched to "
+            "run one trial per call",
+        )
+    if fuse is not None and not is_batched(func):
+        single = setting.replace("=K", "=None")
+        raise _checks.type_error(
+            name,
+            func,
+            f"a batched {kind}, since fuse={fuse} runs up to {fuse} {noun} per call",
+            f"mark a function taking a list of trials with waterwave_hpo.batched({name}), or "
+            f"pass {single} for a {kind} taking one trial",
+        )

@@ -29,11 +29,15 @@ from waterwave_hpo.host._attempt import fail_without_running
 from waterwave_hpo.host._attempt import release_interrupted
 from waterwave_hpo.host._attempt import run_job
 from waterwave_hpo.host._memory import DeviceMemory
+from waterwave_hpo.host._memory import MemoryPoolMode
+from waterwave_hpo.host._memory import make_device_memory
 from waterwave_hpo.host._outcome import OnOOM
 from waterwave_hpo.host._outcome import OutcomeKind
 from waterwave_hpo.host._outcome import TrialJob
 from waterwave_hpo.host._outcome import TrialOutcome
+from waterwave_hpo.host._planning import MemoryPlanMode
 from waterwave_hpo.host._planning import PlanSettings
+from waterwave_hpo.host._slots import SlotTable
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class RunSettings:
     """Whether and how trials that do not fit get memory plans (``memory_plan=``)."""
 
 
-class DeviceHost:
+class DeviceHost(SlotTable["_Slot"]):
     """The slots of one device for one ``optimize`` call.
 
     Only the executor's thread calls :meth:`submit`, :meth:`idle_slot`, :meth:`mark_idle`
@@ -93,10 +97,51 @@ class DeviceHost:
         """Trials running on the device outside this host (the other worker processes of the
         driver's host, under process isolation); they count as every trial's neighbours."""
 
-    @property
-    def n_running(self) -> int:
-        """Trials handed to this host whose outcome the executor has not handled yet."""
-        return sum(1 for slot in self.slots if slot.job is not None)
+    @classmethod
+    def build(
+        cls,
+        device: torch.device,
+        n_slots: int,
+        settings: RunSettings,
+        *,
+        memory_pool: MemoryPoolMode,
+        memory_budget_bytes: int | None,
+        policy: Any,
+        admit_by_memory: bool = False,
+        slot_indices: list[int] | None = None,
+    ) -> DeviceHost:
+        """A host with its device's memory machinery, as every runner of trials builds it.
+
+        The driver (threads), a worker process and a Ray host actor all build their host here:
+        the device's pool and scheduler (:func:`make_device_memory`, sized for ``n_slots``
+        trials, with plans when ``settings.memory_plan`` asks for them), then the slots.
+
+        Args:
+            device: The device the trials run on.
+            n_slots: Trials at once (slots made; threads start on first use).
+            settings: The run's settings (``settings.memory_plan`` decides plans).
+            memory_pool: ``WaterwaveExecutor(memory_pool=...)``.
+            memory_budget_bytes: The device's memory budget in bytes, or ``None``.
+            policy: The scheduler's policy (a name or a ``Policy``).
+            admit_by_memory: ``trials_per_device="auto"``: admit by measured memory.
+            slot_indices: The slots' indices (a worker's one slot keeps its driver's index).
+        """
+        memory = make_device_memory(
+            device,
+            memory_pool,
+            memory_budget_bytes,
+            policy,
+            max_trials=n_slots,
+            plans=settings.memory_plan.mode is not MemoryPlanMode.OFF,
+        )
+        return cls(
+            device,
+            n_slots,
+            settings,
+            memory=memory,
+            admit_by_memory=admit_by_memory,
+            slot_indices=slot_indices,
+        )
 
     def idle_slot(self) -> _Slot | None:
         """A slot that may take a trial now, or ``None``.
@@ -107,10 +152,7 @@ class DeviceHost:
         """
         if self.admit_by_memory and self.n_running > 0 and not self.memory.has_room():
             return None
-        for slot in self.slots:
-            if slot.job is None:
-                return slot
-        return None
+        return self.first_idle()
 
     def submit(self, slot: _Slot, job: TrialJob) -> None:
         """Hand ``job`` to the idle ``slot``; starts the slot's thread on first use."""

@@ -29,7 +29,6 @@ from waterwave_hpo.host._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.host._device_host import DeviceHost
 from waterwave_hpo.host._device_host import RunSettings
 from waterwave_hpo.host._memory import MemoryPoolMode
-from waterwave_hpo.host._memory import make_device_memory
 from waterwave_hpo.host._outcome import OnOOM
 from waterwave_hpo.host._outcome import OutcomeKind
 from waterwave_hpo.host._outcome import TrialJob
@@ -230,19 +229,13 @@ class HostRunner:
             memory_plan=spec.memory_plan,
         )
         self._memory_plan = spec.memory_plan
-        memory = make_device_memory(
-            device,
-            spec.memory_pool,
-            spec.memory_budget_bytes,
-            spec.policy,
-            max_trials=spec.n_slots,
-            plans=spec.memory_plan.mode is not MemoryPlanMode.OFF,
-        )
-        self.host = DeviceHost(
+        self.host = DeviceHost.build(
             device,
             spec.n_slots,
             settings,
-            memory=memory,
+            memory_pool=spec.memory_pool,
+            memory_budget_bytes=spec.memory_budget_bytes,
+            policy=spec.policy,
             admit_by_memory=spec.admit_by_memory,
             slot_indices=slot_indices,
         )

@@ -11,6 +11,7 @@ from typing import Any
 import torch.nn as nn
 
 from waterwave_hpo.nodegroup._gates import gates_muted
+from waterwave_hpo.nodegroup._hooks import ModuleObserver
 from waterwave_hpo.nodegroup._pipeline import _PIPELINES
 from waterwave_hpo.nodegroup._pipeline import _profile_on as profile_on
 from waterwave_hpo.nodegroup._profile import Profiler
@@ -18,6 +19,7 @@ from waterwave_hpo.nodegroup._profile import iter_tensors
 from waterwave_hpo.nodegroup._profile import tensor_bytes
 
 __all__ = [
+    "ModuleObserver",
     "Profiler",
     "gated_claim_bytes",
     "gates_declared",

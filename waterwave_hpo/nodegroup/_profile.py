@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from waterwave_hpo.nodegroup._group import NodeGroup
+from waterwave_hpo.nodegroup._hooks import ModuleObserver
 from waterwave_hpo.nodegroup._partition import partition
 
 
@@ -131,7 +132,7 @@ class Atom:
     forward_s: float
 
 
-class Profiler:
+class Profiler(ModuleObserver):
     """Observes one training step of ``model`` (forward with grad enabled, then backward).
 
     ``install()`` then run the step; the first forward with grad enabled is profiled (forwards
@@ -140,7 +141,7 @@ class Profiler:
     """
 
     def __init__(self, model: nn.Module, clock: StepClock | None = None) -> None:
-        self.model = model
+        super().__init__(model)
         self._clock_given = clock is not None
         self.clock = clock if clock is not None else StepClock(_model_device(model))
         self._names: dict[int, str] = {}
@@ -149,7 +150,6 @@ class Profiler:
         self._param_keys = {
             p.untyped_storage().data_ptr() for p in model.parameters() if p.numel() > 0
         }
-        self._handles: list[Any] = []
         self._calls: list[_Call] = []
         self._stack: list[int] = []
         self._events = 0
@@ -165,20 +165,8 @@ class Profiler:
         self._bw_end: Any = None
 
     # ------------------------------------------------------------------ hooks
-    def install(self) -> None:
-        """Register the profiling hooks on every module of the model."""
-        for m in {id(m): m for m in self.model.modules()}.values():
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
-
-    def remove(self) -> None:
-        """Remove the module hooks (the backward timing hooks die with their graph)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._leave_saved_hooks()
-
-    def _leave_saved_hooks(self) -> None:
+    # install() and remove(): ModuleObserver's, on every module of the model.
+    def _leave(self) -> None:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -190,7 +178,7 @@ class Profiler:
             if self.ready:
                 return
             if self._active:  # the previous profiled forward raised: start over
-                self._leave_saved_hooks()
+                self._leave()
                 self._calls.clear()
                 self._saved.clear()
                 self._stack.clear()
@@ -234,7 +222,7 @@ class Profiler:
         if module is self.model:
             self._t_end_forward = self.clock.mark()
             self._output_bytes = sum(tensor_bytes(t) for t in outputs)
-            self._leave_saved_hooks()
+            self._leave()
             self._active = False
             self._finish_forward(outputs)
 

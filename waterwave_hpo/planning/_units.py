@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import nn
 
+from waterwave_hpo.nodegroup._internal import ModuleObserver
 from waterwave_hpo.nodegroup._internal import Profiler
 from waterwave_hpo.nodegroup._internal import iter_tensors
 from waterwave_hpo.nodegroup._internal import profile_on
@@ -168,11 +169,11 @@ def profile_units(
     return profile, UnitModules(groups)
 
 
-class _SavedObserver:
+class _SavedObserver(ModuleObserver):
     """Attributes saved tensors to units during one forward (the second profiled step)."""
 
     def __init__(self, model: nn.Module, owner: dict[int, int], n: int) -> None:
-        self.model = model
+        super().__init__(model)
         self.owner = owner
         self.saved_bytes = [0] * n
         self.input_bytes = [0] * n
@@ -181,7 +182,6 @@ class _SavedObserver:
         self.reentrant = False
         self._seen: set[tuple[int, int]] = set()
         self._stack: list[int] = []
-        self._handles: list[Any] = []
         self._hooks: Any = None
         self._names = {id(m): name for name, m in model.named_modules()}
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -194,17 +194,6 @@ class _SavedObserver:
             return t
 
         self._pack = pack
-
-    def install(self) -> None:
-        for m in {id(m): m for m in self.model.modules()}.values():
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._leave()
 
     def _leave(self) -> None:
         if self._counting:

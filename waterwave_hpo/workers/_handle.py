@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo.host import NoMemory
 from waterwave_hpo.host import OutcomeKind
 from waterwave_hpo.host import RunSettings
+from waterwave_hpo.host import SlotTable
 from waterwave_hpo.host import TrialJob
 from waterwave_hpo.host import TrialOutcome
 from waterwave_hpo.host import TrialRecord
@@ -47,13 +49,6 @@ from waterwave_hpo.workers._worker import worker_main
 _logger = logging.getLogger("waterwave_hpo")
 _EXIT_WAIT_S = 5.0  # how long a worker whose pipe closed may take to be reaped
 _DEATH_POLL_S = 1.0  # without a pidfd: how often a pipe thread checks that its worker lives
-
-
-class _NoMemory:
-    """The trials' memory lives in the workers; the run loop's calls are no-ops here."""
-
-    def trial_ended(self, trial_number: int) -> None:
-        pass
 
 
 def exit_reason(exitcode: int | None, pid: int | None) -> str:
@@ -317,7 +312,7 @@ class WorkerSlot:
             self.worker.kill()
 
 
-class ProcessHostHandle:
+class ProcessHostHandle(SlotTable[WorkerSlot]):
     """A device host whose slots run their trials in worker processes (process isolation).
 
     Only the run loop's thread calls :meth:`idle_slot`, :meth:`submit`, :meth:`running_jobs`
@@ -347,22 +342,14 @@ class ProcessHostHandle:
         self.service = service
         self.leases = leases
         self.scheduler = None
-        self.memory = _NoMemory()
+        self.memory = NoMemory()
         self.torch_threads = torch.get_num_threads()
         self.slots = [WorkerSlot(self, index) for index in range(n_slots)]
         self._shut_down = False
 
-    @property
-    def n_running(self) -> int:
-        """Trials handed to this host whose outcome the run loop has not handled yet."""
-        return sum(1 for slot in self.slots if slot.job is not None)
-
     def idle_slot(self) -> WorkerSlot | None:
         """A slot whose last job has been handled, or ``None``."""
-        for slot in self.slots:
-            if slot.job is None:
-                return slot
-        return None
+        return self.first_idle()
 
     def submit(self, slot: WorkerSlot, job: TrialJob) -> None:
         """Hand ``job`` to ``slot``'s worker, starting a new worker if it has none alive."""
