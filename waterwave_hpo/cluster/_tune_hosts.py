@@ -56,7 +56,7 @@ class HostedTrialError(RuntimeError):
         self.out_of_memory = out_of_memory
 
 
-class _HostActor:
+class _TuneHostActor:
     """The Ray actor: a :class:`~waterwave_hpo.cluster._hosted.TrialHost` on its GPU."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
@@ -291,7 +291,7 @@ class TuneHosts:
         with self._lock:
             name = f"{self._prefix}{len(self._actors)}"
             self._actors[name] = (
-                ray.remote(_HostActor)
+                ray.remote(_TuneHostActor)
                 .options(
                     name=name,
                     namespace=NAMESPACE,
