@@ -181,8 +181,8 @@ def create_study(
 
     Raises:
         TypeError, ValueError: If ``storage`` is not a URL or storage, or cannot be opened
-            (see :func:`open_storage`); the storage's own error is the ``__cause__``.
-        Whatever ``optuna.create_study`` raises for the same arguments.
+            (see :func:`open_storage`); the storage's own error is the ``__cause__``. Else
+            whatever ``optuna.create_study`` raises for the same arguments.
     """
     study = optuna.create_study(
         storage=open_storage(storage),
@@ -209,8 +209,8 @@ def load_study(
         A :class:`Study` whose ``optimize`` also takes ``executor=``.
 
     Raises:
-        Whatever ``optuna.load_study`` raises for the same arguments (``KeyError`` if no study
-        of that name exists).
+        KeyError: If no study of that name exists; else whatever ``optuna.load_study`` raises
+            for the same arguments.
     """
     opened = open_storage(storage)
     try:

@@ -118,10 +118,11 @@ class RayExecutor(WaterwaveExecutor):
             single-slot host actor per trial slot, ``trials_per_device`` (an int) per GPU,
             each with a memory lease; ``num_cpus_per_host`` is then shared by a GPU's K
             actors and ``memory_budget_bytes`` is the GPU's budget their leases share.
-        on_oom, max_oom_retries, memory_budget_bytes, policy, memory_pool,
-            max_trials_per_device, memory_plan, memory_planner, fuse: As for
-            :class:`WaterwaveExecutor`, applied on every host: a fused batch (``fuse=K``) runs
-            in one slot of one host, and each attempt's memory plan is made on its host.
+        on_oom: As for :class:`WaterwaveExecutor`, applied on every host, as are
+            ``max_oom_retries``, ``memory_budget_bytes``, ``policy``, ``memory_pool``,
+            ``max_trials_per_device``, ``memory_plan``, ``memory_planner`` and ``fuse``: a
+            fused batch (``fuse=K``) runs in one slot of one host, and each attempt's memory
+            plan is made on its host.
 
     Attributes:
         devices: Always empty: the driver runs no trial; each host actor resolves its own

@@ -138,7 +138,8 @@ def with_shared_gpu(trainable: Callable[[dict[str, Any]], Any], **shared_gpu_kwa
     works too.)
 
     Raises:
-        Whatever :func:`shared_gpu` and :meth:`SharedGPU.wrap` raise.
+        ImportError, TypeError, ValueError: As :func:`shared_gpu` and :meth:`SharedGPU.wrap`
+            raise them.
     """
     from ray import tune
 
