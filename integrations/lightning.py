@@ -4,7 +4,7 @@ A Lightning ``Trainer`` per trial, inside an objective run by
 :class:`~waterwave_hpo.WaterwaveExecutor`: ``lightning.Trainer(**trainer_kwargs(max_epochs=3))``
 trains on the trial's device and logs to the trial's own directory. Co-hosted trials are
 threads of one process (Waterwave, IEEE TC 72(10), 2023), so what Lightning does process-wide is
-handled here (see the README section "Lightning"):
+handled here (see the user guide, docs/guide/frameworks.md, "Lightning"):
 
 - Lightning's default logger picks ``version_N`` by listing the log directory, so concurrent
   trials wrote into one ``version_0`` (and tensorboardX raised ``FileExistsError``): the logger
@@ -163,7 +163,7 @@ def _guard_seed_everything(original: Callable[..., int]) -> Callable[..., int]:
                 "this process draws from, so it would change the neighbours' random streams. "
                 "Seed what the trial owns instead: DataLoader(..., generator=torch.Generator()"
                 ".manual_seed(seed)) for the data order, and build the model under "
-                "torch.random.fork_rng() (see the README, 'Reproducibility under co-hosting'); "
+                "torch.random.fork_rng() (see the user guide, docs/guide/reproducibility.md); "
                 "or call seed_everything once before the search."
             )
         return original(*args, **kwargs)

@@ -7,7 +7,7 @@ train one model. :func:`hyperparameter_search` takes the same arguments and retu
 run the trials co-hosted (Waterwave, IEEE TC 72(10), 2023: several trainings in one process).
 
 Co-hosted trials are threads of one process, so what accelerate and transformers keep
-process-wide is handled here (see the README section "Hugging Face Trainer"):
+process-wide is handled here (see the user guide, docs/guide/frameworks.md, "Hugging Face Trainer"):
 
 - ``TrainingArguments(...)`` resets accelerate's ``AcceleratorState`` under running neighbours
   (``AcceleratorState._reset_state()`` in ``training_args.py``): each trial's arguments are
@@ -200,7 +200,7 @@ def hyperparameter_search(
             "Co-hosted trials skip transformers' set_seed(args.seed): it reseeds the process's "
             "global generators (random, NumPy, torch), which the trials running beside it draw "
             "from. Results are not bit-reproducible with several trials at a time; see the "
-            "README section 'Reproducibility under co-hosting'.",
+            "user guide's page docs/guide/reproducibility.md.",
             UserWarning,
             stacklevel=2,
         )

@@ -1,6 +1,6 @@
 """Ray Tune trials run inside one process per GPU: the host side of ``tune_hosts()``.
 
-The second of the two ways to run Ray Tune trials that the README compares (the first is
+The second of the two ways to run Ray Tune trials that the user guide compares (the first is
 ``shared_gpu()``'s per-GPU lease broker, :mod:`waterwave_hpo.cluster._tune`): each Tune trial
 stays a Tune trial (its own small process, its results and checkpoints where Tune puts them),
 but its training function runs in a thread of the GPU's *host* process, next to the other
