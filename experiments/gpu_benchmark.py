@@ -149,6 +149,8 @@ class Row:
     pool: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+#: The configurations a row can be.
+LABELS = ("temporal", "optuna-nj", "ww-torch", "ww-pool", "ww-async", "fused", "processes")
 #: Group order: ``torch`` first (its process measures the anchors, which size the high demand).
 GROUPS = ("torch", "pool", "async", "processes")
 #: Expected cost of a row relative to temporal at the same workload (sizes the time shares).
@@ -456,6 +458,8 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
     import waterwave_hpo as ww
 
     device = torch.device(plan["device"])
+    if row.label not in LABELS:
+        raise ValueError(f"row.label={row.label!r}: not a configuration; one of {LABELS}")
     wl = WorkloadDef(**next(w for w in plan["workloads"] if w["name"] == row.workload))
     steps = int(plan["steps"])
     n = int(plan["trials"])
@@ -824,7 +828,7 @@ def format_table(rows: list[Row], n: int, anchors: dict[str, Any], device_label:
     ]
     for r in rows:
         name = r.key.split("/", 2)[2]
-        x = f"{r.x_temporal:.2f}x" if r.x_temporal is not None else "-"
+        x = "-" if r.x_temporal is None else f"{r.x_temporal:.{2 if r.x_temporal >= 0.01 else 3}f}x"
         done = f"{r.completed}/{n}" if r.status in ("ok", "cut") else "-"
         note = r.note.replace("|", "/")[:110]
         lines.append(
