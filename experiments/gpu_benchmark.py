@@ -55,6 +55,7 @@ import json
 import os
 from pathlib import Path
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ ASYNC_CONF = "backend:cudaMallocAsync"
 _OOM_ATTR = "gpubench:oom"
 _CUT_ATTR = "gpubench:cut"
 _STEPS_ATTR = "gpubench:steps"
+_START_ATTR = "gpubench:start"
 
 
 # -- the plan: workloads, rows, groups ------------------------------------------------------------
@@ -113,6 +115,8 @@ class Row:
             for this device, or not selected) or ``pending`` (not run yet).
         wall_s: Seconds from the first trial's start to the last trial's end (the ``optimize``
             call).
+        first_trial_s: Seconds from the ``optimize`` call to the first objective call (for
+            processes: the workers' start-up).
         completed: Trials told COMPLETE.
         failed: Trials told FAIL (out-of-memory attempts re-run by the executor included).
         oom: Attempts that ran out of device memory.
@@ -137,6 +141,7 @@ class Row:
     share_s: float = 0.0
     status: str = "pending"
     wall_s: float | None = None
+    first_trial_s: float | None = None
     completed: int = 0
     failed: int = 0
     oom: int = 0
@@ -315,6 +320,7 @@ def train_trial(trial: Any, wl: WorkloadDef, steps: int, deadline: float, gates:
     """
     import waterwave_hpo as ww
 
+    trial.set_user_attr(_START_ATTR, time.time())
     ctx = ww.current_or_none()
     device = ctx.device if ctx is not None else torch.device(_DEVICE[0])
     hp = suggest(trial)
@@ -348,6 +354,8 @@ def train_fused(trials: list[Any], wl: WorkloadDef, steps: int, deadline: float)
     import waterwave_hpo as ww
     from waterwave_hpo import fusion
 
+    for t in trials:
+        t.set_user_attr(_START_ATTR, time.time())
     device = ww.current().device
     hps = [suggest(t) for t in trials]
     try:
@@ -510,6 +518,13 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
 
         if row.label == "processes":
             executor_kwargs["isolation"] = "process"
+            if device.type == "cuda":
+                pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+                row.note = (
+                    "MPS runs: kernels of the workers can overlap"
+                    if os.path.exists(os.path.join(pipe, "control"))
+                    else "MPS not running: the workers time-slice the GPU"
+                )
         executor = ww.WaterwaveExecutor(
             devices=str(device), trials_per_device=row.k, **executor_kwargs
         )
@@ -517,6 +532,8 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
     if device.type == "cuda" and row.label != "processes":
         torch.cuda.synchronize(device)
     row.wall_s = time.time() - start
+    starts = [float(t.user_attrs[_START_ATTR]) for t in study.trials if _START_ATTR in t.user_attrs]
+    row.first_trial_s = min(starts) - start if starts else None
     states = [t.state for t in study.trials]
     row.completed = sum(s == optuna.trial.TrialState.COMPLETE for s in states)
     row.failed = sum(s == optuna.trial.TrialState.FAIL for s in states)
@@ -541,6 +558,7 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
         row.status = "cut"
         row.note = (
             f"cut at its share of {row.share_s:.0f} s: {row.completed} of {n} trials completed"
+            + (f"; {row.note}" if row.note else "")
         )
     else:
         row.status = "ok"
@@ -634,9 +652,8 @@ def group_main(plan_path: str, group: str, out_path: str) -> int:
             row.status = "error"
             row.note = f"{type(error).__name__}: {error}"[:400]
             traceback.print_exc()
-        if torch.cuda.is_available() and plan["device"].startswith("cuda"):
-            if group != "processes":
-                torch.cuda.empty_cache()
+        if plan["device"].startswith("cuda") and group != "processes":
+            torch.cuda.empty_cache()  # the next row starts from no cache
         emit(dataclasses.asdict(row))
         print(f"[{group}] {row.key}: {row.status} {row.wall_s} s", flush=True)
     return 0
@@ -770,11 +787,19 @@ def _child(args: list[str], env_extra: dict[str, str], timeout_s: float, log: Pa
     env.update(env_extra)
     cmd = [sys.executable, os.path.abspath(__file__), *args]
     with log.open("a") as f:
+        # Its own session, so that a group past its window is ended with the processes it
+        # started (the executor's workers) and none outlives the run.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1.0)
-            )
+            proc.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
             return f"the group process ran past its window of {timeout_s:.0f} s and was killed"
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-3:]
@@ -813,6 +838,8 @@ def _versions() -> dict[str, Any]:
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "CUDA_MPS_PIPE_DIRECTORY": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
 
 
@@ -835,6 +862,12 @@ def format_table(rows: list[Row], n: int, anchors: dict[str, Any], device_label:
             f"| {r.workload} | {r.setting} | {name} | {r.allocator or '-'} | {x} | {done} "
             f"| {r.oom} | {r.failed} | {r.status} | {note} |"
         )
+    walls = [
+        f"{r.workload} {r.setting} {r.wall_s:.2f} s"
+        for r in rows
+        if r.label == "temporal" and r.wall_s is not None
+    ]
+    lines += ["", "one at a time, wall: " + (", ".join(walls) or "-")]
     tflops = anchors.get("matmul_tflops")
     gbps = anchors.get("h2d_gb_per_s")
     lines += [
@@ -890,6 +923,11 @@ def main(argv: list[str] | None = None) -> int:
     device_type = args.device.split(":")[0]
     if device_type not in ("cuda", "cpu"):
         parser.error(f"--device={args.device}: must be cuda:N or cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():  # counts devices; no context
+        parser.error(
+            f"--device={args.device}: PyTorch sees no CUDA device here; "
+            "run on a GPU, or pass --device cpu --toy for the CPU check"
+        )
     out = args.out.resolve()
     _prepare_out(out)
     ks = args.ks or ([2] if args.toy else [4, 8])

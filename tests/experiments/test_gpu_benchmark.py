@@ -162,3 +162,13 @@ def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> N
         assert by_label[key]["status"] == "ok" and by_label[key]["completed"] == 4
     assert by_label["small-cnn/light/processes K=2"]["status"] in ("ok", "cut")
     assert (out / "group-torch.log").exists() and (out / "group-processes.log").exists()
+
+
+def test_a_group_past_its_window_is_killed_and_says_so(gb: ModuleType, tmp_path: Path) -> None:
+    row = gb.Row("small-cnn/light/temporal", "torch", "small-cnn", "light", "temporal", 1)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan(gb, [row], time.time() + 600)))
+    args = ["--_group", "torch", "--_plan", str(plan_path), "--_result", str(tmp_path / "r")]
+    why = gb._child(args, {}, 0.5, tmp_path / "group.log")
+    assert "ran past its window of 0 s and was killed" in why
+    assert not (tmp_path / "r").exists()
