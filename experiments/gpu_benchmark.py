@@ -417,9 +417,11 @@ def _memory_fraction(device: Any, capacity: int | None) -> str:
 def _pool_counters(device: Any) -> dict[str, Any] | None:
     """The stream-aware pool's counters on ``device``, or ``None`` when no pool serves it."""
     try:
-        from waterwave_hpo.memory import device_pool
+        from waterwave_hpo import memory
 
-        pool = device_pool(device.index or 0)
+        index = device.index or 0
+        # The pool the executor installed, else one that serves PyTorch some other way.
+        pool = memory.installed_pool(index) or getattr(memory, "device_pool", lambda i: None)(index)
         if pool is None:
             return None
         out = {k: v for k, v in dataclasses.asdict(pool.stats()).items()}

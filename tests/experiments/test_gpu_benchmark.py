@@ -172,3 +172,28 @@ def test_a_group_past_its_window_is_killed_and_says_so(gb: ModuleType, tmp_path:
     why = gb._child(args, {}, 0.5, tmp_path / "group.log")
     assert "ran past its window of 0 s and was killed" in why
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # the executor's first run in this process: ~5-10 s on a busy 2-core VM
+def test_the_pool_rows_run_their_cuda_paths_and_read_the_pools_counters(
+    gb: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fakes import cuda_topology
+
+    cuda_topology.install(monkeypatch)  # a fake CUDA device; a simulated pool as the allocator
+    try:
+        plan = {**_plan(gb, [], time.time() + 600), "device": "cuda:0"}
+        rows = [
+            gb.Row("small-cnn/light/ww-pool+gates K=2", "pool", "small-cnn", "light", "ww-pool", 2),
+            gb.Row("resnet/high/ww-pool K=2", "pool", "resnet", "high", "ww-pool", 2),
+        ]
+        rows[0].gates = True
+        for row in rows:
+            gb.run_row(row, plan, deadline=time.time() + 300)
+            assert row.status == "ok" and row.completed == 2, row.note
+            assert row.allocator == "waterwave-pool"
+            for counter in ("num_allocs", "new_segment", "num_segments", "stream_waits_issued"):
+                assert counter in row.pool
+        assert rows[1].bound == "memory_budget_bytes=1073741824"
+    finally:
+        cuda_topology.uninstall()
