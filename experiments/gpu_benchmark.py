@@ -400,18 +400,42 @@ _DEVICE = ["cpu"]
 # -- the group process: runs its rows, one JSON line each ---------------------------------------
 
 
+def _release_cached(device: Any) -> int:
+    """Free PyTorch's cached blocks and cuBLAS workspaces on ``device``; bytes still reserved.
+
+    cuBLAS keeps a workspace per (handle, stream) allocated through PyTorch's allocator, outside
+    ``empty_cache``; earlier rows' threads and streams would otherwise count against the next
+    row's bound.
+    """
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    try:
+        return int(torch.cuda.memory_reserved(device))
+    except Exception:  # an allocator without the stat (a pluggable one may refuse it)
+        return 0
+
+
 def _memory_fraction(device: Any, capacity: int | None) -> str:
-    """Bound PyTorch's allocator to ``capacity`` bytes (``None``: unbound); say how."""
+    """Bound PyTorch's allocator to ``capacity`` bytes above what it holds now; say how.
+
+    ``None``: unbound (fraction 1). The fraction is ``(held + capacity) / total``, ``held`` the
+    bytes still reserved once the caches are released (none, unless something is still alive).
+    """
     if device.type != "cuda":
         return "not bounded (CPU)" if capacity else ""
-    torch.cuda.empty_cache()
+    held = _release_cached(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = 1.0 if capacity is None else min(1.0, capacity / total)
+    fraction = 1.0 if capacity is None else min(1.0, (held + capacity) / total)
     try:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
     except (RuntimeError, AttributeError) as error:
         return f"set_per_process_memory_fraction failed: {error}"
-    return "" if capacity is None else f"memory fraction {fraction:.5f} ({capacity} B)"
+    if capacity is None:
+        return ""
+    return f"set_per_process_memory_fraction({fraction:.6f}): {capacity} B above {held} B held"
 
 
 def _pool_counters(device: Any) -> dict[str, Any] | None:
@@ -636,9 +660,7 @@ def group_main(plan_path: str, group: str, out_path: str) -> int:
         warm_up(plan, group)
     except Exception as error:
         emit({"warm_up_error": f"{type(error).__name__}: {error}"})
-    weights = [
-        _WEIGHT.get(r.label, _WEIGHT_CO_HOSTED) * plan["workload_weight"][r.workload] for r in rows
-    ]
+    weights = [_row_weight(r, plan) for r in rows]
     for i, row in enumerate(rows):
         now = time.time()
         left = max(end - now, 0.0)
@@ -655,7 +677,10 @@ def group_main(plan_path: str, group: str, out_path: str) -> int:
             row.note = f"{type(error).__name__}: {error}"[:400]
             traceback.print_exc()
         if plan["device"].startswith("cuda") and group != "processes":
-            torch.cuda.empty_cache()  # the next row starts from no cache
+            try:
+                _release_cached(torch.device(plan["device"]))  # the next row starts bare
+            except RuntimeError as error:  # a sticky CUDA error: the next rows will say so
+                print(f"[{group}] empty_cache after {row.key}: {error}", flush=True)
         emit(dataclasses.asdict(row))
         print(f"[{group}] {row.key}: {row.status} {row.wall_s} s", flush=True)
     return 0
@@ -718,8 +743,8 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
     peaks: dict[str, Any] = {}
     for w in plan["workloads"]:
         wl = WorkloadDef(**w)
+        held = _release_cached(device) if cuda else 0
         if cuda:
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         model = build_model(wl).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -742,8 +767,10 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         entry: dict[str, Any] = {"step_s": (time.perf_counter() - t0) / steps}
         if cuda:
+            # Above what was held before (nothing, once the caches are released): the
+            # trial's model, batches, activations, cuDNN and cuBLAS workspaces.
             entry["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-            entry["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+            entry["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device)) - held
         else:  # no allocator counts CPU tensors: parameters, gradients, momentum, one batch
             params = sum(p.numel() * p.element_size() for p in model.parameters())
             x = batches[0][0]
@@ -752,7 +779,7 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
         del model, opt, batches
     result["workloads"] = peaks
     if cuda:
-        torch.cuda.empty_cache()
+        _release_cached(device)
         torch.cuda.reset_peak_memory_stats(device)
     return result
 
