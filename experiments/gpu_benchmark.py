@@ -879,17 +879,23 @@ def format_table(rows: list[Row], n: int, anchors: dict[str, Any], device_label:
         "one at a time's (same workload and demand, same run; completed and cut trials' steps)",
         "",
         "| workload | demand | configuration | allocator | x temporal | completed | OOM | FAIL "
-        "| status | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| pool: allocs / new segments / stream waits | status | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r.key.split("/", 2)[2]
         x = "-" if r.x_temporal is None else f"{r.x_temporal:.{2 if r.x_temporal >= 0.01 else 3}f}x"
         done = f"{r.completed}/{n}" if r.status in ("ok", "cut") else "-"
         note = r.note.replace("|", "/")[:110]
+        pool = "-"
+        if "num_allocs" in r.pool:
+            pool = " / ".join(
+                str(r.pool.get(k, "?"))
+                for k in ("num_allocs", "new_segment", "stream_waits_issued")
+            )
         lines.append(
             f"| {r.workload} | {r.setting} | {name} | {r.allocator or '-'} | {x} | {done} "
-            f"| {r.oom} | {r.failed} | {r.status} | {note} |"
+            f"| {r.oom} | {r.failed} | {pool} | {r.status} | {note} |"
         )
     walls = [
         f"{r.workload} {r.setting} {r.wall_s:.2f} s"

@@ -144,7 +144,7 @@ def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (out / "table.md").read_text()
     assert table in proc.stdout
-    assert "| small-cnn | light | temporal | cpu | 1.00x | 4/4 |" in table
+    assert "| small-cnn | light | temporal | cpu | 1.00x | 4/4 | 0 | 0 | - | ok |" in table
     assert "| resnet | high | optuna-nj K=2 |" in table
     assert "anchors: matmul" in table
     results = json.loads((out / "results.json").read_text())
@@ -197,3 +197,19 @@ def test_the_pool_rows_run_their_cuda_paths_and_read_the_pools_counters(
         assert rows[1].bound == "memory_budget_bytes=1073741824"
     finally:
         cuda_topology.uninstall()
+
+
+def test_the_table_gives_ratios_and_the_pools_counters(gb: ModuleType) -> None:
+    temporal = gb.Row("resnet/high/temporal", "torch", "resnet", "high", "temporal", 1)
+    temporal.status, temporal.allocator, temporal.completed, temporal.wall_s = "ok", "a", 16, 8.0
+    temporal.x_temporal = 1.0
+    pool = gb.Row("resnet/high/ww-pool K=4", "pool", "resnet", "high", "ww-pool", 4)
+    pool.status, pool.allocator, pool.completed, pool.oom, pool.failed = "ok", "p", 16, 2, 2
+    pool.x_temporal = 1.5
+    pool.pool = {"num_allocs": 120, "new_segment": 3, "stream_waits_issued": 7}
+    anchors = {"matmul_tflops": 700.0, "matmul": "m", "h2d_gb_per_s": 50.0}
+    table = gb.format_table([temporal, pool], 16, anchors, "GPU")
+    assert "| resnet | high | temporal | a | 1.00x | 16/16 | 0 | 0 | - | ok |" in table
+    assert "| resnet | high | ww-pool K=4 | p | 1.50x | 16/16 | 2 | 2 | 120 / 3 / 7 | ok |" in table
+    assert "one at a time, wall: resnet high 8.00 s" in table
+    assert "matmul 700 TFLOP/s" in table and "copy 50 GB/s" in table
