@@ -134,8 +134,10 @@ def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> N
     empty = tmp_path / "cwd"
     empty.mkdir()  # run from an empty folder, as on the GPU machine: nothing from tests/
     out = tmp_path / "results"
+    # A long budget: the rows end when they are done; on a busy machine none is cut.
+    args = ["--device", "cpu", "--toy", "--budget-s", "400", "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--toy", "--out", str(out)],
+        [sys.executable, str(SCRIPT), *args],
         cwd=empty,
         capture_output=True,
         text=True,
