@@ -213,10 +213,7 @@ def plan_rows(device_type: str, ks: list[int], settings: list[str], toy: bool) -
         for row in rows:
             if row.group in ("pool", "async"):
                 row.status = "skipped"
-                row.note = (
-                    "CUDA only: the stream-aware pool and cudaMallocAsync serve CUDA memory; "
-                    "on the CPU the executor runs without a pool"
-                )
+                row.note = "CUDA only: the pool and cudaMallocAsync serve CUDA memory"
     return rows
 
 
