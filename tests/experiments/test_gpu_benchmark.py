@@ -1,0 +1,217 @@
+"""experiments/gpu_benchmark.py: the one-command GPU benchmark runs at toy scale on the CPU.
+
+The script is what a person with a GPU runs; these tests keep it from rotting where no GPU is:
+its plan has every configuration the GPU run must measure, a failing row and a row past its time
+share are recorded while the run goes on, its results folder is never someone else's, and the
+whole script runs end to end on the CPU from an empty folder (``--device cpu --toy``).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+import subprocess
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_benchmark.py"
+
+
+@pytest.fixture(scope="module")
+def gb() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_benchmark"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan(gb: ModuleType, rows: list[Any], group_end: float) -> dict[str, Any]:
+    wls = gb.workloads(True)
+    return {
+        "device": "cpu",
+        "toy": True,
+        "trials": 2,
+        "steps": 2,
+        "seed": 0,
+        "workloads": [gb.dataclasses.asdict(w) for w in wls],
+        "capacity_bytes": {w.name: 1 << 30 for w in wls},
+        "high_factor": 2.5,
+        "workload_weight": {w.name: 1.0 for w in wls},
+        "rows": [gb.dataclasses.asdict(r) for r in rows],
+        "group_end": {"torch": group_end},
+        "anchors_path": None,
+    }
+
+
+def test_the_gpu_plan_has_every_configuration_at_both_demands(gb: ModuleType) -> None:
+    rows = gb.plan_rows("cuda", [4, 8], ["light", "high"], toy=False)
+    names = {r.key for r in rows}
+    for workload in ("small-cnn", "resnet"):
+        for setting in ("light", "high"):
+            for name in (
+                "temporal",
+                "optuna-nj K=4",
+                "optuna-nj K=8",
+                "ww-pool K=4",
+                "ww-pool+gates K=8",
+                "ww-torch K=8",
+                "ww-torch+gates K=4",
+                "ww-async K=4",
+                "fused K=8",
+                "processes K=4",
+            ):
+                assert f"{workload}/{setting}/{name}" in names
+    assert all(r.status == "pending" for r in rows)
+    assert {r.group for r in rows if r.label == "ww-async"} == {"async"}
+    assert {r.group for r in rows if r.label == "ww-pool"} == {"pool"}
+
+
+def test_on_the_cpu_the_cuda_only_rows_say_why_they_do_not_run(gb: ModuleType) -> None:
+    rows = gb.plan_rows("cpu", [2], ["light", "high"], toy=True)
+    skipped = [r for r in rows if r.group in ("pool", "async")]
+    assert skipped and all(r.status == "skipped" and "CUDA only" in r.note for r in skipped)
+
+
+def test_a_failing_row_records_its_error_and_the_next_row_runs(
+    gb: ModuleType, tmp_path: Path
+) -> None:
+    broken = gb.Row("small-cnn/light/bogus", "torch", "small-cnn", "light", "bogus", 1)
+    fine = gb.Row("small-cnn/light/temporal", "torch", "small-cnn", "light", "temporal", 1)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan(gb, [broken, fine], time.time() + 120)))
+    out = tmp_path / "rows.jsonl"
+    assert gb.group_main(str(plan_path), "torch", str(out)) == 0
+    got = {r["key"]: r for r in map(json.loads, out.read_text().splitlines()) if "key" in r}
+    assert got["small-cnn/light/bogus"]["status"] == "error"
+    assert "row.label='bogus': not a configuration" in got["small-cnn/light/bogus"]["note"]
+    assert got["small-cnn/light/temporal"]["status"] == "ok"
+    assert got["small-cnn/light/temporal"]["completed"] == 2
+
+
+def test_a_row_past_its_share_is_cut_and_says_so(gb: ModuleType, tmp_path: Path) -> None:
+    row = gb.Row("small-cnn/light/optuna-nj K=2", "torch", "small-cnn", "light", "optuna-nj", 2)
+    plan = {**_plan(gb, [row], time.time() + 60), "steps": 1_000_000}
+    gb.run_row(row, plan, deadline=time.time() + 2.0)  # trials start, then the share ends
+    assert row.status == "cut"
+    assert "cut at its share" in row.note
+    assert row.completed == 0 and row.failed >= 1
+    assert row.steps_per_s is not None and row.steps_per_s > 0  # the cut trials' steps count
+
+
+def test_a_group_out_of_time_records_its_rows_as_cut(gb: ModuleType, tmp_path: Path) -> None:
+    row = gb.Row("small-cnn/light/temporal", "torch", "small-cnn", "light", "temporal", 1)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan(gb, [row], time.time() - 1.0)))
+    out = tmp_path / "rows.jsonl"
+    gb.group_main(str(plan_path), "torch", str(out))
+    (got,) = [json.loads(line) for line in out.read_text().splitlines() if "key" in line]
+    assert got["status"] == "cut" and "time budget was spent" in got["note"]
+
+
+def test_it_refuses_a_results_folder_it_did_not_make(gb: ModuleType, tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match=r"--out=.*was not made by this script"):
+        gb._prepare_out(theirs)
+    assert (theirs / "notes.txt").read_text() == "keep me"
+    ours = tmp_path / "ours"
+    gb._prepare_out(ours)
+    (ours / "results.json").write_text("{}")
+    gb._prepare_out(ours)  # its own folder: reused
+
+
+@pytest.mark.slow  # one process per group, each importing torch: ~35-130 s on a busy 2-core VM
+def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> None:
+    empty = tmp_path / "cwd"
+    empty.mkdir()  # run from an empty folder, as on the GPU machine: nothing from tests/
+    out = tmp_path / "results"
+    # A long budget: the rows end when they are done; on a busy machine none is cut.
+    args = ["--device", "cpu", "--toy", "--budget-s", "400", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=empty,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (out / "table.md").read_text()
+    assert table in proc.stdout
+    assert "| small-cnn | light | temporal | cpu | 1.00x | 4/4 | 0 | 0 | - | ok |" in table
+    assert "| resnet | high | optuna-nj K=2 |" in table
+    assert "anchors: matmul" in table
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert results["anchors"]["matmul_tflops"] > 0
+    assert set(results["capacity_bytes"]) == {"small-cnn", "resnet"}
+    with (out / "results.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    by_label = {r["key"]: r for r in rows}
+    for key, r in by_label.items():
+        assert r["status"] in ("ok", "cut", "skipped"), (key, r["note"])
+        if r["status"] == "ok":
+            assert r["x_temporal"] is not None and r["x_temporal"] > 0, key
+    for key in ("small-cnn/light/temporal", "resnet/high/temporal"):
+        assert by_label[key]["status"] == "ok" and by_label[key]["completed"] == 4
+    assert by_label["small-cnn/light/processes K=2"]["status"] in ("ok", "cut")
+    assert (out / "group-torch.log").exists() and (out / "group-processes.log").exists()
+
+
+def test_a_group_past_its_window_is_killed_and_says_so(gb: ModuleType, tmp_path: Path) -> None:
+    row = gb.Row("small-cnn/light/temporal", "torch", "small-cnn", "light", "temporal", 1)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan(gb, [row], time.time() + 600)))
+    args = ["--_group", "torch", "--_plan", str(plan_path), "--_result", str(tmp_path / "r")]
+    why = gb._child(args, {}, 0.5, tmp_path / "group.log")
+    assert "ran past its window of 0 s and was killed" in why
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # the executor's first run in this process: ~5-10 s on a busy 2-core VM
+def test_the_pool_rows_run_their_cuda_paths_and_read_the_pools_counters(
+    gb: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fakes import cuda_topology
+
+    cuda_topology.install(monkeypatch)  # a fake CUDA device; a simulated pool as the allocator
+    try:
+        plan = {**_plan(gb, [], time.time() + 600), "device": "cuda:0"}
+        rows = [
+            gb.Row("small-cnn/light/ww-pool+gates K=2", "pool", "small-cnn", "light", "ww-pool", 2),
+            gb.Row("resnet/high/ww-pool K=2", "pool", "resnet", "high", "ww-pool", 2),
+        ]
+        rows[0].gates = True
+        for row in rows:
+            gb.run_row(row, plan, deadline=time.time() + 300)
+            assert row.status == "ok" and row.completed == 2, row.note
+            assert row.allocator == "waterwave-pool"
+            for counter in ("num_allocs", "new_segment", "num_segments", "stream_waits_issued"):
+                assert counter in row.pool
+        assert rows[1].bound == "memory_budget_bytes=1073741824"
+    finally:
+        cuda_topology.uninstall()
+
+
+def test_the_table_gives_ratios_and_the_pools_counters(gb: ModuleType) -> None:
+    temporal = gb.Row("resnet/high/temporal", "torch", "resnet", "high", "temporal", 1)
+    temporal.status, temporal.allocator, temporal.completed, temporal.wall_s = "ok", "a", 16, 8.0
+    temporal.x_temporal = 1.0
+    pool = gb.Row("resnet/high/ww-pool K=4", "pool", "resnet", "high", "ww-pool", 4)
+    pool.status, pool.allocator, pool.completed, pool.oom, pool.failed = "ok", "p", 16, 2, 2
+    pool.x_temporal = 1.5
+    pool.pool = {"num_allocs": 120, "new_segment": 3, "stream_waits_issued": 7}
+    anchors = {"matmul_tflops": 700.0, "matmul": "m", "h2d_gb_per_s": 50.0}
+    table = gb.format_table([temporal, pool], 16, anchors, "GPU")
+    assert "| resnet | high | temporal | a | 1.00x | 16/16 | 0 | 0 | - | ok |" in table
+    assert "| resnet | high | ww-pool K=4 | p | 1.50x | 16/16 | 2 | 2 | 120 / 3 / 7 | ok |" in table
+    assert "one at a time, wall: resnet high 8.00 s" in table
+    assert "matmul 700 TFLOP/s" in table and "copy 50 GB/s" in table
