@@ -38,7 +38,7 @@ def test_the_cupy_check_fails_when_the_executor_treats_the_error_as_fatal(
 ) -> None:
     # Finding 1's old behaviour: the pool's (and CuPy's) MemoryError not seen as out of memory.
     from waterwave_hpo.doctor._checks import guarded
-    from waterwave_hpo.executor import _run
+    from waterwave_hpo.host import _attempt as _run
 
     monkeypatch.setattr(_run, "is_out_of_memory", lambda error: False)
     result = guarded("cupy_oom", lambda: _features.check_cupy_oom(CPU))
