@@ -396,10 +396,11 @@ class UnpicklableError(RuntimeError):
 def picklable_error(error: BaseException | None) -> BaseException | None:
     """``error`` ready to cross to the driver: its type kept, its traceback as a note.
 
-    The traceback object cannot cross; its text is added as a note (``add_note``, shown when
-    the error is printed). If ``error`` cannot be pickled (an unpicklable attribute, an
-    ``__init__`` its pickled arguments do not fit), the same type is tried without its
-    attributes; failing that, an :class:`UnpicklableError` names the type and keeps the text.
+    The traceback object cannot cross; its text is added as a note (``__notes__``, shown when
+    the error is printed, from Python 3.11). If ``error`` cannot be pickled (an unpicklable
+    attribute, an ``__init__`` its pickled arguments do not fit), the same type is tried
+    without its attributes; failing that, an :class:`UnpicklableError` names the type and
+    keeps the text.
     """
     if error is None:
         return None
@@ -407,7 +408,7 @@ def picklable_error(error: BaseException | None) -> BaseException | None:
 
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     if error.__traceback__ is not None:
-        error.add_note(f"Traceback on the host:\n{text.rstrip()}")
+        _add_note(error, f"Traceback on the host:\n{text.rstrip()}")
     error.__traceback__ = None
     with contextlib.suppress(Exception):
         cloudpickle.loads(cloudpickle.dumps(error))
@@ -420,8 +421,13 @@ def picklable_error(error: BaseException | None) -> BaseException | None:
             return bare
     name = f"{type(error).__module__}.{type(error).__qualname__}"
     fallback = UnpicklableError(name, str(error))
-    fallback.add_note(f"Traceback on the host:\n{text.rstrip()}")
+    _add_note(fallback, f"Traceback on the host:\n{text.rstrip()}")
     return fallback
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # BaseException.add_note from Python 3.11 (which prints __notes__); the same list before.
+    error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> TrialOutcome:
