@@ -345,7 +345,8 @@ def cannot_fit(
     """Why a re-run of an out-of-memory attempt can never fit, with both figures; else ``None``.
 
     The trial's known need is compared with the most it could ever get, whatever its
-    neighbours do:
+    neighbours do (a fused batch is never judged so: its trials re-run unfused, each needing
+    less):
 
     - a request the pipeline scheduler refused as larger than its whole budget
       (:class:`~waterwave_hpo.scheduler.BudgetExceededError`, not an eviction): what the trial
@@ -365,6 +366,8 @@ def cannot_fit(
         A sentence naming the need and the most, in bytes, or ``None`` when a re-run with fewer
         neighbours or a smaller plan could fit (or nothing is known).
     """
+    if len(context.batch) > 1:
+        return None  # a fused batch re-runs unfused, one trial each: a smaller need
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, BudgetExceededError) and not cause.evicted:
