@@ -7,12 +7,17 @@ would not help, so its parameters are not re-queued.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import optuna
 from optuna.trial import TrialState
+import pytest
 import torch
 from torch import nn
 
 import waterwave_hpo as ww
+from waterwave_hpo.host._attempt import cannot_fit
+from waterwave_hpo.scheduler import BudgetExceededError
 
 BUDGET_BYTES = 4096  # far below one NodeGroup of the MLP below (about 2 MiB)
 
@@ -43,3 +48,64 @@ def test_a_trial_whose_need_exceeds_the_budget_fails_once_with_both_figures() ->
         assert "not re-run" in reason, reason
         assert "needs at least" in reason and f"({BUDGET_BYTES} bytes)" in reason, reason
         assert "waterwave:retry_of" not in trial.system_attrs
+
+
+def _memory(budget_bytes: int | None, capacity_bytes: int | None) -> SimpleNamespace:
+    pool = None if capacity_bytes is None else SimpleNamespace(capacity_bytes=capacity_bytes)
+    return SimpleNamespace(budget_bytes=budget_bytes, pool=pool)
+
+
+def _context(smallest_peak_bytes: int | None = None, batch: int = 0) -> SimpleNamespace:
+    planning = SimpleNamespace(smallest_peak_bytes=smallest_peak_bytes)
+    return SimpleNamespace(planning=planning, batch=tuple(range(batch)))
+
+
+def _budget_error(evicted: bool) -> BaseException:
+    return BudgetExceededError(3, nbytes=6000, held_bytes=1000, budget_bytes=4096, evicted=evicted)
+
+
+@pytest.mark.parametrize(
+    ("error", "peak_bytes", "context", "memory", "figures"),
+    [
+        pytest.param(
+            _budget_error(False), None, _context(), _memory(4096, None), ("7000", "4096"), id="ask"
+        ),
+        pytest.param(
+            RuntimeError("out of memory"),
+            None,
+            _context(smallest_peak_bytes=9000),
+            _memory(4096, None),
+            ("9000", "4096"),
+            id="plan-floor",
+        ),
+        pytest.param(
+            RuntimeError("out of memory"),
+            2**20,
+            _context(),
+            _memory(None, 2**20),
+            ("1048576", "capacity"),
+            id="peak-at-lease",
+        ),
+        pytest.param(
+            _budget_error(True), None, _context(), _memory(4096, None), None, id="evicted"
+        ),
+        pytest.param(
+            _budget_error(False), None, _context(batch=2), _memory(4096, None), None, id="fused"
+        ),
+        pytest.param(
+            RuntimeError("out of memory"), 512, _context(), _memory(4096, 2**20), None, id="fits"
+        ),
+    ],
+)
+def test_cannot_fit_compares_the_known_need_with_the_most_the_trial_could_get(
+    error: BaseException,
+    peak_bytes: int | None,
+    context: SimpleNamespace,
+    memory: SimpleNamespace,
+    figures: tuple[str, str] | None,
+) -> None:
+    why = cannot_fit(error, peak_bytes, context, memory)  # type: ignore[arg-type]
+    if figures is None:
+        assert why is None
+    else:
+        assert why is not None and all(figure in why for figure in figures), why
