@@ -20,7 +20,9 @@ PACKAGE = REPO_ROOT / "waterwave_hpo"
 INTEGRATIONS = REPO_ROOT / "integrations"
 
 # Project-wide private modules at the top of the package, shared by every subpackage.
-SHARED_PRIVATE_MODULES = frozenset({"_checks", "_experimental", "_optuna_compat", "_version"})
+SHARED_PRIVATE_MODULES = frozenset(
+    {"_checks", "_experimental", "_optuna_compat", "_owned_files", "_version"}
+)
 # integrations/ray_tune.py is the public face of the cluster package's Ray Tune half; like a
 # facade it only re-exports what it imports.
 FACADE_OF = {"integrations": "cluster"}

@@ -200,6 +200,47 @@ def check_choice(name: str, value: object, choices: type[_E], fix: str | None = 
         ) from None
 
 
+SEED_MAX = 2**32 - 1
+"""The largest seed NumPy's ``RandomState`` (Optuna's samplers) accepts."""
+
+
+def check_seed(name: str, value: object) -> int:
+    """``value`` if it is an int in ``[0, 2**32 - 1]``, the seeds NumPy and Optuna's samplers take.
+
+    Args:
+        name: The argument's name.
+        value: The value passed.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        TypeError: ``value`` is not an int, or is a bool.
+        ValueError: ``value`` is outside ``[0, 2**32 - 1]``.
+
+    >>> check_seed("seed", -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed=-1: must be >= 0; pass a seed from 0 to 4294967295.
+    """
+    fix = f"pass a seed from 0 to {SEED_MAX}"
+    check_int(name, value, minimum=0, fix=fix)
+    return check_at_most(name, value, SEED_MAX, "NumPy's seed range", fix)  # type: ignore[arg-type]
+
+
+def check_finite_number(name: str, value: object, *, fix: str | None = None) -> float:
+    """``value`` as a float if it is a finite number ``> 0`` (see :func:`check_number`).
+
+    Raises:
+        TypeError: ``value`` is not an int or float, or is a bool.
+        ValueError: ``value`` is not > 0, is NaN, or is infinite.
+    """
+    number = check_number(name, value, fix=fix)
+    if number == float("inf"):
+        raise value_error(name, value, "must be finite", fix or "pass a number > 0")
+    return number
+
+
 def check_callables(name: str, value: object, what: str) -> list[Any]:
     """``value`` as a list if it is an iterable (not itself callable) of callables.
 

@@ -141,6 +141,22 @@ CONSTRUCTOR = [
         "1500000000.0",
         "type",
     ),
+    Case(
+        "budget-below-one-byte-per-process-slot",
+        _executor(devices="cpu", trials_per_device=4, isolation="process", memory_budget_bytes=3),
+        ValueError,
+        "memory_budget_bytes",
+        "3",
+        "range",
+    ),
+    Case(
+        "tpd-processes-beyond-host-memory",
+        _executor(devices="cpu", trials_per_device=1000, isolation="process"),
+        ValueError,
+        "trials_per_device",
+        "1000",
+        "absurd",
+    ),
     Case("policy-word", _executor(policy="lifo"), ValueError, "policy", "'lifo'", "range"),
     Case("policy-int", _executor(policy=3), TypeError, "policy", "3", "type"),
     Case(
@@ -231,6 +247,19 @@ OPTIMIZE = [
         "storage",
     ),
 ]
+
+
+def test_the_process_slot_cap_names_both_figures_and_the_most_that_fit() -> None:
+    from waterwave_hpo.executor._isolation import check_process_slots
+
+    with pytest.raises(
+        ValueError, match=r"trials_per_device=8: 8 worker processes .* 4\.3 GiB"
+    ) as e:
+        check_process_slots(8, 1, None, available_bytes=2 * 2**30)
+    assert "pass trials_per_device <= 3" in str(e.value) and "2.0 GiB" in str(e.value)
+    check_process_slots(3, 1, None, available_bytes=2 * 2**30)  # 3 workers fit in 2 GiB
+    with pytest.raises(ValueError, match=r"memory_budget_bytes=3: .*trials_per_device=4"):
+        check_process_slots(4, 1, 3, available_bytes=2**40)
 
 
 @pytest.mark.parametrize("case", case_params(OPTIMIZE))

@@ -7,6 +7,7 @@ One case runs the real console script, to see what a shell sees.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 import shutil
@@ -21,6 +22,7 @@ import pytest
 from badinput._helpers import file_hashes
 from badinput._helpers import immutable
 from waterwave_hpo.cli import main
+from waterwave_hpo.cli._main import _parser
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ FLAGS = [
         "demo-device-index", ("demo", "--device", "cuda:7"), "--device", "cuda:7", "pass", "range"
     ),
     Flag("demo-device-negative", ("demo", "--device", "-1"), "--device", "-1", "pass", "range"),
-    Flag("demo-out-file", ("demo", "--out", "FILE"), "--out", "FILE", "Pass", "path"),
+    Flag("demo-out-file", ("demo", "--out", "FILE"), "--out", "FILE", "pass", "path"),
     Flag("demo-unknown-flag", ("demo", "--trails", "3"), "--trails", "3", "usage:", "type"),
     Flag("bench-k-zero", ("bench", "--k", "0"), "--k", "0", "pass", "range"),
     Flag("bench-trials-zero", ("bench", "--trials", "0"), "--trials", "0", "pass", "range"),
@@ -126,9 +128,70 @@ FLAGS = [
         "range",
     ),
     Flag("doctor-json-dir", ("doctor", "--json", "OUT"), "--json", "OUT", "pass", "path"),
+    Flag("demo-seed-negative", ("demo", "--seed", "-1"), "--seed", "-1", "pass", "range"),
+    Flag(
+        "demo-seed-beyond-numpy",
+        ("demo", "--seed", "4294967296"),
+        "--seed",
+        "4294967296",
+        "pass",
+        "range",
+    ),
+    Flag("demo-out-empty", ("demo", "--out", ""), "--out", "''", "pass", "path"),
+    Flag(
+        "demo-isolation-unknown",
+        ("demo", "--isolation", "docker"),
+        "--isolation",
+        "'docker'",
+        "usage:",
+        "range",
+    ),
+    Flag("bench-k-word", ("bench", "--k", "four"), "--k", "'four'", "usage:", "type"),
+    Flag("bench-seed-negative", ("bench", "--seed", "-5"), "--seed", "-5", "pass", "range"),
+    Flag("bench-budget-inf", ("bench", "--budget-s", "inf"), "--budget-s", "inf", "pass", "range"),
+    Flag("bench-budget-nan", ("bench", "--budget-s", "nan"), "--budget-s", "nan", "pass", "range"),
+    Flag("bench-steps-word", ("bench", "--steps", "many"), "--steps", "'many'", "usage:", "type"),
+    Flag(
+        "bench-capacity-negative",
+        ("bench", "--capacity-bytes", "-1"),
+        "--capacity-bytes",
+        "-1",
+        "pass",
+        "range",
+    ),
+    Flag("bench-out-empty", ("bench", "--out", ""), "--out", "''", "pass", "path"),
+    Flag("bench-no-sim-value", ("bench", "--no-sim=1"), "--no-sim", "1", "usage:", "type"),
+    Flag(
+        "demo-no-progress-value",
+        ("demo", "--no-progress=1"),
+        "--no-progress",
+        "1",
+        "usage:",
+        "type",
+    ),
+    Flag("demo-verbose-value", ("demo", "--verbose=1"), "--verbose", "1", "usage:", "type"),
+    Flag("doctor-json-empty", ("doctor", "--json", ""), "--json", "''", "pass", "path"),
+    Flag("doctor-json-foreign", ("doctor", "--json", "FILE"), "--json", "FILE", "pass", "path"),
     Flag("no-command", (), "COMMAND", "required", "usage:", "order"),
     Flag("unknown-command", ("train",), "train", "invalid choice", "usage:", "order"),
 ]
+
+
+def _options(command: str) -> set[str]:
+    """The long options of ``waterwave-hpo <command>``, read from its parser."""
+    parser = _parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        max(action.option_strings, key=len)
+        for action in subparsers.choices[command]._actions
+        if action.option_strings and action.dest != "help"
+    }
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "doctor"])
+def test_every_option_has_a_bad_input_case(command: str) -> None:
+    covered = {f.flag for f in FLAGS if f.argv[:1] == (command,)}
+    assert _options(command) - covered == set()
 
 
 def _run(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -197,8 +260,9 @@ def test_demo_with_an_immutable_journal_names_out_and_writes_nothing(
 def test_demo_refuses_a_damaged_journal_without_touching_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    args = ("demo", "--out", str(tmp_path), "--trials", "0", "--epochs", "1", "--no-progress")
+    assert _run((*args, "--device", "cpu"), capsys)[0] == 0  # the demo's own run directory
     journal = tmp_path / "study.log"
-    optuna.create_study(storage=JournalStorage(JournalFileBackend(str(journal))), study_name="w")
     journal.write_bytes(b"not json\n" + journal.read_bytes())
     before = file_hashes(tmp_path)
     code, err = _run(("demo", "--out", str(tmp_path), "--device", "cpu"), capsys)

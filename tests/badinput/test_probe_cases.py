@@ -109,8 +109,8 @@ def test_demo_refuses_another_projects_journal_and_leaves_it_unchanged(
     code = main(["demo", "--out", str(tmp_path), "--trials", "1", "--epochs", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"--out {tmp_path}:" in err and "journal of other studies ('x')" in err
-    assert "Pass a new directory" in err and "Traceback" not in err
+    assert f"--out {tmp_path}: {journal} was not written by waterwave-hpo" in err
+    assert "pass a new or empty directory" in err and "Traceback" not in err
     assert file_hashes(tmp_path) == before
 
 

@@ -28,6 +28,7 @@ from waterwave_hpo.bench._results import results_table
 from waterwave_hpo.bench._run import CPU_NOTICE
 from waterwave_hpo.bench._run import BenchConfig
 from waterwave_hpo.bench._run import BenchResult
+from waterwave_hpo.bench._run import bench_file_names
 from waterwave_hpo.bench._run import run_bench
 from waterwave_hpo.bench._runners import Allocator
 from waterwave_hpo.bench._runners import MethodRun
@@ -75,6 +76,7 @@ __all__ = [
     "ZooCase",
     "ZooOutcome",
     "ZooResult",
+    "bench_file_names",
     "check_case",
     "compare_plans",
     "count_ops",

@@ -19,6 +19,9 @@ import pandas as pd
 import torch
 
 from waterwave_hpo import _checks
+from waterwave_hpo._owned_files import OwnedFolder
+from waterwave_hpo._owned_files import check_out_value
+from waterwave_hpo._owned_files import claim_folder
 from waterwave_hpo._version import __version__
 from waterwave_hpo.bench._calibrate import BASE_BATCH
 from waterwave_hpo.bench._calibrate import SEQ_LEN
@@ -103,20 +106,15 @@ class BenchConfig:
             raise _checks.value_error(
                 "steps", self.steps, "must be an int >= 1", "pass steps, or None to fit budget_s"
             )
-        if not self.budget_s > 0:
-            raise _checks.value_error("budget_s", self.budget_s, "must be > 0", "pass seconds")
+        _checks.check_finite_number("budget_s", self.budget_s, fix="pass seconds, e.g. 600")
+        _checks.check_seed("seed", self.seed)
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise _checks.value_error(
                 "capacity_bytes", self.capacity_bytes, "must be > 0", "pass bytes, or None"
             )
         resolve_device(self.device)  # a device that does not exist fails here, not mid-run
-        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
-            raise _checks.value_error(
-                "out",
-                str(self.out),
-                "is a file",
-                "pass a directory for the results (created if missing)",
-            )
+        if self.out is not None:
+            check_out_value("out", self.out)  # not '', not a file
         if not self.workloads or not self.settings or not self.methods:
             raise ValueError(
                 "workloads, settings and methods must each name at least one; got "
@@ -182,6 +180,45 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).lower().replace(" ", "-")
 
 
+def bench_file_names(config: BenchConfig) -> tuple[str, ...]:
+    """Every file a run of ``config`` may write in its results folder (beside the manifest)."""
+    tags = [f"{w.value}-{s.value}" for w in config.workloads for s in config.settings]
+    return (
+        "README.md",
+        "results.csv",
+        "results.json",
+        "plans.csv",
+        "throughput.png",
+        *(f"gantt-{tag}.png" for tag in tags),
+        *(f"memory-{tag}.png" for tag in tags),
+    )
+
+
+def claim_results_folder(
+    config: BenchConfig, device: torch.device, started: datetime.datetime
+) -> OwnedFolder:
+    """The results folder, claimed before anything runs.
+
+    ``config.out``: refused (:class:`ForeignFileError`) if it holds a file of a name the bench
+    writes that an earlier bench run did not write. ``None``: a new folder
+    ``experiments/results/<date>-<device>/``, or ``...-2``, ``-3``, ... when that one exists,
+    so a second run on the same day never replaces the first.
+    """
+    names = bench_file_names(config)
+    if config.out is not None:
+        return claim_folder(config.out, kind="bench", names=names)
+    base = Path("experiments/results") / f"{started:%Y-%m-%d}-{device_name(device)}"
+    for attempt in range(1, 1000):
+        candidate = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+        try:
+            return claim_folder(candidate, kind="bench", names=names, fresh=True)
+        except FileExistsError:
+            continue
+    raise _checks.value_error(
+        "out", None, f"{base}-2 to {base}-999 all exist", "pass a results folder with --out"
+    )
+
+
 def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
     """Run the matrix and write the results folder.
 
@@ -203,13 +240,15 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
 
     Raises:
         ValueError: For a device that does not exist.
+        ForeignFileError: ``config.out`` holds a file of a name the bench writes that the
+            project did not write (a ``ValueError``; nothing was written).
     """
     device = resolve_device(config.device)
     cuda = device.type == "cuda"
     kind = "cuda" if cuda else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc)
-    out = config.out or Path("experiments/results") / (f"{started:%Y-%m-%d}-{device_name(device)}")
-    out.mkdir(parents=True, exist_ok=True)
+    folder = claim_results_folder(config, device, started)
+    out = folder.path
     if not cuda:
         log(CPU_NOTICE)
     capacity = config.capacity_bytes
@@ -313,7 +352,7 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
         results += spec_results
         runs += spec_runs
     table = results_table(results)
-    _write(out, config, device, started, results, runs, table, comparison)
+    _write(folder, config, device, started, results, runs, table, comparison)
     log(f"wrote {out}/: README.md results.csv results.json *.png")
     return BenchResult(out, str(device), results, runs, table, comparison)
 
@@ -400,7 +439,7 @@ def _machine(device: torch.device) -> dict[str, Any]:
 
 
 def _write(
-    out: Path,
+    folder: OwnedFolder,
     config: BenchConfig,
     device: torch.device,
     started: datetime.datetime,
@@ -409,9 +448,10 @@ def _write(
     table: pd.DataFrame,
     comparison: list[PlanComparison],
 ) -> None:
-    table.to_csv(out / "results.csv", index=False)
+    folder.write("results.csv", lambda path: table.to_csv(path, index=False))
     if comparison:
-        pd.DataFrame([asdict(c) for c in comparison]).to_csv(out / "plans.csv", index=False)
+        plans = pd.DataFrame([asdict(c) for c in comparison])
+        folder.write("plans.csv", lambda path: plans.to_csv(path, index=False))
     payload = {
         "cpu_only": device.type != "cuda",
         "notice": CPU_NOTICE if device.type != "cuda" else "",
@@ -440,26 +480,35 @@ def _write(
             for rec in run.records
         ],
     }
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    folder.write_text("results.json", json.dumps(payload, indent=1, default=str) + "\n")
     title = f"{device_name(device)}" + (
         " (CPU-only: says nothing about GPUs)" if device.type != "cuda" else ""
     )
-    plot_throughput(results, out / "throughput.png", f"Aggregate throughput, {title}")
+    folder.write(
+        "throughput.png",
+        lambda path: plot_throughput(results, path, f"Aggregate throughput, {title}"),
+    )
     keys = sorted(
         {(r.spec.workload, r.spec.setting) for r in runs}, key=lambda k: (k[0].value, k[1].value)
     )
     for workload, setting in keys:
         group = [r for r in runs if (r.spec.workload, r.spec.setting) == (workload, setting)]
         tag = f"{workload.value}-{setting.value}"
-        plot_gantt(group, out / f"gantt-{tag}.png", f"Trials over time: {tag}, {title}")
+        folder.write(
+            f"gantt-{tag}.png",
+            lambda path: plot_gantt(group, path, f"Trials over time: {tag}, {title}"),  # noqa: B023
+        )
         mem = [
             r
             for r in group
             if r.method in (Method.WATERWAVE, Method.WATERWAVE_PLANS, Method.OPTUNA_THREADS)
         ]
         if mem:
-            plot_memory(mem, out / f"memory-{tag}.png", f"Memory per trial: {tag}, {title}")
-    (out / "README.md").write_text(_readme(config, device, started, results, table, comparison))
+            folder.write(
+                f"memory-{tag}.png",
+                lambda path: plot_memory(mem, path, f"Memory per trial: {tag}, {title}"),  # noqa: B023
+            )
+    folder.write_text("README.md", _readme(config, device, started, results, table, comparison))
 
 
 def _fmt(x: Any, spec: str) -> str:

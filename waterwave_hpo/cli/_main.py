@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import json
 import logging
 from pathlib import Path
@@ -10,6 +11,7 @@ import re
 import shlex
 import sys
 
+from waterwave_hpo import _checks
 from waterwave_hpo._version import __version__
 
 
@@ -66,8 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--out",
-        type=Path,
-        default=Path("waterwave-demo"),
+        default="waterwave-demo",
         metavar="DIR",
         help="run directory (default ./waterwave-demo); an existing one is resumed (with the "
         "same --epochs and --seed), also after a kill, and may be shared by several demo "
@@ -118,8 +119,7 @@ def _add_doctor(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     doctor.add_argument(
         "--json",
-        type=Path,
-        default=Path("waterwave-doctor.json"),
+        default="waterwave-doctor.json",
         metavar="PATH",
         help="where to write the JSON report (default ./waterwave-doctor.json)",
     )
@@ -147,7 +147,6 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     bench.add_argument(
         "--out",
-        type=Path,
         default=None,
         metavar="DIR",
         help="results folder (default experiments/results/<date>-<device>/)",
@@ -212,9 +211,72 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
 
 
+def _out_folder(value: object) -> None:
+    from waterwave_hpo._owned_files import check_out_value
+
+    check_out_value("out", value)
+
+
+def _json_path(value: object) -> None:
+    from waterwave_hpo.doctor import check_report_path
+
+    check_report_path(value)
+
+
+def _at_least(minimum: int, fix: str | None = None) -> Callable[[str, object], object]:
+    return lambda name, value: _checks.check_int(name, value, minimum=minimum, fix=fix)
+
+
+def _optional(check: Callable[[str, object], object]) -> Callable[[str, object], object]:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+# Each option of each command, checked right after parsing, before a library sees its value
+# (NumPy's seed range, torch's device parser, pandas' writers): the refusal names the flag.
+OPTION_CHECKS: dict[str, dict[str, Callable[[str, object], object]]] = {
+    "demo": {
+        "trials": _at_least(0),
+        "concurrency": _at_least(1),
+        "epochs": _at_least(1),
+        "seed": _checks.check_seed,
+        "fuse": _optional(
+            _at_least(1, "pass the trials per fused model, e.g. --fuse 4, or leave it out")
+        ),
+        "out": lambda _, value: _out_folder(value),
+    },
+    "bench": {
+        "k": _at_least(1),
+        "trials": _at_least(1),
+        "budget_s": lambda name, value: _checks.check_finite_number(
+            name, value, fix="pass seconds, e.g. 600"
+        ),
+        "steps": _optional(_at_least(1, "pass steps, or leave it out to fit --budget-s")),
+        "capacity_bytes": _optional(_at_least(1, "pass bytes, or leave it out")),
+        "seed": _checks.check_seed,
+        "out": _optional(lambda _, value: _out_folder(value)),
+    },
+    "doctor": {"json": lambda _, value: _json_path(value)},
+}
+"""Per command, per option (its ``dest``): the check its value must pass."""
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """The first option of ``args`` that its check refuses, in the flag's terms, or ``None``."""
+    for dest, check in OPTION_CHECKS[args.command].items():
+        try:
+            check(dest, getattr(args, dest))
+        except (TypeError, ValueError) as error:
+            return _as_flags(str(error))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     args = _parser().parse_args(argv)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"waterwave-hpo {args.command}: error: {refusal}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench":
@@ -236,28 +298,13 @@ def _demo(args: argparse.Namespace) -> int:
         format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING
     )
     optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.WARNING)
-    for name, minimum in (("trials", 0), ("concurrency", 1), ("epochs", 1)):
-        if getattr(args, name) < minimum:
-            print(
-                f"waterwave-hpo demo: error: --{name} {getattr(args, name)}: must be >= "
-                f"{minimum}; pass an int >= {minimum}",
-                file=sys.stderr,
-            )
-            return 2
-    if args.fuse is not None and args.fuse < 1:
-        print(
-            f"waterwave-hpo demo: error: --fuse {args.fuse}: must be >= 1; pass the trials per "
-            "fused model, e.g. --fuse 4, or leave it out",
-            file=sys.stderr,
-        )
-        return 2
     config = DemoConfig(
         trials=args.trials,
         concurrency=args.concurrency,
         epochs=args.epochs,
         device=args.device,
         seed=args.seed,
-        out=args.out,
+        out=Path(args.out),
         show_progress_bar=not args.no_progress,
         fuse=args.fuse,
         isolation=args.isolation,
@@ -323,7 +370,7 @@ def _bench(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         config = BenchConfig(
-            out=args.out,
+            out=None if args.out is None else Path(args.out),
             device=args.device,
             k=args.k,
             trials=args.trials,
@@ -353,11 +400,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _as_flags(text: str) -> str:
     """A library message (``budget_s=-1.0: ...``) in the command line's terms (``--budget-s``)."""
-    match = re.match(r"(\w+)=('[^']*'|[^\s:]+):?", text)
+    match = re.match(r"(\w+)=(PosixPath\('[^']*'\)|'[^']*'|[^\s:]+):?", text)
     if match is None:
         return text
     flag = "--" + match.group(1).replace("_", "-")
-    return f"{flag} {match.group(2).strip(chr(39))}:{text[match.end() :]}"
+    if match.group(2).startswith("PosixPath("):
+        return f"{flag} {match.group(2)[11:-2]}:{text[match.end() :]}"
+    return f"{flag} {match.group(2).strip(chr(39)) or chr(39) * 2}:{text[match.end() :]}"
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -366,13 +415,6 @@ def _doctor(args: argparse.Namespace) -> int:
     from waterwave_hpo.doctor import run_doctor
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if args.json.is_dir():  # found before the checks run, not after
-        print(
-            f"waterwave-hpo doctor: error: --json {args.json}: is a directory; pass a file "
-            f"path, e.g. --json {args.json / 'waterwave-doctor.json'}",
-            file=sys.stderr,
-        )
-        return 2
     try:
         report = run_doctor(args.device)
     except ValueError as error:
@@ -380,7 +422,10 @@ def _doctor(args: argparse.Namespace) -> int:
         return 2
     print(report.text())
     try:
-        report.write(args.json)
+        report.write(Path(args.json))
+    except ValueError as error:  # the file appeared while the checks ran, and is not a report
+        print(f"waterwave-hpo doctor: error: {_as_flags(str(error))}", file=sys.stderr)
+        return 2
     except OSError as error:
         print(
             f"waterwave-hpo doctor: error: --json {args.json}: cannot write the report "

@@ -18,12 +18,14 @@ from waterwave_hpo.demo._lock import HolderNamingJournalFileLock
 from waterwave_hpo.demo._model import SeededDropout
 from waterwave_hpo.demo._model import build_model
 from waterwave_hpo.demo._objective import make_objective
+from waterwave_hpo.demo._run import DEMO_FILES
 from waterwave_hpo.demo._run import DemoConfig
 from waterwave_hpo.demo._run import DemoResult
 from waterwave_hpo.demo._run import DemoSettingError
 from waterwave_hpo.demo._run import run_demo
 
 __all__ = [
+    "DEMO_FILES",
     "DemoConfig",
     "DemoResult",
     "DemoSettingError",

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
+import re
 import shutil
 import time
 
@@ -73,7 +74,9 @@ def check_journal(path: Path) -> str | None:
     if not cut:
         return None
     backup = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
-    shutil.copy2(path, backup)
+    with open(backup, "xb") as copy:  # "x": never over an existing file
+        copy.write(data)
+    shutil.copystat(path, backup)
     with open(path, "r+b") as journal:
         journal.truncate(len(data) - len(cut))
         journal.flush()
@@ -130,8 +133,15 @@ def open_journal(path: str | os.PathLike[str], grace_period_s: float = 30.0) -> 
 
 
 def _remove_cut_staging_files(journal: Path) -> None:
+    # Only names the lock makes (<journal>.lock.<uuid hex>.tmp|released|broken): a user's file
+    # of another name, e.g. study.log.lock.bak, is never removed.
+    own = re.compile(
+        re.escape(journal.name + LOCK_SUFFIX) + r"\.[0-9a-f]{32}\.(tmp|released|broken)"
+    )
     now = time.time()
     for staging in journal.parent.glob(f"{journal.name}{LOCK_SUFFIX}.*"):
+        if own.fullmatch(staging.name) is None:
+            continue
         with contextlib.suppress(OSError):
             if now - staging.lstat().st_mtime > _STALE_STAGING_S:
                 staging.unlink()

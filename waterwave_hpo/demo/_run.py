@@ -25,7 +25,9 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo import _owned_files
 from waterwave_hpo._version import __version__
 from waterwave_hpo.demo._data import load_digits
 from waterwave_hpo.demo._fused import make_fused_objective
@@ -53,6 +55,9 @@ from waterwave_hpo.report import plot_timeline
 from waterwave_hpo.report import trials_table
 
 STUDY_NAME = "waterwave-demo"
+JOURNAL_NAME = "study.log"
+DEMO_FILES = (JOURNAL_NAME, JOURNAL_NAME + ".lock", "trials.csv", "summary.json", "timeline.png")
+"""Every file the demo writes in ``out`` (beside its manifest, ``waterwave-run.json``)."""
 ATTR_SETTINGS = "waterwave:demo_settings"
 """Study system attribute: the settings that change the objective, checked on resume."""
 _OBJECTIVE_SETTINGS = ("epochs", "seed", "fuse")
@@ -161,6 +166,10 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
             raise DemoSettingError(
                 name, value, f"must be an int >= {minimum}; pass an int >= {minimum}."
             )
+    try:
+        _checks.check_seed("seed", config.seed)
+    except (TypeError, ValueError) as error:
+        raise DemoSettingError("seed", config.seed, str(error).split(": ", 1)[1]) from None
     if config.fuse is not None and (
         isinstance(config.fuse, bool) or not isinstance(config.fuse, int) or config.fuse < 1
     ):
@@ -180,17 +189,18 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         )
     except (TypeError, ValueError) as error:
         raise _setting_error(config, error) from error
-    out = _writable_directory(config.out)
+    folder = _claim_out(config.out)
+    out = folder.path
     rule = liveness or LivenessRule()
 
     if all(device.type == "cpu" for device in executor.devices):
         # Co-hosted trials share the cores; one intra-op pool per trial would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.concurrency))
 
-    storage = open_journal(out / "study.log", grace_period_s=rule.grace_period_s)
+    storage = open_journal(out / JOURNAL_NAME, grace_period_s=rule.grace_period_s)
     sampler = optuna.samplers.TPESampler(seed=config.seed, constant_liar=True)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1)
-    if _holds_demo_study(storage, config.out, out / "study.log"):
+    if _holds_demo_study(storage, config.out, out / JOURNAL_NAME):
         # Resume without create_study: its create-study record would be appended (a duplicate)
         # even when the resume is refused below.
         study = load_study(study_name=STUDY_NAME, storage=storage, sampler=sampler, pruner=pruner)
@@ -248,18 +258,15 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
     table = trials_table(study)
     after = list(table.columns).index("retry_of") + 1 if "retry_of" in table else len(table.columns)
     table.insert(after, "rerun_of", [rerun_of(t) for t in trials])
-    table.to_csv(out / "trials.csv", index=False)
-    plot_timeline(
-        this_run or trials,
-        out / "timeline.png",
-        title=timeline_title(
-            len(this_run or trials), config.concurrency, config.fuse, executor.devices
-        ),
+    folder.write("trials.csv", lambda path: table.to_csv(path, index=False))
+    title = timeline_title(
+        len(this_run or trials), config.concurrency, config.fuse, executor.devices
     )
+    folder.write("timeline.png", lambda path: plot_timeline(this_run or trials, path, title=title))
     summary = _summary(study, config, executor, wall_time_s, this_run, to_run)
     summary["interrupted"] = interrupted
     summary["out"] = str(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    folder.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
     return DemoResult(out=out, summary=summary, interrupted=interrupted)
 
 
@@ -372,12 +379,81 @@ def _requeue_interrupted(
             requeue(study, trial)
 
 
-def _writable_directory(out: Path) -> Path:
-    path = Path(out).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise DemoSettingError(
-            "out", out, "is a file, not a directory. Pass a directory (created if missing)."
+def _claim_out(out: Path) -> _owned_files.OwnedFolder:
+    """``out`` claimed for the demo's files, or refused before anything is written in it."""
+    try:
+        path = _owned_files.check_out_value("out", out)
+    except _owned_files.OutFolderError as error:
+        raise DemoSettingError("out", out, error.detail) from None
+    _writable_directory(path, out)
+    try:
+        return _owned_files.claim_folder(
+            out,
+            kind="demo",
+            names=DEMO_FILES,
+            appended=DEMO_FILES[:2],  # the journal and its lock: appended and taken in place
+            recognise=_EARLIER_DEMO_FILES,
         )
+    except _owned_files.OutFolderError as error:
+        raise DemoSettingError("out", out, error.detail) from None
+    except OSError as error:
+        raise DemoSettingError(
+            "out",
+            out,
+            f"is not a directory the demo can write ({error.strerror or error}). Pass a "
+            "directory you can write to.",
+        ) from error
+
+
+def _is_demo_journal(path: Path) -> bool:
+    """Whether ``path`` starts with the record that created the demo's study (Optuna journal)."""
+    try:
+        with open(path, "rb") as file:
+            first = file.readline(1 << 16)
+        record = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and record.get("op_code") == 0
+        and record.get("study_name") == STUDY_NAME
+        and first.endswith(b"\n")
+    )
+
+
+def _in_earlier_demo_run(check: Callable[[Path], bool]) -> Callable[[Path], bool]:
+    # A file beside a journal of the demo's study, of the demo's format: a run directory an
+    # earlier version wrote without a manifest.
+    return lambda path: _is_demo_journal(path.parent / JOURNAL_NAME) and check(path)
+
+
+def _json_object_with(path: Path, key: str) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and key in data
+
+
+def _starts_with(prefix: bytes) -> Callable[[Path], bool]:
+    def check(path: Path) -> bool:
+        with open(path, "rb") as file:
+            return file.read(len(prefix)) == prefix
+
+    return check
+
+
+_EARLIER_DEMO_FILES: dict[str, Callable[[Path], bool]] = {
+    JOURNAL_NAME: _is_demo_journal,
+    JOURNAL_NAME + ".lock": _in_earlier_demo_run(lambda path: _json_object_with(path, "holder")),
+    "trials.csv": _in_earlier_demo_run(_starts_with(b"number,")),
+    "summary.json": _in_earlier_demo_run(lambda path: _json_object_with(path, "n_trials")),
+    "timeline.png": _in_earlier_demo_run(_starts_with(b"\x89PNG\r\n\x1a\n")),
+}
+"""Format checks that recognise a run directory of an earlier demo (written without manifest)."""
+
+
+def _writable_directory(path: Path, out: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

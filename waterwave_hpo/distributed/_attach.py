@@ -14,6 +14,7 @@ from waterwave_hpo.distributed._hook import laysa_hook
 from waterwave_hpo.distributed._mirror import MirrorWeightUpdate
 from waterwave_hpo.distributed._state import LaySAState
 from waterwave_hpo.distributed._state import check_density
+from waterwave_hpo.distributed._state import check_process_group
 from waterwave_hpo.distributed._state import register_comm_hook
 
 
@@ -74,6 +75,8 @@ def laysa(
         ValueError: If ``density`` is outside (0, 1], the model has no parameter needing a
             gradient, a parameter is missing from the optimizer, or the backend is not gloo or
             nccl.
+        RuntimeError: torch.distributed is not initialised or ``process_group`` was destroyed:
+            the message names the missing step.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise _checks.type_error(
@@ -83,6 +86,7 @@ def laysa(
             "wrap the model: DistributedDataParallel(model)",
         )
     check_density(density)
+    check_process_group(process_group)  # before anything is registered on the model
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise _checks.type_error(
             "optimizer",

@@ -32,6 +32,7 @@ from waterwave_hpo.distributed._collectives import all_reduce_mean
 from waterwave_hpo.distributed._ledger import CommMemoryLedger
 from waterwave_hpo.distributed._state import check_backend
 from waterwave_hpo.distributed._state import check_density
+from waterwave_hpo.distributed._state import check_process_group
 from waterwave_hpo.distributed._state import register_comm_hook
 
 if TYPE_CHECKING:
@@ -57,14 +58,14 @@ class NaiveTopKState:
 
     Raises:
         ValueError: If ``density`` is outside (0, 1] or the backend is not gloo or nccl.
+        RuntimeError: torch.distributed is not initialised or ``process_group`` was destroyed.
     """
 
     def __init__(
         self, process_group: dist.ProcessGroup | None, density: float, warmup_steps: int = 1
     ) -> None:
         self.density = check_density(density)
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None, "torch.distributed is not initialized"
+        group = check_process_group(process_group)
         check_backend(group)
         self.process_group: dist.ProcessGroup = group
         self.warmup_steps = max(1, warmup_steps)
@@ -193,13 +194,15 @@ def attach_baseline(
         hooks.
 
     Raises:
-        TypeError: If ``baseline`` is not a :class:`Baseline`.
+        TypeError: If ``baseline`` is not a :class:`Baseline`, or ``process_group`` not a
+            ``ProcessGroup``.
+        RuntimeError: torch.distributed is not initialised or ``process_group`` was destroyed.
     """
     if not isinstance(baseline, Baseline):
         raise _checks.type_error(
             "baseline", baseline, "a Baseline", f"pass one of {[b.name for b in Baseline]}"
         )
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = check_process_group(process_group)
     if baseline is Baseline.DENSE:
         register_comm_hook(ddp_model, group, default_hooks.allreduce_hook, "dense")
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import logging
 from typing import Any
+from typing import cast
 import warnings
 
 import torch
@@ -55,6 +56,76 @@ def check_density(density: object) -> float:
     return float(density)
 
 
+_INIT_FIX = (
+    "call torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (GPUs) first, then "
+    "build the DistributedDataParallel model and attach the hook"
+)
+
+
+def check_process_group(process_group: object) -> dist.ProcessGroup:
+    """The group a hook communicates over: ``process_group``, or the default group for ``None``.
+
+    Checked when the hook is attached, so a missing step is named here rather than surfacing
+    as torch's message (or a bare ``assert``) at the first backward pass.
+
+    Args:
+        process_group: A ``torch.distributed.ProcessGroup``, or ``None`` for the default group.
+
+    Returns:
+        The group.
+
+    Raises:
+        TypeError: ``process_group`` is not a ``ProcessGroup`` (e.g. a backend name such as
+            ``"gloo"``).
+        RuntimeError: torch.distributed is not available, not initialised, or the group was
+            destroyed (``destroy_process_group``).
+    """
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise _checks.type_error(
+            "process_group",
+            process_group,
+            "a torch.distributed.ProcessGroup or None (the default group)",
+            "pass None after torch.distributed.init_process_group("
+            f"{process_group!r}), or a group from torch.distributed.new_group(...)"
+            if isinstance(process_group, str)
+            else "pass None (the default group) or a group from torch.distributed.new_group(...)",
+        )
+    if not dist.is_available():
+        raise RuntimeError(
+            _checks.message(
+                "process_group",
+                process_group,
+                "torch.distributed is not available in this build of torch",
+                "install a torch build with distributed support",
+            )
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            _checks.message(
+                "process_group",
+                process_group,
+                "torch.distributed has no default process group (init_process_group was not "
+                "called, or destroy_process_group ended it)",
+                _INIT_FIX,
+            )
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    try:
+        dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        raise RuntimeError(
+            _checks.message(
+                "process_group",
+                process_group,
+                "is not a live group of this process (it was destroyed by "
+                "destroy_process_group, or made before the current init_process_group)",
+                "create the group again with torch.distributed.new_group(...), or pass None "
+                "for the default group",
+            )
+        ) from None
+    return cast(dist.ProcessGroup, group)  # is_initialized() above: WORLD is not None
+
+
 def check_backend(process_group: dist.ProcessGroup) -> str:
     """The group's backend, if the hook supports it.
 
@@ -98,6 +169,8 @@ class LaySAState:
         TypeError: If ``density`` or ``warmup_steps`` has the wrong type.
         ValueError: If ``density`` is outside (0, 1], ``warmup_steps`` < 1, or the backend is
             neither gloo nor nccl.
+        RuntimeError: torch.distributed is not initialised or ``process_group`` was destroyed
+            (see :func:`check_process_group`).
     """
 
     def __init__(
@@ -119,8 +192,7 @@ class LaySAState:
                 "dense)",
                 "pass warmup_steps=1",
             )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None, "torch.distributed is not initialized"
+        group = check_process_group(process_group)
         if check_backend(group) == "nccl":
             _warn_nccl_untested_once()
         self.process_group: dist.ProcessGroup = group

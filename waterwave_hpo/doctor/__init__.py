@@ -10,6 +10,7 @@ from __future__ import annotations
 from waterwave_hpo.doctor._report import CheckResult
 from waterwave_hpo.doctor._report import CheckStatus
 from waterwave_hpo.doctor._report import DoctorReport
+from waterwave_hpo.doctor._report import check_report_path
 from waterwave_hpo.doctor._run import run_doctor
 
-__all__ = ["CheckResult", "CheckStatus", "DoctorReport", "run_doctor"]
+__all__ = ["CheckResult", "CheckStatus", "DoctorReport", "check_report_path", "run_doctor"]

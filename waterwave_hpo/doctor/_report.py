@@ -5,8 +5,65 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+from waterwave_hpo._owned_files import ForeignFileError
+from waterwave_hpo._owned_files import OutFolderError
+
+_REPORT_KEYS = frozenset({"gpu_found", "device", "versions", "machine", "checks", "exit_code"})
+
+
+def check_report_path(path: object, argument: str = "json") -> Path:
+    """``path`` if the doctor may write its report there: absent, or an earlier doctor report.
+
+    Checked before the checks run, so a refusal costs nothing.
+
+    Args:
+        path: Where the report goes (``--json``).
+        argument: The argument's name, for messages.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OutFolderError: ``path`` is empty or a directory (a ``ValueError``).
+        ForeignFileError: ``path`` exists and is not a report the doctor wrote (its JSON keys),
+            so it is not replaced.
+    """
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip():
+        raise OutFolderError(
+            argument, path, "is not a file path", "pass a file path, e.g. waterwave-doctor.json"
+        )
+    target = Path(text)
+    if target.is_dir():
+        raise OutFolderError(
+            argument,
+            path,
+            "is a directory",
+            f"pass a file path, e.g. {target / 'waterwave-doctor.json'}",
+        )
+    if os.path.lexists(target) and not _is_doctor_report(target):
+        raise ForeignFileError(
+            argument,
+            path,
+            target,
+            "exists and is not a report of waterwave-hpo doctor; it was not changed",
+            "pass another path, or move that file out of the way",
+        )
+    return target
+
+
+def _is_doctor_report(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and _REPORT_KEYS <= data.keys()
 
 
 class CheckStatus(str, enum.Enum):
@@ -75,7 +132,13 @@ class DoctorReport:
         return data
 
     def write(self, path: Path) -> None:
-        """Write the JSON report to ``path`` (parents created)."""
+        """Write the JSON report to ``path`` (parents created).
+
+        Raises:
+            ForeignFileError: ``path`` exists and is not an earlier doctor report (see
+                :func:`check_report_path`); it is left as it was.
+        """
+        path = check_report_path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 

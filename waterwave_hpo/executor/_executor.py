@@ -18,6 +18,7 @@ from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.executor._handle import HostHandle
 from waterwave_hpo.executor._isolation import Isolation
+from waterwave_hpo.executor._isolation import check_process_slots
 from waterwave_hpo.executor._optimize import Callback
 from waterwave_hpo.executor._optimize import ObjectiveFunc
 from waterwave_hpo.executor._optimize import OptimizeRun
@@ -156,7 +157,11 @@ class WaterwaveExecutor:
             ``memory_budget_bytes // trials_per_device``. The objective, the sampler, the
             pruner and ``catch`` are pickled (cloudpickle: closures and lambdas work); a
             script that starts workers needs the ``if __name__ == "__main__":`` guard, as for
-            any spawned process. ``trials_per_device="auto"`` is not supported with it.
+            any spawned process. ``trials_per_device="auto"`` is not supported with it. A worker
+            takes about 550 MiB of host memory: ``trials_per_device`` times the devices'
+            workers must fit the host memory available when the executor is made, and
+            ``memory_budget_bytes`` must leave each slot at least one byte; both are refused
+            up front with the figures.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -206,6 +211,8 @@ class WaterwaveExecutor:
             memory_planner=memory_planner,
             fuse=fuse,
         )
+        if self.isolation is Isolation.PROCESS:
+            check_process_slots(self.trials_per_device, len(self.devices), self.memory_budget_bytes)
 
     def _init_trial_settings(
         self,

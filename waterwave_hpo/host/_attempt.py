@@ -27,6 +27,7 @@ import optuna
 from optuna.trial import TrialState
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.host._attrs import ATTR_BATCH
 from waterwave_hpo.host._attrs import ATTR_DEVICE
@@ -42,6 +43,7 @@ from waterwave_hpo.host._outcome import TrialOutcome
 from waterwave_hpo.host._planning import MemoryPlanMode
 from waterwave_hpo.host._planning import NoPlanFitsError
 from waterwave_hpo.host._planning import find_no_plan_fits
+from waterwave_hpo.scheduler import BudgetExceededError
 from waterwave_hpo.sim import PLAN_SHRINK
 from waterwave_hpo.trial import TrialContext
 from waterwave_hpo.trial._internal import CURRENT_CONTEXT
@@ -89,6 +91,8 @@ class Attempt:
     no_plan_fits: NoPlanFitsError | None = None
     peak_bytes: int | None = None
     """The pool account's peak, bytes; ``None`` without the pool."""
+    cannot_fit: str | None = None
+    """Out of memory with a known need above the most the trial could ever get: both figures."""
 
 
 def run_attempt(
@@ -144,6 +148,8 @@ def run_attempt(
             release_memory(error, context.device)  # type: ignore[arg-type]
         with contextlib.suppress(Exception):
             attempt.peak_bytes = memory.close_account(context.trial_number, account)
+        if attempt.out_of_memory:
+            attempt.cannot_fit = cannot_fit(error, attempt.peak_bytes, context, memory)
         for number in numbers if numbers is not None else (context.trial_number,):
             with contextlib.suppress(Exception):
                 memory.trial_ended(number)  # a pruned or finished trial frees its share at once
@@ -242,9 +248,21 @@ def _tell_attempt(settings: RunSettings, job: TrialJob, attempt: Attempt) -> lis
     if error is None and not job.batch:
         error = _told_by_objective(study, job.trial, attempt.result)
     if error is not None:
-        kind = classify(settings, job, error, attempt.neighbours, attempt.out_of_memory)
+        kind = classify(
+            settings,
+            job,
+            error,
+            attempt.neighbours,
+            attempt.out_of_memory,
+            cannot_fit=attempt.cannot_fit,
+        )
         if attempt.no_plan_fits is not None:
             reason = f"out of device memory: {attempt.no_plan_fits}"
+        elif attempt.cannot_fit is not None:
+            reason = (
+                f"out of device memory, not re-run: {attempt.cannot_fit}; use a smaller batch "
+                "size or model, or a larger memory_budget_bytes"
+            )
         elif attempt.out_of_memory and job.batch:
             reason = f"out of device memory in a fused batch of {n_trials}: {error}"
         elif attempt.out_of_memory:
@@ -295,10 +313,17 @@ def classify(
     error: BaseException,
     neighbours: int,
     out_of_memory: bool,
+    *,
+    cannot_fit: str | None = None,
 ) -> OutcomeKind:
-    """How an attempt that raised ``error`` ended, for the executor (retry, fail, re-raise)."""
+    """How an attempt that raised ``error`` ended, for the executor (retry, fail, re-raise).
+
+    An out-of-memory attempt is re-run (``OOM_RETRY``) only when a re-run could fit: not when
+    no memory plan fits, and not when ``cannot_fit`` (see :func:`cannot_fit`) says its known
+    need exceeds the most it could ever get.
+    """
     if out_of_memory:
-        if find_no_plan_fits(error) is not None:
+        if find_no_plan_fits(error) is not None or cannot_fit is not None:
             return OutcomeKind.OOM_FAILED  # no neighbour leaving and no smaller plan can help
         retry = settings.on_oom is OnOOM.RETRY and job.attempt < settings.max_oom_retries
         if retry and planned_rerun_cap(job) is not None:
@@ -309,6 +334,66 @@ def classify(
     if isinstance(error, settings.catch):
         return OutcomeKind.FAILED
     return OutcomeKind.FATAL
+
+
+def cannot_fit(
+    error: BaseException | None,
+    peak_bytes: int | None,
+    context: TrialContext,
+    memory: DeviceMemory,
+) -> str | None:
+    """Why a re-run of an out-of-memory attempt can never fit, with both figures; else ``None``.
+
+    The trial's known need is compared with the most it could ever get, whatever its
+    neighbours do (a fused batch is never judged so: its trials re-run unfused, each needing
+    less):
+
+    - a request the pipeline scheduler refused as larger than its whole budget
+      (:class:`~waterwave_hpo.scheduler.BudgetExceededError`, not an eviction): what the trial
+      held plus what it asked for, against the budget (``memory_budget_bytes``, or in a worker
+      process the trial's share of it);
+    - the smallest peak any memory plan of its registered model reaches, against that budget;
+    - the peak its pool account measured before it ran out, against the pool's capacity (the
+      device, or in a worker process its lease): it already held all it could get.
+
+    Args:
+        error: The attempt's error.
+        peak_bytes: The attempt's measured peak (its pool account), bytes, or ``None``.
+        context: The attempt's context (its memory planning).
+        memory: The device's pool, scheduler and budget.
+
+    Returns:
+        A sentence naming the need and the most, in bytes, or ``None`` when a re-run with fewer
+        neighbours or a smaller plan could fit (or nothing is known).
+    """
+    if len(context.batch) > 1:
+        return None  # a fused batch re-runs unfused, one trial each: a smaller need
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, BudgetExceededError) and not cause.evicted:
+            need = cause.held_bytes + cause.nbytes
+            return (
+                f"it needs at least {_checks.format_bytes(need)} (a NodeGroup's "
+                f"{_checks.format_bytes(cause.nbytes)} on top of the "
+                f"{_checks.format_bytes(cause.held_bytes)} it held) and the most it could ever "
+                f"get is the memory budget of {_checks.format_bytes(cause.budget_bytes)}"
+            )
+        cause = cause.__cause__ or cause.__context__
+    budget = memory.budget_bytes
+    planning = context.planning
+    smallest = None if planning is None else planning.smallest_peak_bytes
+    if budget is not None and smallest is not None and smallest > budget:
+        return (
+            f"its smallest memory plan peaks at {_checks.format_bytes(smallest)} and the most "
+            f"it could ever get is the memory budget of {_checks.format_bytes(budget)}"
+        )
+    capacity = None if memory.pool is None else getattr(memory.pool, "capacity_bytes", None)
+    if isinstance(capacity, int) and peak_bytes is not None and peak_bytes >= capacity > 0:
+        return (
+            f"it held {_checks.format_bytes(peak_bytes)} when it ran out and the most it could "
+            f"ever get is the pool's capacity of {_checks.format_bytes(capacity)}"
+        )
+    return None
 
 
 def planned_rerun_cap(job: TrialJob) -> int | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from dataclasses import field
 import queue
 import threading
+import traceback
 from typing import Any
 from typing import Protocol
 
@@ -367,18 +368,59 @@ def plain_values(values: Any) -> float | list[float] | str | None:
         return repr(values)
 
 
+class UnpicklableError(RuntimeError):
+    """An error raised on a host (a worker process, a Ray actor) that could not be pickled.
+
+    Its message names the original type (``module.QualName: message``) and carries the
+    original traceback as a note, so the driver's report shows what happened where.
+
+    Attributes:
+        type_name: The original exception's ``module.QualName``.
+    """
+
+    def __init__(self, type_name: str, text: str) -> None:
+        self.type_name = type_name
+        super().__init__(f"{type_name}: {text}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.type_name, str(self).split(": ", 1)[1]), self.__dict__)
+
+
 def picklable_error(error: BaseException | None) -> BaseException | None:
-    """``error`` without its traceback, or a ``RuntimeError`` naming it when it cannot cross."""
+    """``error`` ready to cross to the driver: its type kept, its traceback as a note.
+
+    The traceback object cannot cross; its text is added as a note (``__notes__``, shown when
+    the error is printed, from Python 3.11). If ``error`` cannot be pickled (an unpicklable
+    attribute, an ``__init__`` its pickled arguments do not fit), the same type is tried
+    without its attributes; failing that, an :class:`UnpicklableError` names the type and
+    keeps the text.
+    """
     if error is None:
         return None
     import cloudpickle
 
-    try:
-        cloudpickle.loads(cloudpickle.dumps(error))
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if error.__traceback__ is not None:
+        _add_note(error, f"Traceback on the host:\n{text.rstrip()}")
     error.__traceback__ = None
-    return error
+    with contextlib.suppress(Exception):
+        cloudpickle.loads(cloudpickle.dumps(error))
+        return error
+    with contextlib.suppress(Exception):  # the same type, without its unpicklable attributes
+        bare = type(error).__new__(type(error), *error.args)
+        bare.args = error.args
+        bare.__notes__ = list(getattr(error, "__notes__", []))  # type: ignore[attr-defined]
+        if type(cloudpickle.loads(cloudpickle.dumps(bare))) is type(error):
+            return bare
+    name = f"{type(error).__module__}.{type(error).__qualname__}"
+    fallback = UnpicklableError(name, str(error))
+    _add_note(fallback, f"Traceback on the host:\n{text.rstrip()}")
+    return fallback
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # BaseException.add_note from Python 3.11 (which prints __notes__); the same list before.
+    error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> TrialOutcome:
