@@ -29,6 +29,7 @@ from waterwave_hpo.memory._sim import TraceKind
 from waterwave_hpo.memory._sim import TraceRecord
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import DriverStats
 from waterwave_hpo.memory._stats import LockStats
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
@@ -54,6 +55,7 @@ __all__ = [
     "AllocationSource",
     "Backend",
     "BlockInfo",
+    "DriverStats",
     "FinishRecord",
     "FreeRecord",
     "LockStats",
