@@ -228,35 +228,42 @@ def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Pat
 
 
 def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
-    # A block used on another stream is not handed out until that use completed.
+    # A block a busy stream still reads is not handed to a third stream while that read is
+    # pending; if it were, without a stream wait, the third stream's write would show in the
+    # reader's result.
     out = run_script(
         tmp_path,
         """
         pool = wm.StreamAwarePool(backend="cuda")
         wm.use_pool(pool)
         s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        n = 1 << 20
         with torch.cuda.stream(s1):
-            x = torch.ones(1 << 20, device="cuda")
+            x = torch.ones(n, device="cuda")
         p = x.untyped_storage().data_ptr()
         s2.wait_stream(s1)
         with torch.cuda.stream(s2):
-            torch.cuda._sleep(200_000_000)  # keeps s2 busy
+            torch.cuda._sleep(2_000_000_000)  # about a second: s2 reads x long after the free
             y = x * 2
         x.record_stream(s2)
         del x
         pending = [b.event_pending for b in pool.snapshot() if b.ptr == p and not b.allocated]
         with torch.cuda.stream(s3):
-            z = torch.empty(1 << 20, device="cuda")
+            z = torch.empty(n, device="cuda")
+            z.fill_(7.0)  # writes the block it was handed
         reused = z.untyped_storage().data_ptr() == p
+        busy = not s2.query()  # s2 still spun when s3 was handed its block
         torch.cuda.synchronize()
         print(json.dumps({'registered': wm.allocator_info().record_stream,
-                          'pending': pending, 'reused_while_busy': reused,
-                          'y': float(y[0].item())}))
+                          'pending': pending, 'reused_while_busy': reused and busy,
+                          'busy': busy, 'y': [float(y.min().item()), float(y.max().item())]}))
         """,
     )
+    assert out["busy"], "s2 finished its spin before s3 allocated: the test proves nothing"
     assert out == {
         "registered": True,
         "pending": [True],
         "reused_while_busy": False,
-        "y": 2.0,
+        "busy": True,
+        "y": [2.0, 2.0],
     }
