@@ -238,7 +238,10 @@ class Pool {
   // The newer of two epochs of one stream (the later one covers both).
   static SyncPoint* newer_sync(SyncPoint* a, SyncPoint* b);
   Block* coalesce_locked(Block* b);
-  bool try_merge_locked(Block* left, Block* right, bool close_open = false);
+  bool try_merge_locked(Block* left, Block* right, bool close_open = false,
+                        bool same_stream_any = false);
+  // Merges the free neighbours of stream s that were kept apart (see try_merge_locked).
+  void coalesce_stream_locked(Stream s);
   void coalesce_all_locked();
   void process_deferred_locked();
   std::vector<Segment*> collect_releasable_locked();
@@ -272,6 +275,7 @@ class Pool {
   std::uint64_t pending_release_ = 0;  // segments being handed back (not yet freed upstream)
   std::uint64_t free_counter_ = 0;
   bool dirty_ = false;  // some adjacent free blocks were kept apart for pending events
+  std::set<Stream> fragmented_;  // streams whose own free neighbours were kept apart
   std::map<Stream, FreeSet> free_;  // free blocks by the stream that freed them
   std::unordered_map<std::uintptr_t, Block*> live_;
   std::map<std::uintptr_t, Segment*> segments_;

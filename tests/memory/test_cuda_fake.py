@@ -478,7 +478,7 @@ from waterwave_hpo.memory.testing import run_training_steps
 
 K = 4
 pool = wm.StreamAwarePool(backend="cuda")
-cost = run_training_steps(pool, [0x100 + i for i in range(K)], 20, warmup=3)
+cost = run_training_steps(pool, [0x100 + i for i in range(K)], 20, warmup=30)
 print(json.dumps({**dataclasses.asdict(cost), "step_trials": 20 * K}))
 """
 

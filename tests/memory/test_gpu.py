@@ -267,3 +267,54 @@ def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
         "busy": True,
         "y": [2.0, 2.0],
     }
+
+
+def test_a_steady_training_step_costs_the_pool_no_segment_and_no_synchronisation(
+    tmp_path: Path,
+) -> None:
+    # What tests/memory/test_cuda_fake.py pins with the fake driver, on the real one.
+    out = run_script(
+        tmp_path,
+        """
+        import dataclasses
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.use_pool(pool)
+        train(5)
+        before = pool.driver_stats()
+        train(20)
+        cost = pool.driver_stats() - before
+        print(json.dumps(dataclasses.asdict(cost)))
+        """,
+    )
+    steps = 20
+    assert out["segment_allocs"] <= 3 and out["segment_frees"] == 0  # train() re-makes its model
+    assert out["stream_syncs"] == 0
+    assert out["event_records"] <= out["frees"] // 32 + steps
+
+
+def test_the_pool_under_a_trial_stream_after_cuda_started(tmp_path: Path) -> None:
+    # CUDA initialised first (a tensor on the GPU): the pool serves the trial stream's private
+    # PyTorch pool, and the training is the stock allocator's, with cuDNN benchmark mode kept.
+    stock = run_script(tmp_path, "print(json.dumps({'losses': train(20)}))")
+    out = run_script(
+        tmp_path,
+        """
+        first = torch.ones(4, device="cuda")  # the user's script touched CUDA first
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.enable_stream_routing(pool)
+        s = torch.cuda.Stream()
+        account = pool.open_account("trial", streams=(s,))
+        route = wm.StreamRoute(0, s)
+        torch.backends.cudnn.benchmark = True
+        with torch.cuda.stream(s):
+            losses = train(20)
+        s.synchronize()
+        peak = account.stats().peak_allocated_bytes
+        route.close()
+        print(json.dumps({'losses': losses, 'peak': peak,
+                          'benchmark': torch.backends.cudnn.benchmark,
+                          'stats': torch.cuda.memory_stats()['allocated_bytes.all.current'] > 0}))
+        """,
+    )
+    assert out["peak"] > 0 and out["benchmark"] is True and out["stats"] is True
+    assert out["losses"] == pytest.approx(stock["losses"], rel=1e-5, abs=1e-6)
