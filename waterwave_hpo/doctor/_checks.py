@@ -306,7 +306,7 @@ def check_canary_cuda(device: torch.device, streams: int = 4, rounds: int = 16) 
             x = torch.full((n,), value, dtype=torch.int32, device=device)
         b.wait_stream(a)
         with torch.cuda.stream(b):
-            torch.cuda._sleep(CANARY_SLEEP_CYCLES)  # b reads x late
+            torch.cuda._sleep(CANARY_SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # b reads x late
             expected.append(((x * 1).sum(), value * n))
         x.record_stream(b)
         ptr = x.untyped_storage().data_ptr()

@@ -8,6 +8,7 @@ The hot path is C++ (``allocator_ext/``); this module is its ctypes facade.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import threading
 from typing import TYPE_CHECKING
@@ -555,7 +556,8 @@ class StreamAwarePool:
         """What the pool asked of the driver, and its mutex, so far (:class:`DriverStats`)."""
         out = DriverCountersStruct()
         self._lib.ww_pool_driver_stats(self._handle(), ctypes.byref(out))
-        return DriverStats(**{name: int(getattr(out, name)) for name, _ in out._fields_})
+        fields = dataclasses.fields(DriverStats)
+        return DriverStats(**{f.name: int(getattr(out, f.name)) for f in fields})
 
     def reset_driver_stats(self) -> None:
         """Sets every count of :meth:`driver_stats` to zero."""
