@@ -90,6 +90,8 @@ def enable_stream_routing(pool: StreamAwarePool) -> None:
     """
     import torch
 
+    from waterwave_hpo import _experimental
+
     reason = stream_routing_unavailable()
     if reason is not None:
         raise RuntimeError(f"cannot route trial streams to the stream-aware pool: {reason}")
@@ -102,6 +104,7 @@ def enable_stream_routing(pool: StreamAwarePool) -> None:
                 f"Another pool ({current[0]!r}) is already routed on device {pool.device}; a "
                 "process has one pool per device."
             )
+        _experimental.warn_experimental(_experimental.ExperimentalPath.POOL_ROUTED)
         shim, _ = shim_for_pool(required=False)
         path, malloc, free = (
             (str(shim.path), SHIM_MALLOC, SHIM_FREE)
