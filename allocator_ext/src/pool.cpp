@@ -548,11 +548,10 @@ bool Pool::try_merge_locked(Block* left, Block* right, bool close_open, bool sam
     // A completed block is never tied to another stream's pending one: a stream taking it would
     // wait on the GPU for a neighbour's work (a false dependency between trials). Merged
     // later, once both complete. One stream's pair is merged when that stream misses.
-    if (left->stream == right->stream) {
-      fragmented_.insert(left->stream);
-    } else {
-      dirty_ = true;
-    }
+    // Either way a request nothing else serves merges them first (coalesce_all_locked, once
+    // their epochs complete); the stream's own pair also on its own miss.
+    if (left->stream == right->stream) fragmented_.insert(left->stream);
+    dirty_ = true;
     return false;
   }
   erase_free_locked(left);
