@@ -60,7 +60,19 @@ def test_the_cupy_pool_warns_once_per_process(monkeypatch: pytest.MonkeyPatch) -
 
     messages = _experimental_warnings(make, 3)
     assert len(messages) == 1
-    assert "backend='cupy'" in messages[0] and "not yet run on a GPU" in messages[0]
+    assert "backend='cupy'" in messages[0] and "H200 run of 2026-11-27" in messages[0]
+    assert "speed has not been measured on a GPU" in messages[0]
+
+
+def test_each_warning_says_what_has_and_has_not_run_on_a_gpu() -> None:
+    from waterwave_hpo import _experimental
+
+    assert set(_experimental.GPU_STATUS) == set(_experimental.ExperimentalPath)
+    assert (
+        "not yet run on a GPU"
+        in _experimental.GPU_STATUS[_experimental.ExperimentalPath.LEASES_CUDA]
+    )
+    assert "11-67%" in _experimental.GPU_STATUS[_experimental.ExperimentalPath.POOL_CUDA]
 
 
 def test_the_sim_pool_does_not_warn() -> None:

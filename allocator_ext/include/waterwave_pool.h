@@ -91,6 +91,29 @@ typedef struct ww_counters {
   uint64_t capacity_bytes;       /* pool only */
 } ww_counters;
 
+/* What the pool cost since it was made (or since ww_pool_reset_driver_stats): its calls into the
+ * upstream by kind (on the cuda backend each is one driver call, plus the cuCtxGetCurrent that
+ * checks the primary context is current) and its mutex. A steady-state training step should cost
+ * no segment call and no synchronisation; see tests/memory/test_step_counts.py. */
+typedef struct ww_driver_counters {
+  uint64_t allocs;            /* ww_pool_allocate / PyTorch mallocs served (failures included) */
+  uint64_t frees;             /* frees taken under the mutex (queued PyTorch frees included) */
+  uint64_t segment_allocs;    /* cuMemAlloc (or the segment callback) */
+  uint64_t segment_frees;     /* cuMemFree (or the segment callback) */
+  uint64_t event_creates;     /* cuEventCreate (the pool keeps a cache of up to 4096 events) */
+  uint64_t event_destroys;    /* cuEventDestroy */
+  uint64_t event_records;     /* cuEventRecord */
+  uint64_t event_queries;     /* cuEventQuery */
+  uint64_t stream_waits;      /* cuStreamWaitEvent (GPU-side, never blocks the CPU) */
+  uint64_t stream_syncs;      /* cuStreamSynchronize (CPU-side wait: only when no event could be had) */
+  uint64_t lock_acquisitions; /* the pool's mutex taken */
+  uint64_t lock_contended;    /* ... found held */
+  uint64_t lock_wait_ns;      /* ns waited for it (contended acquisitions) */
+  uint64_t lock_hold_ns;      /* ns it was held; measured only while profiling is on */
+  uint64_t coalesce_scans;    /* walks over every segment's blocks (coalesce_all), O(blocks) each */
+  uint64_t cross_stream_searches; /* allocations that looked beyond their own stream's free blocks */
+} ww_driver_counters;
+
 typedef struct ww_trace_entry {
   int32_t kind;          /* ww_trace_kind */
   int32_t source;        /* ww_source (ALLOC) or ww_status (OOM) */
@@ -158,6 +181,11 @@ WW_API void ww_pool_event_stats(void* pool, uint64_t* out2);
 /* Benchmark knob: 1 makes waterwave_torch_free wait for the mutex (the pool's first behaviour),
  * 0 (default) queues the free when the mutex is held. */
 WW_API void ww_pool_set_torch_free_blocking(void* pool, int blocking);
+/* What the pool cost so far (ww_driver_counters); reset sets every count to zero. */
+WW_API void ww_pool_driver_stats(void* pool, ww_driver_counters* out);
+WW_API void ww_pool_reset_driver_stats(void* pool);
+/* 1: measure how long the mutex is held (two clock reads per acquisition); 0 (default): not. */
+WW_API void ww_pool_set_profiling(void* pool, int enabled);
 WW_API uint64_t ww_pool_snapshot(void* pool, ww_block_info* out, uint64_t max_entries);
 
 WW_API int64_t ww_account_open(void* pool);

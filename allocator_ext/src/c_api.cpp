@@ -144,6 +144,14 @@ void ww_pool_lock_stats(void* pool, uint64_t* out6) { as_pool(pool)->lock_stats(
 
 void ww_pool_event_stats(void* pool, uint64_t* out2) { as_pool(pool)->event_stats(out2); }
 
+void ww_pool_driver_stats(void* pool, ww_driver_counters* out) {
+  as_pool(pool)->driver_stats(out);
+}
+
+void ww_pool_reset_driver_stats(void* pool) { as_pool(pool)->reset_driver_stats(); }
+
+void ww_pool_set_profiling(void* pool, int enabled) { as_pool(pool)->set_profiling(enabled != 0); }
+
 void ww_pool_set_torch_free_blocking(void* pool, int blocking) {
   as_pool(pool)->set_blocking_torch_free(blocking != 0);
 }

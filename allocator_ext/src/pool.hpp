@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -90,6 +91,51 @@ struct Counters {
   void on_unreserve(std::size_t size);
 };
 
+// The pool's mutex, timing how long it is held while `profiling` is on (two clock reads per
+// acquisition, so off by default). A BasicLockable: std::unique_lock<TimedMutex> works.
+class TimedMutex {
+ public:
+  void lock() {
+    mu_.lock();
+    on_locked();
+  }
+  bool try_lock() {
+    if (!mu_.try_lock()) return false;
+    on_locked();
+    return true;
+  }
+  void unlock() {
+    if (timed_) {
+      hold_ns.fetch_add(static_cast<std::uint64_t>(
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0_)
+                                .count()),
+                        std::memory_order_relaxed);
+    }
+    mu_.unlock();
+  }
+  std::atomic<bool> profiling{false};
+  std::atomic<std::uint64_t> hold_ns{0};
+
+ private:
+  void on_locked() {
+    timed_ = profiling.load(std::memory_order_relaxed);
+    if (timed_) t0_ = std::chrono::steady_clock::now();
+  }
+  std::mutex mu_;
+  bool timed_ = false;  // under mu_
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// What the pool asked of its upstream (the driver, on the cuda backend), by kind: see
+// ww_driver_counters. Relaxed atomics: counted under the mutex or outside it.
+struct DriverCounts {
+  std::atomic<std::uint64_t> allocs{0}, frees{0}, segment_allocs{0}, segment_frees{0},
+      event_creates{0}, event_destroys{0}, event_records{0}, event_queries{0}, stream_waits{0},
+      stream_syncs{0}, coalesce_scans{0}, cross_stream_searches{0};
+  static void bump(std::atomic<std::uint64_t>& c) { c.fetch_add(1, std::memory_order_relaxed); }
+};
+
 struct Account {
   Counters counters;
   std::vector<Stream> streams;
@@ -128,6 +174,9 @@ class Pool {
   void lock_stats(std::uint64_t* out);
   // out[2]: events recorded for frees (epochs closed) and frees, since the pool was made.
   void event_stats(std::uint64_t* out);
+  void driver_stats(ww_driver_counters* out);
+  void reset_driver_stats();
+  void set_profiling(bool on) { mu_.profiling.store(on); }
   // Benchmark knob: make free_nonblocking wait for the mutex as the pool first did.
   void set_blocking_torch_free(bool on) { blocking_torch_free_.store(on); }
 
@@ -138,7 +187,40 @@ class Pool {
   using FreeSet = std::set<Block*, BlockOrder>;
 
   // Locks mu_, counting contention.
-  std::unique_lock<std::mutex> acquire();
+  std::unique_lock<TimedMutex> acquire();
+  // The upstream's calls, counted by kind (DriverCounts).
+  void* up_alloc_segment(std::size_t nbytes, Stream s) {
+    DriverCounts::bump(driver_.segment_allocs);
+    return upstream_->alloc_segment(nbytes, s);
+  }
+  void up_free_segment(void* p, std::size_t nbytes) {
+    DriverCounts::bump(driver_.segment_frees);
+    upstream_->free_segment(p, nbytes);
+  }
+  Event up_create_event() {
+    DriverCounts::bump(driver_.event_creates);
+    return upstream_->create_event();
+  }
+  void up_destroy_event(Event e) {
+    DriverCounts::bump(driver_.event_destroys);
+    upstream_->destroy_event(e);
+  }
+  bool up_record_event(Event e, Stream s) {
+    DriverCounts::bump(driver_.event_records);
+    return upstream_->record_event(e, s);
+  }
+  bool up_event_completed(Event e) {
+    DriverCounts::bump(driver_.event_queries);
+    return upstream_->event_completed(e);
+  }
+  bool up_stream_wait_event(Stream waiter, Event e) {
+    DriverCounts::bump(driver_.stream_waits);
+    return upstream_->stream_wait_event(waiter, e);
+  }
+  bool up_synchronize_stream(Stream s) {
+    DriverCounts::bump(driver_.stream_syncs);
+    return upstream_->synchronize_stream(s);
+  }
   // All *_locked functions require mu_.
   int free_locked(std::uintptr_t ptr, Stream stream, bool has_stream);
   void drain_pending_locked();
@@ -156,11 +238,14 @@ class Pool {
   // The newer of two epochs of one stream (the later one covers both).
   static SyncPoint* newer_sync(SyncPoint* a, SyncPoint* b);
   Block* coalesce_locked(Block* b);
-  bool try_merge_locked(Block* left, Block* right, bool close_open = false);
+  bool try_merge_locked(Block* left, Block* right, bool close_open = false,
+                        bool same_stream_any = false);
+  // Merges the free neighbours of stream s that were kept apart (see try_merge_locked).
+  void coalesce_stream_locked(Stream s);
   void coalesce_all_locked();
   void process_deferred_locked();
   std::vector<Segment*> collect_releasable_locked();
-  void release_segments_unlocked(std::unique_lock<std::mutex>& lk, std::vector<Segment*>& segs);
+  void release_segments_unlocked(std::unique_lock<TimedMutex>& lk, std::vector<Segment*>& segs);
   Event get_event_locked();
   void put_event_locked(Event ev);
   void trace_oom_locked(std::size_t nbytes, Stream s, int status, std::int64_t account);
@@ -170,7 +255,8 @@ class Pool {
   std::unique_ptr<Trace> trace_;
   std::unique_ptr<Upstream> upstream_;
   std::uint64_t capacity_;
-  std::mutex mu_;
+  TimedMutex mu_;
+  DriverCounts driver_;
   std::atomic<std::uint64_t> lock_acquisitions_{0};
   std::atomic<std::uint64_t> lock_contended_{0};
   std::atomic<std::uint64_t> lock_wait_ns_{0};
@@ -189,6 +275,7 @@ class Pool {
   std::uint64_t pending_release_ = 0;  // segments being handed back (not yet freed upstream)
   std::uint64_t free_counter_ = 0;
   bool dirty_ = false;  // some adjacent free blocks were kept apart for pending events
+  std::set<Stream> fragmented_;  // streams whose own free neighbours were kept apart
   std::map<Stream, FreeSet> free_;  // free blocks by the stream that freed them
   std::unordered_map<std::uintptr_t, Block*> live_;
   std::map<std::uintptr_t, Segment*> segments_;

@@ -2,6 +2,7 @@
 // (CuPy), or a simulated device. The block-level logic in pool.cpp is the same for all of them.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -23,15 +24,14 @@ class Trace {
  public:
   void set_enabled(bool on) {
     std::lock_guard<std::mutex> g(mu_);
-    enabled_ = on;
+    enabled_.store(on, std::memory_order_release);
   }
-  bool enabled() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return enabled_;
-  }
+  bool enabled() const { return enabled_.load(std::memory_order_acquire); }
+  // Called for every allocation and free: with tracing off (the default) it takes no lock.
   void add(const ww_trace_entry& e) {
+    if (!enabled_.load(std::memory_order_acquire)) return;
     std::lock_guard<std::mutex> g(mu_);
-    if (enabled_) entries_.push_back(e);
+    if (enabled_.load(std::memory_order_relaxed)) entries_.push_back(e);
   }
   std::uint64_t count() const {
     std::lock_guard<std::mutex> g(mu_);
@@ -50,7 +50,7 @@ class Trace {
 
  private:
   mutable std::mutex mu_;
-  bool enabled_ = false;
+  std::atomic<bool> enabled_{false};
   std::vector<ww_trace_entry> entries_;
 };
 

@@ -164,6 +164,8 @@ class CudaUpstream final : public Upstream {
   }
 
   std::string sticky_error() override {
+    // Asked twice per allocation: a healthy device answers without a lock or a string copy.
+    if (!has_sticky_.load(std::memory_order_acquire)) return std::string();
     std::lock_guard<std::mutex> g(sticky_mu_);
     return sticky_;
   }
@@ -231,6 +233,7 @@ class CudaUpstream final : public Upstream {
     if (sticky_.empty()) {
       sticky_ = std::string(what) + " on CUDA device " + std::to_string(ordinal_) +
                 " failed: " + error_string(d_, r) + "; the CUDA context is unusable";
+      has_sticky_.store(true, std::memory_order_release);
     }
     return false;
   }
@@ -266,6 +269,7 @@ class CudaUpstream final : public Upstream {
   std::string retain_error_;  // under ctx_mu_
   std::mutex sticky_mu_;
   std::string sticky_;
+  std::atomic<bool> has_sticky_{false};
   SegmentAllocFn seg_alloc_;
   SegmentFreeFn seg_free_;
   void* cb_ctx_;

@@ -469,3 +469,40 @@ def test_memory_pool_on_refuses_and_auto_warns_when_the_shim_cannot_be_built(
         [[path, alloc, _]] = out["made"]
         assert path.endswith("libwaterwave_pool.so") and alloc == "waterwave_torch_malloc"
         assert done.stderr.count("ShimBuildWarning") == 1 and message in done.stderr
+
+
+STEP_SCRIPT = r"""
+import dataclasses, json
+import waterwave_hpo.memory as wm
+from waterwave_hpo.memory.testing import run_training_steps
+
+K = 4
+pool = wm.StreamAwarePool(backend="cuda")
+cost = run_training_steps(pool, [0x100 + i for i in range(K)], 20, warmup=30)
+print(json.dumps({**dataclasses.asdict(cost), "step_trials": 20 * K}))
+"""
+
+
+def test_a_steady_state_training_step_costs_the_pool_no_segment_and_no_synchronisation(
+    tmp_path: Path,
+) -> None:
+    # Four co-hosted trials on four streams, their allocations interleaved op by op; what twenty
+    # steady-state steps of each cost the pool on the cuda backend (each count a driver call).
+    out = run_against_fake_driver(tmp_path, STEP_SCRIPT)
+    steps = out["step_trials"]
+    assert out["allocs"] == out["frees"] == 28 * steps  # the workload's 28 of each per step
+    # No cuMemAlloc / cuMemFree (which synchronises the device), no CPU-side wait, no new event.
+    assert out["segment_allocs"] == out["segment_frees"] == 0
+    assert out["stream_syncs"] == 0
+    assert out["event_creates"] == out["event_destroys"] == 0
+    # One mutex acquisition per allocation or free, and nothing else takes it.
+    assert out["lock_acquisitions"] == out["allocs"] + out["frees"]
+    # The frees of a stream share one event per 64 (28 frees a step: under half an event), plus
+    # the epochs other streams' searches close; at most one record and two queries a step.
+    assert out["event_records"] <= steps
+    assert out["event_queries"] <= 2 * steps
+    # A stream serves its step from its own blocks: searching its neighbours' blocks and walking
+    # every block to merge (which records an event on every stream) are rare. Before a stream's
+    # completed and pending free neighbours were merged, about 0.9 and 0.2 a step.
+    assert out["cross_stream_searches"] <= steps // 10
+    assert out["coalesce_scans"] <= steps // 40

@@ -228,35 +228,93 @@ def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Pat
 
 
 def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
-    # A block used on another stream is not handed out until that use completed.
+    # A block a busy stream still reads is not handed to a third stream while that read is
+    # pending; if it were, without a stream wait, the third stream's write would show in the
+    # reader's result.
     out = run_script(
         tmp_path,
         """
         pool = wm.StreamAwarePool(backend="cuda")
         wm.use_pool(pool)
         s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        n = 1 << 20
         with torch.cuda.stream(s1):
-            x = torch.ones(1 << 20, device="cuda")
+            x = torch.ones(n, device="cuda")
         p = x.untyped_storage().data_ptr()
         s2.wait_stream(s1)
         with torch.cuda.stream(s2):
-            torch.cuda._sleep(200_000_000)  # keeps s2 busy
+            torch.cuda._sleep(2_000_000_000)  # about a second: s2 reads x long after the free
             y = x * 2
         x.record_stream(s2)
         del x
         pending = [b.event_pending for b in pool.snapshot() if b.ptr == p and not b.allocated]
         with torch.cuda.stream(s3):
-            z = torch.empty(1 << 20, device="cuda")
+            z = torch.empty(n, device="cuda")
+            z.fill_(7.0)  # writes the block it was handed
         reused = z.untyped_storage().data_ptr() == p
+        busy = not s2.query()  # s2 still spun when s3 was handed its block
         torch.cuda.synchronize()
         print(json.dumps({'registered': wm.allocator_info().record_stream,
-                          'pending': pending, 'reused_while_busy': reused,
-                          'y': float(y[0].item())}))
+                          'pending': pending, 'reused_while_busy': reused and busy,
+                          'busy': busy, 'y': [float(y.min().item()), float(y.max().item())]}))
         """,
     )
+    assert out["busy"], "s2 finished its spin before s3 allocated: the test proves nothing"
     assert out == {
         "registered": True,
         "pending": [True],
         "reused_while_busy": False,
-        "y": 2.0,
+        "busy": True,
+        "y": [2.0, 2.0],
     }
+
+
+def test_a_steady_training_step_costs_the_pool_no_segment_and_no_synchronisation(
+    tmp_path: Path,
+) -> None:
+    # What tests/memory/test_cuda_fake.py pins with the fake driver, on the real one.
+    out = run_script(
+        tmp_path,
+        """
+        import dataclasses
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.use_pool(pool)
+        train(5)
+        before = pool.driver_stats()
+        train(20)
+        cost = pool.driver_stats() - before
+        print(json.dumps(dataclasses.asdict(cost)))
+        """,
+    )
+    steps = 20
+    assert out["segment_allocs"] <= 3 and out["segment_frees"] == 0  # train() re-makes its model
+    assert out["stream_syncs"] == 0
+    assert out["event_records"] <= out["frees"] // 32 + steps
+
+
+def test_the_pool_under_a_trial_stream_after_cuda_started(tmp_path: Path) -> None:
+    # CUDA initialised first (a tensor on the GPU): the pool serves the trial stream's private
+    # PyTorch pool, and the training is the stock allocator's, with cuDNN benchmark mode kept.
+    stock = run_script(tmp_path, "print(json.dumps({'losses': train(20)}))")
+    out = run_script(
+        tmp_path,
+        """
+        first = torch.ones(4, device="cuda")  # the user's script touched CUDA first
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.enable_stream_routing(pool)
+        s = torch.cuda.Stream()
+        account = pool.open_account("trial", streams=(s,))
+        route = wm.StreamRoute(0, s)
+        torch.backends.cudnn.benchmark = True
+        with torch.cuda.stream(s):
+            losses = train(20)
+        s.synchronize()
+        peak = account.stats().peak_allocated_bytes
+        route.close()
+        print(json.dumps({'losses': losses, 'peak': peak,
+                          'benchmark': torch.backends.cudnn.benchmark,
+                          'stats': torch.cuda.memory_stats()['allocated_bytes.all.current'] > 0}))
+        """,
+    )
+    assert out["peak"] > 0 and out["benchmark"] is True and out["stats"] is True
+    assert out["losses"] == pytest.approx(stock["losses"], rel=1e-5, abs=1e-6)

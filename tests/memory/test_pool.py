@@ -453,11 +453,13 @@ def test_closing_an_account_closes_its_streams_epoch_while_the_stream_is_alive()
 def test_an_epoch_whose_blocks_were_all_reused_records_no_event() -> None:
     pool = make_pool()
     account = pool.open_account("trial 0", streams=(A,))
+    # A whole segment: a smaller block would merge with the segment's free rest on its free,
+    # and that rest (free, so never reused) would keep the epoch and its event.
     for _ in range(10):
-        p = pool.allocate(100 * KiB, A)
+        p = pool.allocate(SEG, A)
         pool.sim.submit(A)
         pool.free(p, A)
-    pool.allocate(100 * KiB, A)  # the last freed block is taken again by its own stream
+    pool.allocate(SEG, A)  # the last freed block is taken again by its own stream
     account.close()
     assert pool.lock_stats().events_recorded == 0
     check(pool)

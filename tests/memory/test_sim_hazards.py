@@ -151,3 +151,34 @@ def test_a_block_freed_on_another_stream_waits_for_its_allocating_streams_queued
     pool.sim.finish(A)
     assert pool.allocate(512, B) == p
     assert pool.sim.hazards() == []
+
+
+def test_a_recorded_block_freed_while_its_reader_runs_never_reaches_a_third_stream_early() -> None:
+    # The GPU record-stream test's sequence: x on A (a 4 MiB block of a 20 MiB segment), B
+    # waits for A, reads x and allocates y beside it, x.record_stream(B), x freed on A while B
+    # runs; then C allocates x's size, over and over, and B finishes only at the end.
+    pool = make_pool()
+    x = pool.allocate(4 * MiB, A)
+    pool.sim.submit(A)
+    pool.sim.finish(A)
+    pool.sim.submit(B)  # B's spin and its read of x
+    pool.sim.use(x, 4 * MiB, B)
+    y = pool.allocate(4 * MiB, B)
+    pool.record_stream(x, B)
+    pool.free(x, A)
+    taken = []
+    for _ in range(4):  # C takes every free block it can; x must not be one of them yet
+        z = pool.allocate(4 * MiB, C)
+        pool.sim.submit(C)
+        pool.sim.use(z, 4 * MiB, C)  # C writes what it was handed
+        taken.append(z)
+    assert x not in taken
+    assert pool.sim.hazards() == []
+    pool.sim.finish(B)
+    for z in taken:
+        pool.free(z, C)
+    pool.free(y, B)
+    pool.free(pool.allocate(512, C), C)  # an allocation looks at the recorded blocks again
+    # Once B's read completed, x's memory is free for any stream.
+    assert all(not b.event_pending for b in pool.snapshot() if b.ptr <= x < b.ptr + b.size_bytes)
+    assert pool.sim.hazards() == []

@@ -121,18 +121,28 @@ def test_empty_cache_waits_for_the_running_trials_before_releasing(pool: StreamA
 def test_cudnn_heuristic_mode_b_replaces_benchmark_mode_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch, user_value: str | None
 ) -> None:
-    """With benchmark mode off under the pool, cuDNN picks plans with its
+    """Benchmark mode asked and refused under the pool: cuDNN picks plans with its
     heuristic mode B (TORCH_CUDNN_USE_HEURISTIC_MODE_B, read by torch at the first cuDNN
-    convolution); a value the user set is kept."""
+    convolution); a value the user set is kept. Not asked: cuDNN's default, as under
+    PyTorch's own allocator."""
+    import torch
+
     from waterwave_hpo.memory._torch_api import HEURISTIC_MODE_B
 
     if user_value is None:
         monkeypatch.delenv(HEURISTIC_MODE_B, raising=False)
     else:
         monkeypatch.setenv(HEURISTIC_MODE_B, user_value)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
     install_guards(lambda index: None)
     try:
+        assert os.environ.get(HEURISTIC_MODE_B) == user_value  # nothing asked, nothing forced
+        with pytest.warns(UserWarning, match="benchmark"):
+            torch.backends.cudnn.benchmark = True
+        assert torch.backends.cudnn.benchmark is False
         assert os.environ[HEURISTIC_MODE_B] == (user_value or "1")
     finally:
         remove_guards()
+        torch.backends.cudnn.benchmark = saved
     assert os.environ.get(HEURISTIC_MODE_B) == user_value

@@ -1,8 +1,10 @@
 """The swap path on a real CUDA device (marked ``gpu``; skipped without CUDA).
 
 On a GPU the host runs ahead, so a swapped activation held until its copy is
-*seen* landed stayed allocated through the forward. Measured with PyTorch's own allocator, whose
-``memory_allocated`` drops at the free even while ``record_stream`` keeps the block for the copy.
+*seen* landed stayed allocated through the forward. Measured in reserved bytes with PyTorch's own
+allocator: its ``memory_allocated`` drops at the free even while ``record_stream`` keeps the block
+for the copy, so only the peak of reserved bytes says whether the swapped blocks were reused
+within the forward (what a co-hosted neighbour gains).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ def _mlp() -> nn.Module:
 
 
 def _forward_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """Peak reserved bytes the forward added (bytes), and the gradients of one step."""
     for p in model.parameters():
         p.grad = None
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    loss = model(x).square().mean()
-    held = torch.cuda.memory_allocated() - base  # no synchronize: the host is ahead of the GPU
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(x).square().mean()  # no synchronize: the host is ahead of the GPU
+    held = torch.cuda.max_memory_reserved() - base
     loss.backward()  # type: ignore[no-untyped-call]
     return held, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

@@ -279,44 +279,55 @@ def _free(pool: Any, ptr: int, stream: int) -> int:
     return 0
 
 
-def check_canary_cuda(device: torch.device, streams: int = 4, rounds: int = 40) -> CheckResult:
-    """Blocks read on another stream are not reused before that read.
+#: GPU clock cycles a canary reader spins before it reads (``torch.cuda._sleep``): about 25 ms
+#: at 2 GHz, far longer than the host takes to free the block and allocate the next one.
+CANARY_SLEEP_CYCLES = 50_000_000
 
-    Streams fill tensors with known values while busy work keeps them in flight; one tensor
-    in four is read on another stream (``record_stream``) and freed on its own before that read
-    finished; all values are verified after every stream is synchronized.
+
+def check_canary_cuda(device: torch.device, streams: int = 4, rounds: int = 16) -> CheckResult:
+    """A block a busy stream still reads is not handed to a third stream, or that stream waits.
+
+    Each round: stream ``a`` fills a tensor with a known value; stream ``b`` waits for ``a``,
+    spins (``torch.cuda._sleep``) and then reads it (``record_stream``); the tensor is freed
+    while ``b`` still spins; a third stream ``c`` at once allocates a tensor of the same size
+    and fills it with another value. If the pool handed ``c`` the block while ``b``'s read is
+    pending, without making ``c`` wait, ``b`` reads ``c``'s value: every read is verified after
+    every stream is synchronized. Also counted: blocks handed to ``c`` while ``b`` still ran
+    (``record_stream`` promises none).
     """
     side = [torch.cuda.Stream(device) for _ in range(streams)]  # type: ignore[no-untyped-call]
     n = 256 * 1024
-    weights = torch.randn(512, 512, device=device)
     expected: list[tuple[torch.Tensor, int]] = []
+    reused_while_busy = 0
     for step in range(rounds):
-        a = side[step % streams]
+        a, b, c = (side[(step + k) % streams] for k in range(3))
         value = step + 1
         with torch.cuda.stream(a):
             x = torch.full((n,), value, dtype=torch.int32, device=device)
-            for _ in range(4):
-                weights = torch.tanh(weights @ weights)  # keep stream a busy
-            expected.append((x.sum(), value * n))
-        if step % 4 == 0:
-            b = side[(step + 1) % streams]
-            b.wait_stream(a)
-            with torch.cuda.stream(b):
-                for _ in range(8):
-                    weights = torch.tanh(weights @ weights)  # b reads x late
-                expected.append(((x * 1).sum(), value * n))
-            x.record_stream(b)
-        del x  # freed on a; its block must not reach another stream before b's read
+        b.wait_stream(a)
+        with torch.cuda.stream(b):
+            torch.cuda._sleep(CANARY_SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # b reads x late
+            expected.append(((x * 1).sum(), value * n))
+        x.record_stream(b)
+        ptr = x.untyped_storage().data_ptr()
+        del x  # freed on a while b's read is queued behind the spin
+        with torch.cuda.stream(c):
+            y = torch.full((n,), -value, dtype=torch.int32, device=device)
+            expected.append((y.sum(), -value * n))
+        reused_while_busy += int(y.untyped_storage().data_ptr() == ptr and not b.query())
+        del y
     for s in side:
         s.synchronize()
     wrong = sum(int(total.item()) != want for total, want in expected)
     return CheckResult(
         "canary",
-        _passed(wrong == 0),
+        _passed(wrong == 0 and reused_while_busy == 0),
         float(wrong),
         "overwritten tensors",
-        f"{streams} streams, {len(expected)} tensors verified, one in four read on another "
-        "stream after its free; pass: none overwritten",
+        f"{streams} streams, {len(expected)} tensors verified; each round a tensor read late on "
+        "a spinning stream is freed and a third stream allocates and writes at once; "
+        f"{reused_while_busy} block(s) handed to the third stream while the reader ran; pass: "
+        "none overwritten, none handed out early",
     )
 
 
@@ -387,27 +398,49 @@ def check_oom_cuda(device: torch.device) -> CheckResult:
 # -- cuDNN ------------------------------------------------------------------------------------
 
 
-def _conv_step(device: torch.device) -> float:
-    conv = torch.nn.Conv2d(8, 16, 3, padding=1).to(device)
-    x = torch.randn(4, 8, 32, 32, device=device, requires_grad=True)
-    out = conv(x).square().mean()
-    out.backward()
-    return float(out.item())
+def _conv_step(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A convolution's output and input gradient on ``device`` (CPU tensors, for comparison)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(4, 8, 32, 32)
+    conv = conv.to(device)
+    xd = x.to(device).requires_grad_(True)
+    out = conv(xd)
+    out.square().mean().backward()
+    assert xd.grad is not None
+    return out.detach().cpu(), xd.grad.cpu()
 
 
 def check_cudnn(device: torch.device) -> CheckResult:
-    """Convolutions forward and backward with cuDNN's benchmark mode off and asked on."""
+    """Convolutions forward and backward, cuDNN's benchmark mode off and asked on, checked.
+
+    Each run's output and input gradient must match the CPU's; and the benchmark flag must
+    read back as what the allocator allows: refused (``False``) while the pool is PyTorch's
+    allocator (its ``cacheInfo`` is missing), granted otherwise.
+    """
+    from waterwave_hpo.memory import allocator_swapped
+
+    reference = _conv_step(torch.device("cpu"))
     outcomes = []
+    ok = True
     saved = torch.backends.cudnn.benchmark
     try:
         for flag in (False, True):
             torch.backends.cudnn.benchmark = flag
-            effective = torch.backends.cudnn.benchmark
-            _conv_step(device)
-            outcomes.append(f"benchmark={flag}: ran (effective {effective})")
+            effective = bool(torch.backends.cudnn.benchmark)
+            want = flag and not allocator_swapped()
+            out, grad = _conv_step(device)
+            close = torch.allclose(out, reference[0], rtol=1e-3, atol=1e-3) and torch.allclose(
+                grad, reference[1], rtol=1e-3, atol=1e-4
+            )
+            ok = ok and close and effective == want
+            outcomes.append(
+                f"benchmark={flag}: effective {effective} (expected {want}), "
+                f"{'matches' if close else 'DIFFERS FROM'} the CPU"
+            )
     finally:
         torch.backends.cudnn.benchmark = saved
-    return CheckResult("cudnn_conv", CheckStatus.PASS, None, "", "; ".join(outcomes))
+    return CheckResult("cudnn_conv", _passed(ok), None, "", "; ".join(outcomes))
 
 
 def check_cudnn_sim() -> CheckResult:

@@ -60,8 +60,9 @@ class WaterwaveExecutor:
     (['COMPLETE'], 4)
 
     Experimental on CUDA: the CUDA path (a stream per trial, the pool as PyTorch's allocator)
-    has never run on a GPU (it is tested against fakes on the CPU); the first CUDA device in a
-    process emits :class:`waterwave_hpo.ExperimentalWarning`.
+    is tested against fakes on the CPU and ran on one GPU (an H200, 2026-11-27), where every
+    trial completed but its speed-up is not yet shown; the first CUDA device in a process emits
+    :class:`waterwave_hpo.ExperimentalWarning`, which says what has run on a GPU.
 
     Every trial it asks for ends in the study as COMPLETE, PRUNED or FAIL, whatever happens to
     its neighbours: ``optuna.TrialPruned`` prunes it; an exception listed in ``catch`` fails it

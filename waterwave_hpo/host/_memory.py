@@ -22,6 +22,7 @@ import enum
 import logging
 import threading
 from typing import Any
+import warnings
 
 import torch
 
@@ -85,8 +86,11 @@ def trial_memory_stats() -> Any:
 class MemoryPoolMode(str, enum.Enum):
     """Whether the executor routes PyTorch's CUDA allocations through the stream-aware pool.
 
-    ``AUTO``: on CUDA, install the pool if PyTorch has not allocated on CUDA yet in this process,
-    else warn and keep PyTorch's allocator. ``ON``: install it or raise. ``OFF``: never.
+    ``AUTO``: on CUDA, make the pool PyTorch's allocator if CUDA has not initialised yet in this
+    process; once it has (the user's script touched the GPU first), put the pool under each
+    trial's stream through PyTorch's private pools (:mod:`waterwave_hpo.memory._routed`); where
+    neither works, warn with the cause and the fix and keep PyTorch's allocator. ``ON``: the
+    same, or raise. ``OFF``: never.
     """
 
     AUTO = "auto"
@@ -124,6 +128,10 @@ class DeviceMemory:
         # (the profile simulated, its prediction); read by other threads, replaced whole.
         self._packing: tuple[TrialProfile, PackingPrediction | None] | None = None
         self.pool = pool
+        # The pool sits under each trial's stream (CUDA was initialised before the executor)
+        # rather than being PyTorch's allocator.
+        self.routed = False
+        self._routes: dict[int, Any] = {}  # trial number -> its StreamRoute
         self.scheduler = scheduler
         self._lock = threading.Lock()
         self._peaks: deque[int] = deque(maxlen=_HISTORY)
@@ -155,6 +163,12 @@ class DeviceMemory:
         if self.pool is None or stream is None:
             return None
         account = self.pool.open_account(f"trial {trial_number}", streams=(stream,))
+        if self.routed:
+            from waterwave_hpo.memory import StreamRoute
+
+            route = StreamRoute(self.pool.device, stream)
+            with self._lock:
+                self._routes[trial_number] = route
         with self._lock:
             self._running[trial_number] = account
         _TRIAL_ACCOUNT.set(account)
@@ -164,6 +178,10 @@ class DeviceMemory:
         """Close the trial's account; returns its peak allocated bytes (``None`` without one)."""
         if account is None:
             return None
+        with self._lock:
+            route = self._routes.pop(trial_number, None)
+        if route is not None:
+            route.close()
         peak = int(account.stats().peak_allocated_bytes)
         if _TRIAL_ACCOUNT.get() is account:
             _TRIAL_ACCOUNT.set(None)
@@ -299,9 +317,14 @@ def make_device_memory(
         if capacity is not None and capacity < budget:
             budget = int(capacity)
     scheduler = None if budget is None else PipelineScheduler(budget, policy)
-    return DeviceMemory(
+    memory = DeviceMemory(
         device, pool, scheduler, budget, max_trials, DevicePlans() if plans else None
     )
+    if pool is not None:
+        from waterwave_hpo.memory import routed_pool
+
+        memory.routed = routed_pool(pool.device) is pool
+    return memory
 
 
 def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
@@ -317,6 +340,8 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
     existing = installed_pool(index)
     if existing is not None:
         return existing
+    if not allocator_swapped() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return _routed_pool(device, index, mode)
     try:
         pool = StreamAwarePool(backend="cuda", device=index)
         # "on": no allocator swap without the complete torch shim (its compiler's message).
@@ -351,4 +376,48 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
             error,
         )
         return None
+    return pool
+
+
+#: Why PyTorch's allocator can no longer be swapped, and the usual causes (for the warning).
+_LATE_CAUSE = (
+    "PyTorch initialised CUDA in this process before the executor set up the device (a tensor "
+    "or model moved to the GPU, a device property read, a Hugging Face Trainer's __init__, an "
+    "earlier study or process-isolated run in this process), so its allocator can no longer "
+    "be replaced"
+)
+
+
+def _routed_pool(device: torch.device, index: int, mode: MemoryPoolMode) -> Any:
+    """The pool under each trial's stream, for a process whose CUDA was initialised first."""
+    from waterwave_hpo.memory import StreamAwarePool
+    from waterwave_hpo.memory import enable_stream_routing
+    from waterwave_hpo.memory import routed_pool
+
+    existing = routed_pool(index)
+    if existing is not None:
+        return existing
+    try:
+        pool = StreamAwarePool(backend="cuda", device=index)
+        enable_stream_routing(pool)
+    except (RuntimeError, ValueError, ImportError, OSError) as error:
+        message = (
+            f"Trials on {device} use PyTorch's own CUDA allocator, not the stream-aware pool: "
+            f"{_LATE_CAUSE}, and the pool cannot sit under the trials' streams either ({error}). "
+            "Fix: build the executor (or call waterwave_hpo.memory.use_pool) before the first "
+            "CUDA call of the process, or use a torch with torch.cuda.MemPool; "
+            "memory_pool='off' silences this."
+        )
+        if mode is MemoryPoolMode.ON:
+            raise RuntimeError(f"memory_pool='on': {message}") from error
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return None
+    _logger.info(
+        "%s: %s; the stream-aware pool serves each trial's stream through a private pool of "
+        "PyTorch's caching allocator instead (per-trial accounts, quotas and PyTorch's own "
+        "stats and cuDNN benchmark mode kept; memory flows between trials when a trial ends, "
+        "not block by block while they run).",
+        device,
+        _LATE_CAUSE,
+    )
     return pool

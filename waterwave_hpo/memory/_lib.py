@@ -41,6 +41,29 @@ class Counters(ctypes.Structure):
     ]
 
 
+class DriverCountersStruct(ctypes.Structure):
+    """``ww_driver_counters``: what the pool asked of its upstream (the driver) and its mutex."""
+
+    _fields_ = [
+        ("allocs", ctypes.c_uint64),
+        ("frees", ctypes.c_uint64),
+        ("segment_allocs", ctypes.c_uint64),
+        ("segment_frees", ctypes.c_uint64),
+        ("event_creates", ctypes.c_uint64),
+        ("event_destroys", ctypes.c_uint64),
+        ("event_records", ctypes.c_uint64),
+        ("event_queries", ctypes.c_uint64),
+        ("stream_waits", ctypes.c_uint64),
+        ("stream_syncs", ctypes.c_uint64),
+        ("lock_acquisitions", ctypes.c_uint64),
+        ("lock_contended", ctypes.c_uint64),
+        ("lock_wait_ns", ctypes.c_uint64),
+        ("lock_hold_ns", ctypes.c_uint64),
+        ("coalesce_scans", ctypes.c_uint64),
+        ("cross_stream_searches", ctypes.c_uint64),
+    ]
+
+
 class TraceEntryStruct(ctypes.Structure):
     """``ww_trace_entry``: one thing the pool or the simulated device did."""
 
@@ -114,6 +137,9 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_pool_lock_stats": (None, [_P, ctypes.POINTER(_U64)]),
     "ww_pool_event_stats": (None, [_P, ctypes.POINTER(_U64)]),
     "ww_pool_set_torch_free_blocking": (None, [_P, _INT]),
+    "ww_pool_driver_stats": (None, [_P, ctypes.POINTER(DriverCountersStruct)]),
+    "ww_pool_reset_driver_stats": (None, [_P]),
+    "ww_pool_set_profiling": (None, [_P, _INT]),
     "ww_pool_snapshot": (_U64, [_P, ctypes.POINTER(BlockInfoStruct), _U64]),
     "ww_account_open": (_I64, [_P]),
     "ww_account_close": (_INT, [_P, _I64]),

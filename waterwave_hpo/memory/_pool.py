@@ -8,6 +8,7 @@ The hot path is C++ (``allocator_ext/``); this module is its ctypes facade.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import threading
 from typing import TYPE_CHECKING
@@ -22,11 +23,13 @@ from waterwave_hpo.memory._lib import SEGMENT_ALLOC_FN
 from waterwave_hpo.memory._lib import SEGMENT_FREE_FN
 from waterwave_hpo.memory._lib import BlockInfoStruct
 from waterwave_hpo.memory._lib import Counters
+from waterwave_hpo.memory._lib import DriverCountersStruct
 from waterwave_hpo.memory._lib import last_error
 from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._sim import SimDevice
 from waterwave_hpo.memory._stats import AllocationSource
 from waterwave_hpo.memory._stats import BlockInfo
+from waterwave_hpo.memory._stats import DriverStats
 from waterwave_hpo.memory._stats import LockStats
 from waterwave_hpo.memory._stats import PoolStats
 from waterwave_hpo.memory._stats import UsageStats
@@ -548,6 +551,24 @@ class StreamAwarePool:
         events = (ctypes.c_uint64 * 2)()
         self._lib.ww_pool_event_stats(self._handle(), events)
         return LockStats(*(int(x) for x in out), *(int(x) for x in events))
+
+    def driver_stats(self) -> DriverStats:
+        """What the pool asked of the driver, and its mutex, so far (:class:`DriverStats`)."""
+        out = DriverCountersStruct()
+        self._lib.ww_pool_driver_stats(self._handle(), ctypes.byref(out))
+        fields = dataclasses.fields(DriverStats)
+        return DriverStats(**{f.name: int(getattr(out, f.name)) for f in fields})
+
+    def reset_driver_stats(self) -> None:
+        """Sets every count of :meth:`driver_stats` to zero."""
+        self._lib.ww_pool_reset_driver_stats(self._handle())
+
+    def set_profiling(self, enabled: bool) -> None:
+        """Whether to time how long the pool's mutex is held (``DriverStats.lock_hold_ns``).
+
+        Off by default: it reads the clock twice per acquisition.
+        """
+        self._lib.ww_pool_set_profiling(self._handle(), 1 if enabled else 0)
 
     def snapshot(self) -> list[BlockInfo]:
         """Every block of every segment, in address order (what PyTorch's snapshot gives back)."""

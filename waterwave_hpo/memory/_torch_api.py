@@ -19,7 +19,7 @@ memory a CUDA graph captured is not private and a neighbour trial may be handed 
   neighbour's stream.
 * ``torch.backends.cudnn.benchmark = True``: cuDNN's benchmark mode asks the allocator for
   ``cacheInfo``, so every convolution would fail; a one-time warning and benchmark mode stays
-  off. Convolutions then use cuDNN's heuristics: the guards set
+  off. Convolutions then use cuDNN's heuristics: the refusal sets
   ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` (unless the user set it), which torch reads once, at
   the first cuDNN convolution (``ATen/native/ConvUtils.h``, torch 2.13), and which makes cuDNN's
   v8 API pick plans with its heuristic mode B (a per-GPU model, slower to query once per shape,
@@ -179,6 +179,11 @@ def install_guards(lookup: PoolLookup) -> None:
     def set_benchmark(flag: bool) -> None:
         setter = _originals["_set_cudnn_benchmark"]
         if flag:
+            # Asked for benchmark mode: the closest the pool allows. Not set otherwise, so a
+            # study that never asks gets cuDNN's default (instant) heuristics, as under
+            # PyTorch's own allocator: forcing mode B on every convolution changed the plans
+            # against the baseline the pool is measured with.
+            os.environ.setdefault(HEURISTIC_MODE_B, "1")  # the user's own choice wins
             warn_once(
                 "cudnn_benchmark",
                 "torch.backends.cudnn.benchmark = True is ignored while waterwave's pool is "
@@ -193,7 +198,6 @@ def install_guards(lookup: PoolLookup) -> None:
     for name in _PATCHED:
         _originals[name] = getattr(c, name, _MISSING)
     _originals[HEURISTIC_MODE_B] = os.environ.get(HEURISTIC_MODE_B)
-    os.environ.setdefault(HEURISTIC_MODE_B, "1")  # the user's own choice wins
     c._cuda_memoryStats = memory_stats
     c._cuda_resetPeakMemoryStats = reset_stats
     c._cuda_resetAccumulatedMemoryStats = reset_stats

@@ -35,8 +35,12 @@ from waterwave_hpo.memory._stats import AllocationSource
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+    from collections.abc import Iterator
+    from collections.abc import Sequence
 
+    from waterwave_hpo.memory._pool import StreamAwarePool
     from waterwave_hpo.memory._sim import TraceRecord
+    from waterwave_hpo.memory._stats import DriverStats
 
 
 class TraceViolation(AssertionError):
@@ -244,3 +248,81 @@ class TraceChecker:
             self._fail(r, "event captured more work than was submitted")
         self.freed.add(r.ptr, _Freed(r.ptr + size, r.stream, r.event_seq))
         self.frees += 1
+
+
+#: Activation sizes (bytes) of the synthetic training step of :func:`run_training_steps`: a small
+#: CNN at batch 128 (conv activations of 4-8 MiB, a flatten, small heads), rounded by hand.
+STEP_ACTIVATION_BYTES = (8 << 20, 8 << 20, 4 << 20, 4 << 20, 2 << 20, 1 << 20, 256 << 10, 5120)
+#: Parameter sizes (bytes) of the same model: each step frees and re-makes its gradients
+#: (``zero_grad(set_to_none=True)``, PyTorch's default) and one optimizer temporary per tensor.
+STEP_PARAMETER_BYTES = (3456, 73728, 294912, 1179648, 4718592, 20480)
+
+
+def run_training_steps(
+    pool: StreamAwarePool, streams: Sequence[int], steps: int, *, warmup: int = 0
+) -> DriverStats:
+    """Plays training steps of one synthetic model per stream, interleaved op by op.
+
+    The allocation pattern of a co-hosted trial's step as PyTorch's allocator sees it
+    (forward: an activation per layer; backward: a gradient per activation, the activation
+    freed as its gradient is made, then a gradient per parameter; optimizer: one temporary per
+    parameter; the parameter gradients freed at the next step's ``zero_grad``), every stream
+    advancing one allocation or free at a time, as trials on a GPU do. No stream waits on the
+    CPU; on a ``sim`` pool no simulated work completes (the worst case for cross-stream reuse).
+    Each step makes 28 allocations and 28 frees per stream.
+
+    Args:
+        pool: The pool; its backend's streams are the integers in ``streams``.
+        streams: One stream handle per trial.
+        steps: Training steps per trial after the warm-up.
+        warmup: Steps per trial before counting starts.
+
+    Returns:
+        What the ``steps`` steps of every trial cost the pool (:meth:`StreamAwarePool.
+        driver_stats`), without the warm-up and without each trial's set-up and tear-down.
+    """
+
+    def one_trial(stream: int) -> Iterator[bool]:
+        params = [pool.allocate(n, stream) for n in STEP_PARAMETER_BYTES]
+        grads: list[int] = []
+        for _ in range(warmup + steps):
+            yield True  # a step starts
+            for g in grads:  # zero_grad(set_to_none=True)
+                pool.free(g, stream)
+                yield False
+            acts = []
+            for n in STEP_ACTIVATION_BYTES:
+                acts.append(pool.allocate(n, stream))
+                yield False
+            upstream = None
+            for n in reversed(STEP_ACTIVATION_BYTES):
+                grad_in = pool.allocate(n, stream)
+                yield False
+                pool.free(acts.pop(), stream)
+                if upstream is not None:
+                    pool.free(upstream, stream)
+                upstream = grad_in
+                yield False
+            if upstream is not None:
+                pool.free(upstream, stream)
+            grads = [pool.allocate(n, stream) for n in STEP_PARAMETER_BYTES]
+            yield False
+            for n in STEP_PARAMETER_BYTES:  # the optimizer's temporaries
+                pool.free(pool.allocate(n, stream), stream)
+                yield False
+        yield True  # the last step ended
+        for p in grads + params:  # the trial ends
+            pool.free(p, stream)
+
+    trials = [one_trial(s) for s in streams]
+    readings: list[DriverStats] = []
+    boundary = 0
+    while trials:
+        # Every trial runs the same sequence, so all of them reach a step boundary in one round.
+        marks = [next(t, None) for t in trials]
+        if marks and all(marks):
+            if boundary in (warmup, warmup + steps):
+                readings.append(pool.driver_stats())
+            boundary += 1
+        trials = [t for t, m in zip(trials, marks, strict=True) if m is not None]
+    return readings[1] - readings[0]
