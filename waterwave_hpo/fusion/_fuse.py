@@ -27,8 +27,10 @@ from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
 from waterwave_hpo.fusion._attention import MathAttention
+from waterwave_hpo.fusion._direct import Layout
 from waterwave_hpo.fusion._direct import Result
 from waterwave_hpo.fusion._direct import direct_form
+from waterwave_hpo.fusion._direct import stacked
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._errors import FusionError
 from waterwave_hpo.fusion._errors import _Short
@@ -53,7 +55,7 @@ def _device_of(model: nn.Module) -> torch.device | None:
     return None
 
 
-DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, bool, int], Result] | None"]
+DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, Layout, int], Result] | None"]
 
 
 def _layers(sequential: nn.Sequential) -> list[nn.Module]:
@@ -296,16 +298,26 @@ class FusedModule(nn.Module):
             ) from error
 
     def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
-        """The Sequential's layers in order, each fused directly or else through vmap."""
+        """The Sequential's layers in order, each fused directly or else through vmap.
+
+        Activations keep the layout each layer leaves them in (HFTA's ``(N, K*C, *S)`` through
+        convolutions, norms, pools and activations); only a layer that needs another changes it.
+        """
         assert self._direct is not None
         k = self._num_models
+        layout = Layout.SHARED if shared else Layout.STACKED
         for layer, form in self._direct:
-            result = None if form is None else form(layer, x, shared, k)
+            result = None if form is None else form(layer, x, layout, k)
             if result is None:
-                x, shared = self._vmap(layer, (x,), {}, shared=shared), False
+                if layout is Layout.CHANNELS:
+                    x, layout = stacked(x, layout, k), Layout.STACKED
+                vmapped = self._vmap(layer, (x,), {}, shared=layout is Layout.SHARED)
+                x, layout = vmapped, Layout.STACKED
             else:
-                x, shared = result
-        return x.unsqueeze(0).expand(k, *x.shape) if shared else x
+                x, layout = result
+        if layout is Layout.SHARED:
+            return x.unsqueeze(0).expand(k, *x.shape)
+        return stacked(x, layout, k)
 
     def keep_models(self, indices: Sequence[int]) -> None:
         """Keep only the models at ``indices``, in that order (the others stop costing compute).
