@@ -146,14 +146,14 @@ def batch_norm(
     if x.dim() < (3 if layout is Layout.STACKED else 2) or layer.momentum is None:
         return None  # unbatched (C,) inputs: vmap's batch_norm
     xs = channels(x, layout, k)
-    mean, var = layer.running_mean, layer.running_var
+    mean, var = _flat_statistics(layer)
     use_batch = layer.training or mean is None
     if layer.training and layer.num_batches_tracked is not None:
         layer.num_batches_tracked.add_(1)
     y = F.batch_norm(
         xs,
-        None if mean is None else mean.view(-1),
-        None if var is None else var.view(-1),
+        mean,
+        var,
         None if layer.weight is None else layer.weight.view(-1),
         None if layer.bias is None else layer.bias.view(-1),
         use_batch,
@@ -161,6 +161,25 @@ def batch_norm(
         layer.eps,
     )
     return y, Layout.CHANNELS
+
+
+def _flat_statistics(
+    layer: nn.BatchNorm1d | nn.BatchNorm2d,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The running mean and variance ``(K, C)`` viewed ``(K*C,)``, made once per buffer.
+
+    Buffers take no gradient, so the views can outlive a step: BatchNorm updates them in place,
+    which updates the stacked buffers they view. Made again when a buffer is replaced
+    (``keep_models``, ``.to()``, loading a state dict into new tensors).
+    """
+    mean, var = layer.running_mean, layer.running_var
+    cached = layer.__dict__.get("_fused_flat_statistics")
+    if cached is None or cached[0] is not mean or cached[1] is not var:
+        flat_mean = None if mean is None else mean.view(-1)
+        flat_var = None if var is None else var.view(-1)
+        cached = (mean, var, flat_mean, flat_var)
+        layer.__dict__["_fused_flat_statistics"] = cached
+    return cached[2], cached[3]
 
 
 def layer_norm(layer: nn.LayerNorm, x: torch.Tensor, layout: Layout, k: int) -> Result:
@@ -191,8 +210,8 @@ def embedding(layer: nn.Embedding, x: torch.Tensor, layout: Layout, k: int) -> R
 
 def dropout(layer: PerModelDropout, x: torch.Tensor, layout: Layout, k: int) -> Result:
     """K dropouts, each at its own rate, masks drawn independently."""
-    if not layer.training:
-        return x, layout
+    if not layer.training or not any(layer.rates):
+        return x, layout  # as torch's dropout at p=0: nothing drawn
     if layout is Layout.CHANNELS:
         # (N, K*F) viewed (N, K, F): each model's rate broadcast over its block.
         xs = x.view(x.shape[0], k, -1)

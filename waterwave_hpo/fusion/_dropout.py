@@ -44,6 +44,7 @@ class PerModelDropout(nn.Module):
         # float64, so the rate reads back exactly as the float the user gave.
         self.register_buffer("rate", torch.tensor(float(p), dtype=torch.float64))
         self._rates: tuple[float, ...] = (float(p),)
+        self._rates_seen = (id(self.rate), self.rate._version)
         self._factors: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_rates(self, rates: Sequence[float]) -> None:
@@ -54,6 +55,20 @@ class PerModelDropout(nn.Module):
         """
         self._rates = tuple(float(r) for r in rates)
         self.rate = torch.tensor(self._rates, dtype=torch.float64, device=self.rate.device)
+        self._rates_seen = (id(self.rate), self.rate._version)
+
+    @property
+    def rates(self) -> tuple[float, ...]:
+        """The K models' rates as Python floats (a host copy of ``rate``).
+
+        Read back from ``rate`` only when it was replaced or written other than by
+        :meth:`set_rates` (e.g. ``load_state_dict``): once, not every step.
+        """
+        seen = (id(self.rate), self.rate._version)
+        if getattr(self, "_rates_seen", None) != seen:
+            self._rates = tuple(float(r) for r in self.rate.reshape(-1).tolist())
+            self._rates_seen = seen
+        return self._rates
 
     @property
     def p(self) -> float:

@@ -17,6 +17,7 @@ import copy
 from typing import Any
 
 import torch
+from torch import fx
 from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
@@ -26,6 +27,7 @@ from waterwave_hpo import _checks
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion import _graph as graph
 from waterwave_hpo.fusion._attention import MathAttention
 from waterwave_hpo.fusion._direct import Layout
 from waterwave_hpo.fusion._direct import Result
@@ -183,6 +185,10 @@ class FusedModule(nn.Module):
         self._direct: list[DirectStep] | None = None
         if kernels and type(stacked) is nn.Sequential and not _has_hooks(stacked):
             self._direct = [(layer, direct_form(layer)) for layer in _layers(stacked)]
+        # Any other model: its forward traced once per train/eval mode (None: not traceable
+        # or not all its nodes run on the array; then it runs whole under vmap).
+        self._graph_ok = kernels and self._direct is None and not _has_hooks(stacked)
+        self._graphs: dict[bool, fx.Graph | None] = {}
         self.train(template.training)
 
     @staticmethod
@@ -253,6 +259,24 @@ class FusedModule(nn.Module):
             and isinstance(inputs[0], torch.Tensor)
         ):
             return self._forward_direct(inputs[0], shared=not stacked)
+        if (
+            self._graph_ok
+            and not kwargs
+            and len(inputs) == 1
+            and isinstance(inputs[0], torch.Tensor)
+        ):
+            if self.training not in self._graphs:
+                self._graphs[self.training] = graph.trace(self.stacked)
+            traced = self._graphs[self.training]
+            if traced is not None:
+                return graph.run(
+                    traced,
+                    self.stacked,
+                    inputs[0],
+                    Layout.STACKED if stacked else Layout.SHARED,
+                    self._num_models,
+                    lambda module, xs, kws, shared: self._vmap(module, xs, kws, shared=shared),
+                )
         return self._vmap(self.stacked, inputs, kwargs, shared=not stacked)
 
     def _vmap(
