@@ -76,6 +76,20 @@ class AddsTheInput(nn.Module):
         return self.norm(self.conv(x) + x) * 2.0
 
 
+class Aliases(nn.Module):
+    """``z += 1`` changes ``y`` too (one tensor): the fused forward must keep that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        z = y
+        z += 1.0
+        return y * z
+
+
 def _models(build: type[nn.Module], k: int) -> list[nn.Module]:
     torch.manual_seed(0)
     models = [build() for _ in range(k)]
@@ -87,7 +101,7 @@ def _models(build: type[nn.Module], k: int) -> list[nn.Module]:
     return models
 
 
-@pytest.mark.parametrize("build", [ResNetLike, ReadsAView, AddsTheInput])
+@pytest.mark.parametrize("build", [ResNetLike, ReadsAView, AddsTheInput, Aliases])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_each_fused_model_computes_its_own_function_and_gradients(
     build: type[nn.Module], stacked: bool

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from waterwave_hpo.fusion._direct import Layout
+from waterwave_hpo.fusion._direct import channels
 from waterwave_hpo.fusion._direct import direct_form
 from waterwave_hpo.fusion._direct import flatten
 from waterwave_hpo.fusion._direct import stacked
@@ -37,7 +38,6 @@ from waterwave_hpo.fusion._direct import stacked
 _ELEMENTWISE_BINARY: frozenset[Callable[..., Any]] = frozenset(
     {
         operator.add,
-        operator.iadd,
         operator.sub,
         operator.mul,
         operator.truediv,
@@ -65,11 +65,44 @@ _ELEMENTWISE_UNARY: frozenset[Callable[..., Any]] = frozenset(
 """Functions of one tensor (and Python options) that act element by element."""
 
 
+_INPLACE: dict[Callable[..., Any], Callable[..., Any]] = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}
+"""``x += y`` and kin, and the operator each computes. fx's own proxy records ``x += y`` as
+``x + y``; here it stays in place, so a tensor that aliases ``x`` sees the change as it does
+when the model runs alone."""
+
+
+class _Proxy(fx.Proxy):
+    """An fx proxy that records in-place arithmetic as such (see ``_INPLACE``)."""
+
+    def _inplace(self, op: Callable[..., Any], other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    def __iadd__(self, other: Any) -> fx.Proxy:
+        return self._inplace(operator.iadd, other)
+
+    def __isub__(self, other: Any) -> fx.Proxy:
+        return self._inplace(operator.isub, other)
+
+    def __imul__(self, other: Any) -> fx.Proxy:
+        return self._inplace(operator.imul, other)
+
+    def __itruediv__(self, other: Any) -> fx.Proxy:
+        return self._inplace(operator.itruediv, other)
+
+
 class _Tracer(fx.Tracer):
     """Keeps every layer with a direct form (the fused kernels included) a leaf."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return direct_form(m) is not None or super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
 
 def _supported(graph: fx.Graph, root: nn.Module) -> bool:
@@ -80,6 +113,8 @@ def _supported(graph: fx.Graph, root: nn.Module) -> bool:
         if node.op == "call_module":
             continue
         if node.op == "call_function" and node.target in _ELEMENTWISE_BINARY:
+            continue
+        if node.op == "call_function" and node.target in _INPLACE:
             continue
         if node.op == "call_function" and node.target in _ELEMENTWISE_UNARY:
             continue
@@ -124,6 +159,36 @@ def _binary(fn: Callable[..., Any], a: Value, b: Value, k: int) -> Value:
                 y = y.view(k, *([1] * (x.dim() - y.dim())), *y.shape[1:])
         return fn(x, y), lx
     return _binary(fn, (stacked(x, lx, k), Layout.STACKED), (stacked(y, ly, k), Layout.STACKED), k)
+
+
+def _inplace(op: Callable[..., Any], pure: Callable[..., Any], a: Value, b: Value, k: int) -> Value:
+    """``a op= b`` on ``a``'s own tensor, as the model alone does (tensors aliasing it see it).
+
+    ``b`` is brought to ``a``'s layout. Where ``a``'s tensor cannot hold the result in its
+    layout (a shared ``a`` and a per-model ``b``, or shapes that broadcast only per model), the
+    result is computed out of place, as ``_binary``; it then differs from the model alone only
+    if the forward reads ``a`` again through another name, which the verification
+    (``fuse(..., example_inputs=...)``) would show.
+    """
+    (x, lx), (y, ly) = a, b
+    if lx is None:
+        return _binary(pure, a, b, k)
+    if ly is None or ly is lx:
+        same = ly is None or lx is not Layout.CHANNELS or x.shape == y.shape
+        if same and (lx is not Layout.STACKED or ly is None or x.dim() >= y.dim()):
+            if lx is Layout.STACKED and ly is not None and x.dim() > y.dim():
+                y = y.view(k, *([1] * (x.dim() - y.dim())), *y.shape[1:])
+            return op(x, y), lx
+    elif lx is Layout.STACKED:
+        ys = stacked(y, ly, k)
+        if ys.dim() <= x.dim():
+            ys = ys.view(k, *([1] * (x.dim() - ys.dim())), *ys.shape[1:])
+            return op(x, ys), lx
+    elif lx is Layout.CHANNELS:
+        ys = stacked(y, ly, k)
+        if ys.dim() == x.dim() + 1 and ys.shape[2:] == x.shape[2:] and ys.shape[1] == x.shape[0]:
+            return op(x, channels(y, ly, k)), lx
+    return _binary(pure, a, b, k)
 
 
 def run(
@@ -183,7 +248,10 @@ def run(
             a, b = (value_of(v) for v in node.args[:2])
             if node.kwargs or len(node.args) != 2:
                 raise AssertionError("traced elementwise call with extra arguments")
-            env[node] = _binary(operator.add if fn is operator.iadd else fn, a, b, k)
+            env[node] = _binary(fn, a, b, k)
+        elif node.op == "call_function" and node.target in _INPLACE:
+            a, b = (value_of(v) for v in node.args[:2])
+            env[node] = _inplace(node.target, _INPLACE[node.target], a, b, k)
         elif node.op == "call_function" and node.target in _ELEMENTWISE_UNARY:
             (t, lay), *rest = (value_of(v) for v in node.args)
             fn = node.target
