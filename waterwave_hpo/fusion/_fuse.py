@@ -462,9 +462,12 @@ def fuse(
         kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
             layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
             as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
-            dropout, pooling; other layers through vmap); any other model runs under vmap
-            with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
-            batching rules. Both give the same results (to float rounding).
+            dropout, pooling; other layers through vmap), activations kept in HFTA's
+            ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
+            ``torch.fx`` traces into layers and elementwise arithmetic (``+``, ``*``, ``+=``,
+            ``relu``, ``torch.flatten``: a ResNet) runs the same way node by node; the rest
+            runs under vmap with Linear and Conv1d/2d as fused kernels. False: every layer
+            through vmap's own batching rules. All give the same results (to float rounding).
         example_inputs: A positional input of one model (a tensor), or a tuple of them,
             ``(B, ...)``; with ``example_kwargs``, what :func:`verify` runs. None (and no
             ``example_kwargs``): not verified (:func:`verify` can be called later).
