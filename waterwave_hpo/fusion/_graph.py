@@ -14,7 +14,9 @@ A forward that does not trace, or whose graph holds anything else (a method call
 a parameter read outside a layer, another function), is not run here: the fused module then
 runs it whole under vmap, as before. The trace itself records what the forward did with
 Python values; control flow on them is fixed by the structure key, which describes every
-attribute a forward may read.
+attribute a forward may read. The trace is taken at the first forward in each train/eval
+mode: an attribute of ``fused.stacked`` (the fused module's own copy) changed by hand after
+that is not seen.
 """
 
 from __future__ import annotations
