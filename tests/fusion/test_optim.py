@@ -429,3 +429,14 @@ def test_a_scheduler_step_queues_the_new_values_without_a_blocking_copy(
     assert copies.blocking == []
     assert len(copies.copies) == 4  # lr, once per step; the other values did not change
     assert group["lr"].device.type == "meta"
+
+
+def test_hparams_follow_a_group_value_replaced_by_hand() -> None:
+    # The host keeps copies of the per-model values (a step never reads them back from the
+    # device); a tensor put into param_groups by hand is read once instead of the stale copy.
+    weight = nn.Parameter(torch.zeros(2, 3))
+    opt = fusion.optimizer(torch.optim.SGD, [weight], [{"lr": 0.1}, {"lr": 0.2}])
+    opt.param_groups[0]["weight_decay"] = torch.tensor([0.0, 0.5], dtype=torch.float64)
+    assert opt.hparams(1)["weight_decay"] == 0.5
+    opt.set_hparam("momentum", [0.9, 0.0])
+    assert opt.hparams(0)["momentum"] == 0.9

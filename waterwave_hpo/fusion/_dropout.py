@@ -15,6 +15,7 @@ that says so (a tensor there would fail inside vmap on ``.item()``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ class PerModelDropout(nn.Module):
         # float64, so the rate reads back exactly as the float the user gave.
         self.register_buffer("rate", torch.tensor(float(p), dtype=torch.float64))
         self._rates: tuple[float, ...] = (float(p),)
+        self._rates_seen = (id(self.rate), self.rate._version)
+        self._factors: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_rates(self, rates: Sequence[float]) -> None:
         """Give the K fused models their rates: ``rate`` becomes ``(K,)``.
@@ -52,6 +55,20 @@ class PerModelDropout(nn.Module):
         """
         self._rates = tuple(float(r) for r in rates)
         self.rate = torch.tensor(self._rates, dtype=torch.float64, device=self.rate.device)
+        self._rates_seen = (id(self.rate), self.rate._version)
+
+    @property
+    def rates(self) -> tuple[float, ...]:
+        """The K models' rates as Python floats (a host copy of ``rate``).
+
+        Read back from ``rate`` only when it was replaced or written other than by
+        :meth:`set_rates` (e.g. ``load_state_dict``): once, not every step.
+        """
+        seen = (id(self.rate), self.rate._version)
+        if getattr(self, "_rates_seen", None) != seen:
+            self._rates = tuple(float(r) for r in self.rate.reshape(-1).tolist())
+            self._rates_seen = seen
+        return self._rates
 
     @property
     def p(self) -> float:
@@ -67,6 +84,31 @@ class PerModelDropout(nn.Module):
                 "scaled_dot_product_attention)"
             )
         return self._rates[0]
+
+    def factors(
+        self, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keep probability ``1 - rate`` and the scale ``1 / keep`` (0 where keep is 0).
+
+        Computed once per rate, dtype and shape (``rate`` viewed to ``shape``), not per step.
+
+        Args:
+            dtype: The activations' dtype.
+            shape: The view the values must take to broadcast, e.g. ``(K, 1, 1)``.
+
+        Returns:
+            ``(keep, scale)``, each of ``shape``, on ``rate``'s device.
+        """
+        rate = self.rate
+        key = (id(rate), rate._version, rate.device, dtype, shape)
+        cached = self._factors.get(key)
+        if cached is None:
+            with torch.no_grad():
+                keep = (1.0 - rate.to(dtype)).view(shape)
+                scale = torch.where(keep > 0, 1.0 / keep, torch.zeros_like(keep))
+            self._factors = {k: v for k, v in self._factors.items() if k[:2] == key[:2]}
+            cached = self._factors[key] = (keep, scale)
+        return cached
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Drop elements of ``x`` (any shape) at rate ``rate``; same shape out."""

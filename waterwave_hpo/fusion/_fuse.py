@@ -17,6 +17,7 @@ import copy
 from typing import Any
 
 import torch
+from torch import fx
 from torch import nn
 from torch.func import functional_call
 from torch.func import vmap
@@ -26,9 +27,12 @@ from waterwave_hpo import _checks
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion import _graph as graph
 from waterwave_hpo.fusion._attention import MathAttention
+from waterwave_hpo.fusion._direct import Layout
 from waterwave_hpo.fusion._direct import Result
 from waterwave_hpo.fusion._direct import direct_form
+from waterwave_hpo.fusion._direct import stacked
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._errors import FusionError
 from waterwave_hpo.fusion._errors import _Short
@@ -53,7 +57,7 @@ def _device_of(model: nn.Module) -> torch.device | None:
     return None
 
 
-DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, bool, int], Result] | None"]
+DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, Layout, int], Result] | None"]
 
 
 def _layers(sequential: nn.Sequential) -> list[nn.Module]:
@@ -181,6 +185,10 @@ class FusedModule(nn.Module):
         self._direct: list[DirectStep] | None = None
         if kernels and type(stacked) is nn.Sequential and not _has_hooks(stacked):
             self._direct = [(layer, direct_form(layer)) for layer in _layers(stacked)]
+        # Any other model: its forward traced once per train/eval mode (None: not traceable
+        # or not all its nodes run on the array; then it runs whole under vmap).
+        self._graph_ok = kernels and self._direct is None and not _has_hooks(stacked)
+        self._graphs: dict[bool, fx.Graph | None] = {}
         self.train(template.training)
 
     @staticmethod
@@ -251,6 +259,24 @@ class FusedModule(nn.Module):
             and isinstance(inputs[0], torch.Tensor)
         ):
             return self._forward_direct(inputs[0], shared=not stacked)
+        if (
+            self._graph_ok
+            and not kwargs
+            and len(inputs) == 1
+            and isinstance(inputs[0], torch.Tensor)
+        ):
+            if self.training not in self._graphs:
+                self._graphs[self.training] = graph.trace(self.stacked)
+            traced = self._graphs[self.training]
+            if traced is not None:
+                return graph.run(
+                    traced,
+                    self.stacked,
+                    inputs[0],
+                    Layout.STACKED if stacked else Layout.SHARED,
+                    self._num_models,
+                    lambda module, xs, kws, shared: self._vmap(module, xs, kws, shared=shared),
+                )
         return self._vmap(self.stacked, inputs, kwargs, shared=not stacked)
 
     def _vmap(
@@ -296,16 +322,26 @@ class FusedModule(nn.Module):
             ) from error
 
     def _forward_direct(self, x: torch.Tensor, *, shared: bool) -> torch.Tensor:
-        """The Sequential's layers in order, each fused directly or else through vmap."""
+        """The Sequential's layers in order, each fused directly or else through vmap.
+
+        Activations keep the layout each layer leaves them in (HFTA's ``(N, K*C, *S)`` through
+        convolutions, norms, pools and activations); only a layer that needs another changes it.
+        """
         assert self._direct is not None
         k = self._num_models
+        layout = Layout.SHARED if shared else Layout.STACKED
         for layer, form in self._direct:
-            result = None if form is None else form(layer, x, shared, k)
+            result = None if form is None else form(layer, x, layout, k)
             if result is None:
-                x, shared = self._vmap(layer, (x,), {}, shared=shared), False
+                if layout is Layout.CHANNELS:
+                    x, layout = stacked(x, layout, k), Layout.STACKED
+                vmapped = self._vmap(layer, (x,), {}, shared=layout is Layout.SHARED)
+                x, layout = vmapped, Layout.STACKED
             else:
-                x, shared = result
-        return x.unsqueeze(0).expand(k, *x.shape) if shared else x
+                x, layout = result
+        if layout is Layout.SHARED:
+            return x.unsqueeze(0).expand(k, *x.shape)
+        return stacked(x, layout, k)
 
     def keep_models(self, indices: Sequence[int]) -> None:
         """Keep only the models at ``indices``, in that order (the others stop costing compute).
@@ -426,9 +462,12 @@ def fuse(
         kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
             layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
             as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
-            dropout, pooling; other layers through vmap); any other model runs under vmap
-            with Linear and Conv1d/2d as fused kernels. False: every layer through vmap's own
-            batching rules. Both give the same results (to float rounding).
+            dropout, pooling; other layers through vmap), activations kept in HFTA's
+            ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
+            ``torch.fx`` traces into layers and elementwise arithmetic (``+``, ``*``, ``+=``,
+            ``relu``, ``torch.flatten``: a ResNet) runs the same way node by node; the rest
+            runs under vmap with Linear and Conv1d/2d as fused kernels. False: every layer
+            through vmap's own batching rules. All give the same results (to float rounding).
         example_inputs: A positional input of one model (a tensor), or a tuple of them,
             ``(B, ...)``; with ``example_kwargs``, what :func:`verify` runs. None (and no
             ``example_kwargs``): not verified (:func:`verify` can be called later).

@@ -365,10 +365,11 @@ class _Uses:
     momentum: bool = False
     plain_momentum_only: bool = False  # every model has momentum != 0 and no Nesterov
     amsgrad: bool = False
+    nesterov: tuple[bool, ...] = ()  # SGD's flags (no scheduler changes them): a host copy
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> _Uses:
-        """Read the group's (K,) hyperparameters once (a device-to-host copy on CUDA)."""
+        """From the group's (K,) hyperparameters, host copies (see ``_host_hparams``)."""
         uses = cls(
             maximize=any(group["maximize"].tolist()),
             weight_decay=any(v != 0 for v in group["weight_decay"].tolist()),
@@ -380,6 +381,7 @@ class _Uses:
 
     def set_momentum(self, momentum: list[float], nesterov: list[bool]) -> None:
         """Update from SGD's momentum and nesterov values (host lists)."""
+        self.nesterov = tuple(nesterov)
         self.momentum = any(m != 0 for m in momentum)
         self.plain_momentum_only = all(m != 0 for m in momentum) and not any(nesterov)
 
@@ -445,7 +447,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         group: dict[str, Any] = {"params": [p for _, p in named_params]}
         group.update(_stack_hparams(kind, hparams, device))
         super().__init__([group], defaults={})
-        self._uses = _Uses.of(self.param_groups[0])
+        # Host copies of the (K,) hyperparameters, each with the device tensor it mirrors:
+        # what the host needs (which parts of the update run, hparams(k) for a scheduler) is
+        # read here, never back from the device (a stream sync on CUDA).
+        self._mirror: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._set_mirror(_stack_hparams(kind, hparams, torch.device("cpu")))
         # Counts changes of the hyperparameters; a scheduler that sees another writer's change
         # writes all its values again.
         self.hparam_version = 0
@@ -478,6 +484,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         """K, the number of models (changes with :meth:`keep_models`)."""
         return self._num_models
 
+    def _set_mirror(self, host: Mapping[str, torch.Tensor]) -> None:
+        """Record ``host`` (CPU tensors) as the values of the group's hyperparameters now."""
+        group = self.param_groups[0]
+        for name, values in host.items():
+            self._mirror[name] = (group[name], values)
+        self._uses = _Uses.of(self._host_hparams())
+
+    def _host_hparams(self) -> dict[str, torch.Tensor]:
+        """The group's hyperparameters on the host: the mirror, or a read where it is stale.
+
+        Stale only where the group's tensor was replaced by hand (not through
+        :meth:`set_hparam`); then the value is read back from the device once.
+        """
+        group = self.param_groups[0]
+        host = {}
+        for name in _SPECS[self._kind].hparams:
+            device_value, host_value = self._mirror.get(name, (None, None))
+            if device_value is not group[name] or host_value is None:
+                host_value = group[name].detach().to("cpu")
+                self._mirror[name] = (group[name], host_value)
+            host[name] = host_value
+        return host
+
     def hparams(self, k: int) -> dict[str, Any]:
         """Model ``k``'s hyperparameters now, as Python values (what the stock class would take).
 
@@ -494,10 +523,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise IndexError(
                 message("k", k, f"is out of range for K={self._num_models}", "pass 0 <= k < K")
             )
-        group = self.param_groups[0]
+        host = self._host_hparams()
         out: dict[str, Any] = {}
         for name, held in _SPECS[self._kind].hparams.items():
-            value = group[name][k].tolist()
+            value = host[name][k].tolist()
             out[name] = tuple(value) if held is _Kind.PAIR else value
         return out
 
@@ -532,10 +561,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values;
         # queued, not waited for: schedulers call this every step
         self.param_groups[0][name] = host_to_device(new, target.device)
+        self._mirror[name] = (self.param_groups[0][name], new)
         self.hparam_version += 1
-        # read from the host copy: no device sync
+        # read from the host copies (``new``, and the flags kept in ``_uses``): a scheduler
+        # cycling momentum (OneCycleLR, CyclicLR) calls this every step, so no device read here
         if name == "momentum":
-            self._uses.set_momentum(new.tolist(), self.param_groups[0]["nesterov"].tolist())
+            self._uses.set_momentum(new.tolist(), list(self._uses.nesterov))
         if name == "weight_decay":
             self._uses.weight_decay = any(v != 0 for v in new.tolist())
 
@@ -560,8 +591,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         kept = check_indices(indices, self._num_models)
         index = torch.tensor(kept, dtype=torch.long)
         group = self.param_groups[0]
+        host = self._host_hparams()
         for name in _SPECS[self._kind].hparams:
             group[name] = group[name].index_select(0, index.to(group[name].device))
+            host[name] = host[name].index_select(0, index)
         for p in group["params"]:
             state = self.state.get(p)
             if not state:
@@ -571,7 +604,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if value.shape[0] != self._num_models:
                         raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
                     state[key] = value.index_select(0, index.to(value.device))
-        self._uses = _Uses.of(group)
+        self._set_mirror(host)
         self.hparam_version += 1
         for follower in list(self._followers):
             follower._keep_models(kept)
@@ -629,7 +662,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = value.clone()
             if "step" in state:
                 state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
-        self._uses = _Uses.of(group)
+        self._mirror = {}
+        self._uses = _Uses.of(self._host_hparams())  # one read of the loaded values
         self.hparam_version += 1
         self._num_models = saved_k
 

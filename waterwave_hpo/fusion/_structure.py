@@ -9,9 +9,14 @@ model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 import enum
+import functools
+import hashlib
+import types
 
 import torch
 from torch import nn
@@ -73,9 +78,11 @@ class ModuleEntry:
     Attributes:
         path: Its name in ``model.named_modules()`` (``""`` for the model itself).
         type_name: Its class, ``type(module).__qualname__``.
-        config: Its configuration: every public non-tensor attribute (e.g. ``Conv2d`` stride,
-            ``BatchNorm`` eps and momentum) as ``(name, description)`` pairs, except the
-            ``p`` of an ``nn.Dropout``.
+        config: Its configuration: every attribute its forward may read (e.g. ``Conv2d``
+            stride, ``BatchNorm`` eps and momentum, a config dict, an activation function),
+            private ones included, as ``(name, description)`` pairs described by value
+            (recursively for plain data, by qualified name and closure for functions), except
+            ``nn.Module``'s own bookkeeping and the ``p`` of an ``nn.Dropout``.
     """
 
     path: str
@@ -120,10 +127,11 @@ class TensorEntry:
 class StructureKey:
     """What must be equal for models to fuse; hashable, readable with ``str()``.
 
-    Equal iff the module types, the module configuration (every public non-tensor attribute,
-    e.g. ``Conv2d`` stride and padding, ``BatchNorm`` eps and momentum, ``LeakyReLU`` slope),
-    and the parameter and buffer names, shapes, dtypes and ``requires_grad`` match. The rate
-    ``p`` of an ``nn.Dropout`` does not enter the key: fused models keep their own rate.
+    Equal iff the module types, the module configuration (every attribute a forward may read,
+    by value: ``Conv2d`` stride and padding, ``BatchNorm`` eps and momentum, ``LeakyReLU``
+    slope, and a model's own config dicts, strings, numbers, functions, tensors that are not
+    buffers), and the parameter and buffer names, shapes, dtypes and ``requires_grad`` match.
+    The rate ``p`` of an ``nn.Dropout`` does not enter the key: fused models keep their own rate.
     The device does not enter the key (:func:`~waterwave_hpo.fusion.fuse` checks it).
 
     Attributes:
@@ -153,7 +161,7 @@ class StructureKey:
             if mine != theirs:
                 if mine.path != theirs.path:
                     return f"module '{mine.path}' vs module '{theirs.path}'"
-                return f"module '{mine.path}': {mine.layer()} vs {theirs.layer()}"
+                return f"module '{mine.path or '<model>'}': {mine.layer()} vs {theirs.layer()}"
         if len(self.modules) != len(other.modules):
             return _extra("module", self.modules, other.modules)
         for t_mine, t_theirs in zip(self.tensors, other.tensors, strict=False):
@@ -181,26 +189,150 @@ def _extra(
     return f"the other model has an extra {what} {theirs[len(mine)]}"
 
 
-def _describe(value: object) -> str:
-    """A configuration value in words that compare equal across copies of a model."""
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""``nn.Module``'s own bookkeeping: parameters, buffers and submodules enter the key on their
+own; ``training`` is the fused module's; hooks are the fused copy's (model 0's: observers such
+as a profiler on one trial do not keep it from fusing). Every other attribute, private ones
+included, is a value the forward may read."""
+
+_DEPTH = 6
+"""How deep :func:`_describe` opens nested containers and objects before it falls back to
+identity (a value nested deeper than this is described by its ``id``: equal only if shared)."""
+
+_MAX_ITEMS = 256
+"""How many items of one container are described by value; a longer one is fingerprinted."""
+
+
+def _qualified(obj: object) -> str:
+    """``module.qualname`` of a function or class."""
+    module = getattr(obj, "__module__", None) or ""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if name is None:
+        name = type(obj).__qualname__
+    return f"{module}.{name}" if module else str(name)
+
+
+def _fingerprint(data: bytes) -> str:
+    """A short digest of ``data`` (values too long to show, compared by content)."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _describe_tensor(value: torch.Tensor) -> str:
+    """Shape, dtype and a digest of the values of a tensor that is not a buffer.
+
+    Such a tensor is not stacked: model 0's would serve every model, so only equal values fuse.
+    """
+    head = f"tensor{tuple(value.shape)} {value.dtype}"
+    if value.device.type == "meta" or value.is_sparse or value.is_quantized:
+        return head
+    try:
+        data = value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError):
+        return head
+    return f"{head} #{_fingerprint(data)}"
+
+
+def _describe(value: object, depth: int = 0, seen: frozenset[int] = frozenset()) -> str:
+    """A value a forward may read, in words that are equal exactly when the values are.
+
+    Plain data (numbers, strings, tuples, lists, dicts, sets, dataclasses, objects with a
+    ``__dict__``) is described by value, recursively; tensors by shape, dtype and a digest of
+    their values; functions by qualified name, source line, defaults and closure values;
+    ``functools.partial`` by its function and arguments; bound methods by function and owner.
+    A value that cannot be described by value (nested deeper than ``_DEPTH``, a cycle, an
+    object without ``__dict__`` whose ``repr`` carries an address) is described by identity:
+    two models fuse only if they share it.
+    """
     if value is None or isinstance(
-        value, (bool, int, float, str, torch.dtype, torch.device, enum.Enum)
+        value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
     ):
         return repr(value)
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_describe(item) for item in value) + ")"
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
     if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)} {value.dtype}"
-    if callable(value):
-        return str(getattr(value, "__qualname__", type(value).__qualname__))
-    return type(value).__qualname__
+        return _describe_tensor(value)
+    if isinstance(value, nn.Module):
+        # A module held outside the module tree (e.g. in a plain list) is not stacked.
+        return f"<{type(value).__qualname__} at {id(value):#x}>"
+    if depth >= _DEPTH or id(value) in seen:
+        return f"<{type(value).__qualname__} at {id(value):#x}>"
+    inner = seen | {id(value)}
+
+    def sub(item: object) -> str:
+        return _describe(item, depth + 1, inner)
+
+    if isinstance(value, (tuple, list)):
+        if len(value) > _MAX_ITEMS:
+            return f"{type(value).__qualname__}[{len(value)}] #" + _fingerprint(
+                "\n".join(map(sub, value)).encode()
+            )
+        body = ", ".join(map(sub, value))
+        return f"({body})" if isinstance(value, tuple) else f"[{body}]"
+    if isinstance(value, Mapping):
+        items = [f"{sub(k)}: {sub(v)}" for k, v in value.items()]
+        if len(items) > _MAX_ITEMS:
+            return f"dict[{len(items)}] #" + _fingerprint("\n".join(items).encode())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(map(sub, value))) + "}"
+    if isinstance(value, type):
+        return _qualified(value)
+    if isinstance(value, functools.partial):
+        args = ", ".join(
+            [*map(sub, value.args), *(f"{k}={sub(v)}" for k, v in value.keywords.items())]
+        )
+        return f"partial({sub(value.func)}, {args})"
+    if isinstance(value, types.MethodType):
+        owner = value.__self__
+        of = type(owner).__qualname__ if isinstance(owner, nn.Module) else sub(owner)
+        return f"{sub(value.__func__)} of {of}"
+    if isinstance(value, types.FunctionType):
+        code = value.__code__
+        text = f"{_qualified(value)} ({code.co_filename}:{code.co_firstlineno})"
+        if value.__defaults__:
+            text += f" defaults={sub(value.__defaults__)}"
+        if value.__kwdefaults__:
+            text += f" kwdefaults={sub(value.__kwdefaults__)}"
+        if value.__closure__:
+            cells = []
+            for name, cell in zip(code.co_freevars, value.__closure__, strict=False):
+                try:
+                    cells.append(f"{name}={sub(cell.cell_contents)}")
+                except ValueError:  # an empty cell
+                    cells.append(f"{name}=<empty>")
+            text += " closure=(" + ", ".join(cells) + ")"
+        return text
+    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)) or (
+        callable(value) and not hasattr(value, "__dict__") and hasattr(value, "__qualname__")
+    ):
+        owner = getattr(value, "__self__", None)
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            return f"{_qualified(value)} of {sub(owner)}"
+        return _qualified(value)
+    if dataclasses.is_dataclass(value):
+        fields = ", ".join(
+            f"{field.name}={sub(getattr(value, field.name, None))}"
+            for field in dataclasses.fields(value)
+        )
+        return f"{type(value).__qualname__}({fields})"
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict):
+        fields = ", ".join(f"{k}={sub(v)}" for k, v in sorted(state.items()))
+        return f"{type(value).__qualname__}({fields})"
+    text = repr(value)
+    if " at 0x" in text or len(text) > 1000:
+        return f"<{type(value).__qualname__} at {id(value):#x}>"
+    return f"{type(value).__qualname__}:{text}"
 
 
 def _config(module: nn.Module) -> tuple[tuple[str, str], ...]:
-    """The module's public non-tensor attributes, except the rate of an ``nn.Dropout``."""
+    """Every attribute the forward may read, described by value.
+
+    Except ``nn.Module``'s bookkeeping and the rate of an ``nn.Dropout`` (kept per model).
+    """
     items = []
     for name, value in sorted(vars(module).items()):
-        if name.startswith("_") or name == "training":
+        if name in _MODULE_INTERNALS:
             continue
         if type(module) is nn.Dropout and name == "p":
             continue
