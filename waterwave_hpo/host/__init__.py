@@ -52,6 +52,7 @@ from waterwave_hpo.host._planning import plan_settings
 from waterwave_hpo.host._runner import HostRunner
 from waterwave_hpo.host._runner import HostSnapshot
 from waterwave_hpo.host._runner import HostSpec
+from waterwave_hpo.host._runner import RemoteTraceback
 from waterwave_hpo.host._runner import TrialRecord
 from waterwave_hpo.host._runner import fail_trial
 from waterwave_hpo.host._runner import picklable_error
@@ -83,6 +84,7 @@ __all__ = [
     "OnOOM",
     "OutcomeKind",
     "PlanSettings",
+    "RemoteTraceback",
     "RunSettings",
     "TrialInterrupted",
     "TrialJob",
