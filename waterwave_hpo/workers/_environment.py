@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import sys
 from typing import Any
+from typing import cast
 
 _STREAMS = {"stderr", "stdout"}
 
@@ -108,7 +109,7 @@ class WorkerEnvironment:
         else:
             optuna.logging.disable_default_handler()
         warnings.resetwarnings()  # invalidates the registries of warnings already shown
-        warnings.filters[:] = list(self.warning_filters)
+        cast("list[Any]", warnings.filters)[:] = list(self.warning_filters)
         logging.captureWarnings(self.capture_warnings)
         if self.start_method is not None:
             multiprocessing.set_start_method(self.start_method, force=True)

@@ -76,7 +76,7 @@ def _dumps_keeping_source_files(value: object) -> bytes:
             code.co_filename if arg == "<dynamic-code>" else arg for arg in args
         )
 
-    class _Pickler(cloudpickle.Pickler):
+    class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         dispatch_table: ClassVar[Any] = collections.ChainMap(
             {types.CodeType: reduce_keeping_file}, cloudpickle.Pickler.dispatch_table
         )
