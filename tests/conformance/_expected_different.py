@@ -43,7 +43,7 @@ _PROCESS.update(
         _STUDY + "test_optimize_progbar_n_trials_prioritized": (
             "asserts every trial ends within timeout=10 s; each optimize starts its K worker "
             "processes (an interpreter and torch each, seconds), which on a loaded 2-core "
-            "machine at K=4 used the whole timeout once in two runs (timing, not meaning)"
+            "machine at K=4 used the whole timeout in one of its two cases (timing, not meaning)"
         ),
         _STUDY + "test_optimize_with_gc": (
             "patches gc.collect in the test's process and counts its calls; with "
