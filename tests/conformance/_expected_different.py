@@ -41,9 +41,9 @@ _PROCESS: dict[str, str] = {
 _PROCESS.update(
     {
         _STUDY + "test_optimize_progbar_n_trials_prioritized": (
-            "asserts every trial ends within timeout=10 s; each optimize starts its K worker "
-            "processes (an interpreter and torch each, seconds), which on a loaded 2-core "
-            "machine at K=4 used the whole timeout in one of its two cases (timing, not meaning)"
+            "asserts 'Best trial: 0' on the bar for two trials of equal value; at K > 1 their "
+            "workers start in either order (seconds each) and trial 1 may end first, so it is "
+            "the best (seen at K=4, one of its two cases), as test_optimize_with_progbar"
         ),
         _STUDY + "test_optimize_with_gc": (
             "patches gc.collect in the test's process and counts its calls; with "
