@@ -2,8 +2,9 @@
 
 Loaded only in the inner pytest run that ``test_optuna_conformance.py`` starts (``-p
 _optuna_plugin``), never in this project's own test session. ``WATERWAVE_CONFORMANCE_K`` is the
-executor's ``trials_per_device``; ``WATERWAVE_CONFORMANCE_REPORT`` is the JSON file the plugin
-writes at the end: every collected test's outcome and whether it reached ``optimize``.
+executor's ``trials_per_device``; ``WATERWAVE_CONFORMANCE_ISOLATION`` its ``isolation``
+(``threads`` by default, or ``process``); ``WATERWAVE_CONFORMANCE_REPORT`` is the JSON file the
+plugin writes at the end: every collected test's outcome and whether it reached ``optimize``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import waterwave_hpo as ww
 
 _K = int(os.environ.get("WATERWAVE_CONFORMANCE_K", "1"))
+_ISOLATION = os.environ.get("WATERWAVE_CONFORMANCE_ISOLATION", "threads")
 _REPORT = os.environ.get("WATERWAVE_CONFORMANCE_REPORT", "")
 # Optuna parametrizes many tests over its STORAGE_MODES; these run here ("all": every one).
 _STORAGES = os.environ.get("WATERWAVE_CONFORMANCE_STORAGES", "all")
@@ -42,7 +44,7 @@ def _optimize_through_executor(
     # n_jobs is Optuna's thread pool; the executor's trials_per_device takes its place.
     if _current_nodeid is not None:
         _reached.add(_current_nodeid)
-    executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=_K)
+    executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=_K, isolation=_ISOLATION)
     executor.optimize(
         self,
         func,
@@ -73,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             (deselected if mode is not None and mode not in keep else selected).append(item)
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
-    expected = expected_different(_K)
+    expected = expected_different(_K, _ISOLATION)
     for item in items:
         reason = expected.get(item.nodeid) or expected.get(item.nodeid.split("[")[0])
         if reason is not None:
@@ -110,7 +112,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     with open(_REPORT, "w", encoding="utf-8") as file:
         json.dump(
-            {"k": _K, "outcomes": _outcomes, "reached_optimize": sorted(_reached)},
+            {
+                "k": _K,
+                "isolation": _ISOLATION,
+                "outcomes": _outcomes,
+                "reached_optimize": sorted(_reached),
+            },
             file,
             indent=1,
         )

@@ -4,7 +4,8 @@ The executor promises that its ``optimize`` means what ``optuna.Study.optimize``
 Optuna's own test files (from the sdist of the installed Optuna version, fetched from the package
 index with pip into a cache directory, the way a user gets them) in a separate pytest process with
 ``_optuna_plugin`` loaded, which routes every ``Study.optimize`` through
-``WaterwaveExecutor(devices="cpu", trials_per_device=K)``. Tests listed in
+``WaterwaveExecutor(devices="cpu", trials_per_device=K)`` with ``isolation="threads"`` (every
+file) and ``isolation="process"`` (``PROCESS_TEST_FILES``), at K=1 and 4. Tests listed in
 ``_expected_different.py`` assert Optuna's internals and may fail; every other test must pass.
 
 The sdist is cached in ``$WATERWAVE_CONFORMANCE_CACHE`` (default
@@ -45,6 +46,16 @@ OPTUNA_TEST_FILES = (
     "tests/pruners_tests",
 )
 """Optuna's test files that reach ``Study.optimize``, relative to the sdist root."""
+
+PROCESS_TEST_FILES = (
+    "tests/study_tests/test_optimize.py",
+    "tests/study_tests/test_study.py",
+    "tests/study_tests/test_multi_objective.py",
+    "tests/test_callbacks.py",
+)
+"""The files run under ``isolation="process"``: those about ``optimize``'s own meaning (each
+``optimize`` there starts K worker processes, seconds each, so the whole list would take hours
+on a small CI machine)."""
 
 _HERE = Path(__file__).resolve().parent
 _PYTEST_INI = """[pytest]
@@ -109,8 +120,15 @@ def _optuna_tests() -> Path:
     return root
 
 
-def run_optuna_tests(k: int, report: Path, files: tuple[str, ...] = OPTUNA_TEST_FILES) -> dict:
+def run_optuna_tests(
+    k: int,
+    report: Path,
+    files: tuple[str, ...] = OPTUNA_TEST_FILES,
+    isolation: str = "threads",
+) -> dict:
     """Run Optuna's ``files`` with ``optimize`` through the executor at ``trials_per_device=k``.
+
+    ``isolation`` is the executor's (``"threads"`` or ``"process"``).
 
     Returns:
         The plugin's report: ``outcomes`` (node id -> passed/failed/skipped/xfailed/xpassed)
@@ -123,6 +141,7 @@ def run_optuna_tests(k: int, report: Path, files: tuple[str, ...] = OPTUNA_TEST_
     # for every one of Optuna's STORAGE_MODES; a comma-separated list for some).
     env.setdefault("WATERWAVE_CONFORMANCE_STORAGES", "inmemory")
     env["WATERWAVE_CONFORMANCE_K"] = str(k)
+    env["WATERWAVE_CONFORMANCE_ISOLATION"] = isolation
     env["WATERWAVE_CONFORMANCE_REPORT"] = str(report)
     command = [
         sys.executable,
@@ -150,9 +169,14 @@ def run_optuna_tests(k: int, report: Path, files: tuple[str, ...] = OPTUNA_TEST_
     return data
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_optuna_optimize_tests_pass_through_the_executor(k: int, tmp_path: Path) -> None:
-    data = run_optuna_tests(k, tmp_path / "report.json")
+@pytest.mark.parametrize(
+    ("isolation", "k"), [("threads", 1), ("threads", 4), ("process", 1), ("process", 4)]
+)
+def test_optuna_optimize_tests_pass_through_the_executor(
+    isolation: str, k: int, tmp_path: Path
+) -> None:
+    files = PROCESS_TEST_FILES if isolation == "process" else OPTUNA_TEST_FILES
+    data = run_optuna_tests(k, tmp_path / "report.json", files, isolation=isolation)
     outcomes: dict[str, str] = data["outcomes"]
     failed = sorted(
         node for node, outcome in outcomes.items() if outcome in ("failed", "collection error")
@@ -161,11 +185,11 @@ def test_optuna_optimize_tests_pass_through_the_executor(k: int, tmp_path: Path)
         name: sum(1 for o in outcomes.values() if o == name) for name in set(outcomes.values())
     }
     summary = (
-        f"K={k}: collected {len(outcomes)}, reached optimize {len(data['reached_optimize'])}, "
-        f"{counts}"
+        f"{isolation}, K={k}: collected {len(outcomes)}, "
+        f"reached optimize {len(data['reached_optimize'])}, {counts}"
     )
     print(summary)
-    assert len(data["reached_optimize"]) > 100, summary
+    assert len(data["reached_optimize"]) > (50 if isolation == "process" else 100), summary
     assert not failed, (
         f"{summary}\n{len(failed)} of Optuna's tests fail through the executor and are not in "
         "_expected_different.py:\n" + "\n".join(failed) + "\n\n" + data["stdout"][-20000:]

@@ -61,6 +61,35 @@ def test_the_policy_holds_whatever_carries_the_call() -> None:
     assert [s.study_name for s in storage.get_all_studies()] == ["s", "other"]
 
 
+@pytest.mark.parametrize("study_attrs", [False, True])
+def test_study_attributes_are_the_runs_own_to_set_only_where_the_policy_says(
+    study_attrs: bool,
+) -> None:
+    storage = optuna.storages.InMemoryStorage()
+    driver = optuna.create_study(study_name="s", storage=storage)
+    other = optuna.create_study(study_name="other", storage=storage)
+    client = RelayedStorage(_pickled_transport(StorageService(driver, study_attrs=study_attrs)))
+    mine = driver._study_id
+    if study_attrs:  # what NSGA-II, QMC and trial.study.set_user_attr do under optimize
+        client.set_study_user_attr(mine, "owner", "me")
+        client.set_study_system_attr(mine, "generation", 1)
+        assert driver.user_attrs == {"owner": "me"}
+        assert storage.get_study_system_attrs(mine)["generation"] == 1
+    else:
+        with pytest.raises(StoragePermissionError, match="set_study_user_attr"):
+            client.set_study_user_attr(mine, "owner", "me")
+        with pytest.raises(StoragePermissionError, match="set_study_system_attr"):
+            client.set_study_system_attr(mine, "generation", 1)
+    # Whatever the setting: no other study, no deleting or creating one.
+    with pytest.raises(StoragePermissionError, match="set_study_user_attr"):
+        client.set_study_user_attr(other._study_id, "owner", "me")
+    with pytest.raises(StoragePermissionError):
+        client.delete_study(mine)
+    with pytest.raises(StoragePermissionError):
+        client.create_new_study([optuna.study.StudyDirection.MINIMIZE], "new")
+    assert other.user_attrs == {} and len(storage.get_all_studies()) == 2
+
+
 def test_a_storage_error_is_raised_unchanged_in_the_caller() -> None:
     driver = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     trial = driver.ask()

@@ -311,6 +311,9 @@ class WaterwaveExecutor:
                 memory_budget_bytes=self.memory_budget_bytes,
                 policy=self.policy,
                 memory_plan=self.memory_plan,
+                # The run loop's rule for its own threads (OptimizeRun._concurrent).
+                reseed_sampler_rng=(self.fuse or 1) > 1
+                or len(self.devices) * self.trials_per_device > 1,
             )
         return [
             DeviceHost.build(

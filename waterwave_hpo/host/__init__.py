@@ -53,10 +53,13 @@ from waterwave_hpo.host._planning import plan_settings
 from waterwave_hpo.host._runner import HostRunner
 from waterwave_hpo.host._runner import HostSnapshot
 from waterwave_hpo.host._runner import HostSpec
+from waterwave_hpo.host._runner import RemoteTraceback
 from waterwave_hpo.host._runner import TrialRecord
 from waterwave_hpo.host._runner import fail_trial
+from waterwave_hpo.host._runner import format_traceback
 from waterwave_hpo.host._runner import picklable_error
 from waterwave_hpo.host._runner import tell_record
+from waterwave_hpo.host._runner import with_remote_traceback
 from waterwave_hpo.host._slots import NoMemory
 from waterwave_hpo.host._slots import SlotTable
 from waterwave_hpo.host._streams import acquire_stream
@@ -87,6 +90,7 @@ __all__ = [
     "OnOOM",
     "OutcomeKind",
     "PlanSettings",
+    "RemoteTraceback",
     "RunSettings",
     "SlotTable",
     "TrialInterrupted",
@@ -100,6 +104,7 @@ __all__ = [
     "default_budget_bytes",
     "fail_trial",
     "fit_trial_memory",
+    "format_traceback",
     "is_batched",
     "is_out_of_memory",
     "make_device_memory",
@@ -114,4 +119,5 @@ __all__ = [
     "trial_attr",
     "trial_memory_plan",
     "trial_memory_stats",
+    "with_remote_traceback",
 ]

@@ -35,6 +35,7 @@ from waterwave_hpo.host._attrs import ATTR_FAIL_REASON
 from waterwave_hpo.host._attrs import ATTR_PEAK_BYTES
 from waterwave_hpo.host._attrs import ATTR_SLOT
 from waterwave_hpo.host._backward import backward_in_this_thread
+from waterwave_hpo.host._forks import running_trial
 from waterwave_hpo.host._oom import is_out_of_memory
 from waterwave_hpo.host._outcome import OnOOM
 from waterwave_hpo.host._outcome import OutcomeKind
@@ -128,7 +129,10 @@ def run_attempt(
     try:
         account = memory.open_account(context.trial_number, context.stream)
         seat.enter()
-        with on_trial_stream(context.device, context.stream, memory.pool):
+        with (
+            on_trial_stream(context.device, context.stream, memory.pool),
+            running_trial(context.trial_number),
+        ):
             attempt.result = call()
     except optuna.TrialPruned:
         attempt.pruned = True

@@ -62,7 +62,7 @@ class HostSpec:
         storage: How the host reaches the study (a Ray relay's channel), or ``None`` when the
             host's transport brings its own (a worker process's pipe).
         study_name: The study to open.
-        sampler: The driver's sampler (pickled; reseeded in each host).
+        sampler: The driver's sampler (pickled; see ``reseed_sampler_rng``).
         pruner: The driver's pruner (pickled).
         func: The objective.
         n_slots: Slots of the host (trials at once).
@@ -86,6 +86,12 @@ class HostSpec:
     """``memory_plan=`` of the executor: each attempt's planning is made on the host."""
     record_trial_attrs: bool = True
     """``record_trial_attrs=`` of the executor (device, slot, peak bytes, fail reason)."""
+    reseed_sampler_rng: bool = True
+    """Reseed the host's sampler before each trial, as the driver's run loop does for its own
+    threads and ``Study.optimize`` for ``n_jobs != 1``: trials of the run may run at once (more
+    than one slot in all, or fused batches), and hosts that got the same pickled sampler would
+    otherwise draw the same parameters. ``False`` (one trial at a time): the sampler is never
+    reseeded, so a seeded sampler draws the sequence it draws under ``Study.optimize``."""
 
     @classmethod
     def of_run(
@@ -125,6 +131,8 @@ class TrialRecord:
         values: The objective's value(s) as floats, or its ``repr`` when they are not numbers
             (the driver's ``study.tell`` then fails the trial, as Optuna does).
         error: The exception (or a ``RuntimeError`` describing it when it cannot be pickled).
+        error_traceback: ``error``'s traceback in the host's process, as text (pickling drops
+            it); the driver shows it as the cause of the error it logs and raises.
         neighbours: Trials running beside it on the host when it ended.
         footprint_bytes: With ``memory_plan="home"``: the footprint its registered model ran
             with (the driver plans a re-run from it), else ``None``.
@@ -142,6 +150,7 @@ class TrialRecord:
     footprint_bytes: int | None = None
     smallest_peak_bytes: int | None = None
     fail_message: str | None = None
+    error_traceback: str | None = None
 
 
 @dataclass(frozen=True)
@@ -207,9 +216,7 @@ class HostRunner:
         study = optuna.load_study(
             study_name=spec.study_name, storage=storage, sampler=spec.sampler, pruner=spec.pruner
         )
-        # Every host got the same pickled sampler; without a new seed they would all draw the
-        # same parameters (Optuna reseeds for n_jobs > 1 the same way).
-        study.sampler.reseed_rng()
+        self._reseed_sampler_rng = spec.reseed_sampler_rng
         study.__class__ = _HostStudy
         assert isinstance(study, _HostStudy)
         study._told = {}
@@ -271,6 +278,9 @@ class HostRunner:
             if self._memory_plan.mode is MemoryPlanMode.OFF
             else TrialPlanning(self._memory_plan, cap_bytes=plan_cap_bytes)
         )
+        if self._reseed_sampler_rng:
+            # Before the trials' relative sampling (Trial's constructor); see HostSpec.
+            self._study.sampler.reseed_rng()
         if self._relayed is not None:
             for index, (trial_id, _, _) in enumerate(members):
                 self._relayed.adopt(
@@ -348,6 +358,7 @@ class HostRunner:
             kind=outcome.kind,
             state=state,
             values=plain_values(values) if state is None else None,
+            error_traceback=format_traceback(outcome.error),
             error=picklable_error(outcome.error),
             neighbours=outcome.neighbours,
             footprint_bytes=None if planning is None else planning.footprint_bytes,
@@ -386,22 +397,53 @@ class UnpicklableError(RuntimeError):
         return (type(self), (self.type_name, str(self).split(": ", 1)[1]), self.__dict__)
 
 
-def picklable_error(error: BaseException | None) -> BaseException | None:
-    """``error`` ready to cross to the driver: its type kept, its traceback as a note.
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a host's process (a worker, a Ray host), as text.
 
-    The traceback object cannot cross; its text is added as a note (``__notes__``, shown when
-    the error is printed, from Python 3.11). If ``error`` cannot be pickled (an unpicklable
-    attribute, an ``__init__`` its pickled arguments do not fit), the same type is tried
-    without its attributes; failing that, an :class:`UnpicklableError` names the type and
-    keeps the text.
+    The driver sets it as the ``__cause__`` of the exception it logs and raises (pickling drops
+    tracebacks), so the user sees the frames of their objective above the driver's, as with
+    ``concurrent.futures.ProcessPoolExecutor``.
+
+    Args:
+        text: The traceback as ``traceback.format_exception`` writes it.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
+
+
+def format_traceback(error: BaseException | None) -> str | None:
+    """``error``'s traceback (with its chained causes) as text, for :class:`RemoteTraceback`."""
+    if error is None:
+        return None
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def with_remote_traceback(error: BaseException | None, text: str | None) -> BaseException | None:
+    """``error`` with the host's traceback ``text`` as its cause (``None`` or no text: as is)."""
+    if error is not None and text and not isinstance(error.__cause__, RemoteTraceback):
+        error.__cause__ = RemoteTraceback(text)
+    return error
+
+
+def picklable_error(error: BaseException | None) -> BaseException | None:
+    """``error`` ready to cross to the driver, its type kept where it can be.
+
+    The traceback object cannot cross: the host sends its text beside the error
+    (:func:`format_traceback`, :class:`TrialRecord`'s ``error_traceback``) and the driver sets
+    it as the cause (:func:`with_remote_traceback`). If ``error`` cannot be pickled (an
+    unpicklable attribute, an ``__init__`` its pickled arguments do not fit), the same type is
+    tried without its attributes; failing that, an :class:`UnpicklableError` names the type and
+    keeps the message.
     """
     if error is None:
         return None
     import cloudpickle
 
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    if error.__traceback__ is not None:
-        _add_note(error, f"Traceback on the host:\n{text.rstrip()}")
     error.__traceback__ = None
     with contextlib.suppress(Exception):
         cloudpickle.loads(cloudpickle.dumps(error))
@@ -413,14 +455,7 @@ def picklable_error(error: BaseException | None) -> BaseException | None:
         if type(cloudpickle.loads(cloudpickle.dumps(bare))) is type(error):
             return bare
     name = f"{type(error).__module__}.{type(error).__qualname__}"
-    fallback = UnpicklableError(name, str(error))
-    _add_note(fallback, f"Traceback on the host:\n{text.rstrip()}")
-    return fallback
-
-
-def _add_note(error: BaseException, note: str) -> None:
-    # BaseException.add_note from Python 3.11 (which prints __notes__); the same list before.
-    error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    return UnpicklableError(name, str(error))
 
 
 def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> TrialOutcome:
@@ -432,9 +467,14 @@ def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> Tr
     """
     study = settings.study
     kind = record.kind
-    error = record.error
+    error = with_remote_traceback(record.error, record.error_traceback)
     fail_message = record.fail_message
     frozen = None
+    # The tell runs the driver's sampler's after_trial, which may call study.stop() (a grid
+    # sampler whose grid is done); Optuna allows that only inside the optimize loop, a
+    # thread-local flag, and this is a transport's thread (a worker's pipe, Ray's results).
+    inside = _optuna_compat.in_optimize_loop(study)
+    _optuna_compat.set_in_optimize_loop(study, True)
     try:
         frozen, message = _optuna_compat.tell_as_optimize(
             study, job.trial, record.values, record.state
@@ -443,6 +483,8 @@ def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> Tr
     except Exception as tell_error:  # the driver could not tell: fail it, never leave it
         kind, error = OutcomeKind.FATAL, tell_error
         frozen = fail_trial(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
+    finally:
+        _optuna_compat.set_in_optimize_loop(study, inside)
     return TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
 
 

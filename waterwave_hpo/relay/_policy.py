@@ -56,6 +56,9 @@ _TRIAL_CALLS = frozenset(
         "record_heartbeat",  # Optuna's heartbeat thread
     }
 )
+# Calls whose first argument is a study id that must be the run's study, allowed only where the
+# hosts own the study as the objective and the sampler do under ``Study.optimize``.
+_STUDY_ATTR_CALLS = frozenset({"set_study_user_attr", "set_study_system_attr"})
 # Calls without a study or trial: the storage's heartbeat settings (heartbeat storages only).
 _HEARTBEAT_SETTINGS_CALLS = frozenset(
     {"get_heartbeat_interval", "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
@@ -68,20 +71,30 @@ class StudyAccessPolicy:
     Allowed: reading the study's name, directions, attributes and trials; creating trials in it
     (ask); setting its trials' parameters, states and values (tell), intermediate values
     (report) and attributes; Optuna's heartbeat calls for its trials (when the storage has a
-    heartbeat). Refused with :class:`StoragePermissionError`: any other study (by id, by name, or
-    through a trial id of another study), ``get_all_studies``, creating, deleting or renaming a
-    study, and setting study attributes (set them in the driver before ``optimize``).
+    heartbeat); with ``study_attrs=True``, setting the study's user and system attributes.
+    Refused with :class:`StoragePermissionError`: any other study (by id, by name, or through a
+    trial id of another study), ``get_all_studies``, creating, deleting or renaming a study, and,
+    unless ``study_attrs=True``, setting study attributes (set them in the driver before
+    ``optimize``).
 
     Args:
         storage: The study's storage (the driver's ``study._storage``).
         study_id: The run's study.
         study_name: Its name (``optuna.load_study`` looks the study up by name).
+        study_attrs: Allow ``set_study_user_attr`` and ``set_study_system_attr`` on the run's
+            study: what an objective (``trial.study.set_user_attr``) and a sampler (NSGA-II's
+            generations, QMC's sample id) do to their study under ``Study.optimize``. Process
+            isolation allows them (the workers run the user's own objective and sampler on the
+            user's own study).
     """
 
-    def __init__(self, storage: BaseStorage, study_id: int, study_name: str) -> None:
+    def __init__(
+        self, storage: BaseStorage, study_id: int, study_name: str, study_attrs: bool = False
+    ) -> None:
         self.storage = storage
         self.study_id = study_id
         self.study_name = study_name
+        self.study_attrs = study_attrs
         self._heartbeat = is_heartbeat_enabled(storage)
         self._trial_ids: set[int] = set()
         self._lock = threading.Lock()
@@ -110,6 +123,13 @@ class StudyAccessPolicy:
                 )
             if method.startswith("_get_stale") and not self._heartbeat:
                 raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
+        elif method in _STUDY_ATTR_CALLS and self.study_attrs:
+            if not args or args[0] != self.study_id:
+                raise StoragePermissionError(
+                    f"{method}(study_id={_first(args)!r}): hosts of this run may set the "
+                    f"attributes of the study {self.study_name!r} (study_id={self.study_id}) "
+                    "only."
+                )
         elif method in _TRIAL_CALLS:
             if method == "record_heartbeat" and not self._heartbeat:
                 raise StoragePermissionError(f"{method}: this run's storage has no heartbeat.")
@@ -125,7 +145,8 @@ class StudyAccessPolicy:
             raise StoragePermissionError(
                 f"{method}: hosts of this run may not call it; they may ask, tell, report and "
                 f"set trial attributes in the study {self.study_name!r} only (no other study, "
-                "no creating, deleting or renaming studies, no study attributes)."
+                "no creating, deleting or renaming studies"
+                + (")." if self.study_attrs else ", no study attributes).")
             )
 
     def allowed_result(self, method: str, result: Any) -> None:

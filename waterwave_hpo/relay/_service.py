@@ -26,12 +26,14 @@ class StorageService:
 
     Args:
         study: The run's study; callers get its storage, for it alone.
+        study_attrs: Callers may set the study's user and system attributes
+            (:class:`StudyAccessPolicy`'s ``study_attrs``).
     """
 
-    def __init__(self, study: optuna.Study) -> None:
+    def __init__(self, study: optuna.Study, study_attrs: bool = False) -> None:
         self.storage = _optuna_compat.storage_of(study)
         self.policy = StudyAccessPolicy(
-            self.storage, _optuna_compat.study_id(study), study.study_name
+            self.storage, _optuna_compat.study_id(study), study.study_name, study_attrs
         )
         self._refused: set[str] = set()
         self._refused_lock = threading.Lock()

@@ -322,7 +322,8 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         device: The device its trials run on.
         n_slots: Worker processes (trials at once, ``trials_per_device``).
         settings: The ``optimize`` call's settings (the driver's study and outcome queue).
-        payload: The cloudpickled ``(HostSpec, heartbeat)`` each worker starts from.
+        payload: The cloudpickled ``(HostSpec, heartbeat, WorkerEnvironment)`` each worker
+            starts from.
         service: The run's storage service (one per ``optimize`` call, shared by all hosts).
         leases: The device's memory leases, served to its workers.
     """

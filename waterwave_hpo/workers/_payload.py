@@ -10,9 +10,11 @@ asked, naming the fix.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +25,7 @@ from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import PlanSettings
 from waterwave_hpo.host import RunSettings
 from waterwave_hpo.relay import StorageService
+from waterwave_hpo.workers._environment import capture as capture_environment
 from waterwave_hpo.workers._handle import ProcessHostHandle
 from waterwave_hpo.workers._lease_service import LeaseServer
 
@@ -37,10 +40,8 @@ def pickle_for_workers(name: str, value: object) -> bytes:
         TypeError: If ``value`` cannot be pickled; the message names ``name``,
             ``isolation="process"`` and the fix.
     """
-    import cloudpickle
-
     try:
-        return bytes(cloudpickle.dumps(value))
+        return _dumps_keeping_source_files(value)
     except Exception as error:
         raise _checks.type_error(
             name,
@@ -52,6 +53,39 @@ def pickle_for_workers(name: str, value: object) -> bytes:
         ) from error
 
 
+def _dumps_keeping_source_files(value: object) -> bytes:
+    """``cloudpickle.dumps(value)``, keeping the file name of the code it sends by value.
+
+    cloudpickle writes ``"<dynamic-code>"`` as the file of every function it sends by value
+    (closures, lambdas, the objective defined in the user's script); a trial's traceback from
+    a worker would then name no file of the user's and show no source line. The worker runs on
+    this machine, so the real file name is kept.
+    """
+    import io
+    import types
+
+    import cloudpickle
+
+    reduce_code = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+    if reduce_code is None:  # another cloudpickle: its own reduction, whatever it names
+        return bytes(cloudpickle.dumps(value))
+
+    def reduce_keeping_file(code: types.CodeType) -> Any:
+        constructor, args = reduce_code(code)
+        return constructor, tuple(
+            code.co_filename if arg == "<dynamic-code>" else arg for arg in args
+        )
+
+    class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+        dispatch_table: ClassVar[Any] = collections.ChainMap(
+            {types.CodeType: reduce_keeping_file}, cloudpickle.Pickler.dispatch_table
+        )
+
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def process_hosts(
     devices: Sequence[torch.device],
     n_slots: int,
@@ -61,8 +95,13 @@ def process_hosts(
     memory_budget_bytes: int | None,
     policy: Any,
     memory_plan: PlanSettings,
+    reseed_sampler_rng: bool = True,
 ) -> list[ProcessHostHandle]:
     """The process hosts of one ``optimize`` call, one per device.
+
+    With ``reseed_sampler_rng`` (trials may run at once: ``HostSpec.reseed_sampler_rng``) each
+    worker reseeds its copy of the sampler before each trial; without it, one worker runs every
+    trial with the driver's sampler as pickled, so a seeded sampler draws Optuna's sequence.
 
     Raises:
         TypeError: If the objective, the sampler, the pruner or ``catch`` cannot be pickled.
@@ -74,7 +113,11 @@ def process_hosts(
     pickle_for_workers("study.sampler", study.sampler)
     pickle_for_workers("study.pruner", study.pruner)
     heartbeat = is_heartbeat_enabled(_optuna_compat.storage_of(study))
-    service = StorageService(study)
+    # The workers run the user's objective and sampler on the user's study: they may set its
+    # attributes as they would under Study.optimize (NSGA-II's generations, QMC's sample id,
+    # trial.study.set_user_attr); other studies stay out of reach.
+    service = StorageService(study, study_attrs=True)
+    environment = capture_environment()
     payloads: dict[int | None, bytes] = {}
     hosts = []
     for device in devices:
@@ -98,7 +141,8 @@ def process_hosts(
                 policy=policy,
                 memory_plan=memory_plan,
                 record_trial_attrs=settings.record_trial_attrs,
+                reseed_sampler_rng=reseed_sampler_rng,
             )
-            payloads[share] = pickle_for_workers("catch", (spec, heartbeat))
+            payloads[share] = pickle_for_workers("catch", (spec, heartbeat, environment))
         hosts.append(ProcessHostHandle(device, n_slots, settings, payloads[share], service, leases))
     return hosts

@@ -118,7 +118,10 @@ def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads
         from waterwave_hpo.relay import RelayedHeartbeatStorage
         from waterwave_hpo.relay import RelayedStorage
 
-        spec, heartbeat = cloudpickle.loads(payload)
+        spec, heartbeat, environment = cloudpickle.loads(payload)
+        # The driver's logging, warning filters and start method (DataLoader workers fork, as
+        # they would in the driver), before the first trial.
+        environment.apply()
         if torch.device(device).type == "cuda":
             from dataclasses import replace
 
