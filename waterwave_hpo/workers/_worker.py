@@ -151,11 +151,9 @@ class _Worker:
         with self.has_runner:
             runner, self.runner = self.runner, None
         if runner is not None:
+            # No gc.collect() here: a full collection in a process that imported torch takes
+            # a second on a busy machine, and every optimize call would wait for it.
             runner.shutdown(timeout_s=_END_TIMEOUT_S)
-            del runner
-            import gc
-
-            gc.collect()
         self.link.send(("ended",))
 
     def serve(self, requests: queue.SimpleQueue[tuple[Any, ...]]) -> None:
@@ -168,19 +166,24 @@ class _Worker:
             if kind == "end":
                 self.end()
                 continue
-            runner = self.runner
-            if runner is None:  # its run failed to begin: the driver failed the trial
-                continue
-            if kind == "submit":
-                _, members, fused, cap, frozen = message
-                runner.submit(self.slot, members, fused, cap, frozen)
-            elif kind == "neighbours":
-                # On CUDA each trial runs in a lease of its own: other workers' trials cannot
-                # be why it ran out of memory, so they do not count (no futile re-run).
-                leased = self.device.startswith("cuda")
-                runner.host.outside_neighbours = 0 if leased else int(message[1])
-            elif kind == "interrupt":
-                runner.interrupt(self.slot)
+            self.handle(message)
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        """Run one of the driver's requests to the bound run (a submit, an interrupt...)."""
+        kind = message[0]
+        runner = self.runner
+        if runner is None:  # its run failed to begin: the driver failed the trial
+            return
+        if kind == "submit":
+            _, members, fused, cap, frozen = message
+            runner.submit(self.slot, members, fused, cap, frozen)
+        elif kind == "neighbours":
+            # On CUDA each trial runs in a lease of its own: other workers' trials cannot be
+            # why it ran out of memory, so they do not count (no futile re-run).
+            leased = self.device.startswith("cuda")
+            runner.host.outside_neighbours = 0 if leased else int(message[1])
+        elif kind == "interrupt":
+            runner.interrupt(self.slot)
 
     # -- the main thread ----------------------------------------------------------------------
 
@@ -318,10 +321,15 @@ def _read(link: PipeLink, worker: _Worker) -> None:
     try:
         while True:
             message = pickle.loads(link.conn.recv_bytes())
-            if message[0] == "answer":
+            kind = message[0]
+            if kind == "answer":
                 link.answered(*message[1:])
-            elif message[0] == "stop":
+            elif kind == "stop":
                 break
+            elif kind == "submit" and requests.empty() and worker.runner is not None:
+                # The trials come with their copies (no storage call): started from here, a
+                # thread hand-off less per trial; behind a begin or an end, in order.
+                worker.handle(message)
             else:
                 requests.put(message)
     except (EOFError, OSError):
