@@ -540,8 +540,22 @@ def _popen(fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
         ],
         pass_fds=(fd,),
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **env} if env else None,
+        env={**_worker_environment(), **env},
     )
+
+
+def _worker_environment() -> dict[str, str]:
+    """The driver's environment, with OpenMP's threads told to sleep when idle.
+
+    K workers each run ``torch.get_num_threads()`` intra-op threads on the same cores; OpenMP
+    threads that spin while they wait then take the cores from the other workers' busy ones
+    (measured on the 2-core VM, K=4, 8 short training trials: 20 s with spinning, 0.2 s with
+    ``OMP_WAIT_POLICY=PASSIVE``). Threads of one process (``isolation="threads"``) share one
+    OpenMP pool and never meet this. A value the user set is kept.
+    """
+    environment = dict(os.environ)
+    environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return environment
 
 
 def _close_pools(pools: dict[str, WorkerPool], launcher: ThreadPoolExecutor) -> None:

@@ -238,7 +238,7 @@ def worker_main(fd: int, parent: int) -> None:
 
 
 def warm_up(device_name: str, torch_threads: int, memory_pool: str) -> None:
-    """What every run of this worker needs, done once: imports, and on CUDA the context and pool.
+    """What every run of this worker needs, done once: imports, autograd, on CUDA context and pool.
 
     On CUDA: the device's context (with its default stream), and the stream-aware pool
     installed as PyTorch's allocator before anything allocates (``memory_pool``), so a trial
@@ -254,6 +254,13 @@ def warm_up(device_name: str, torch_threads: int, memory_pool: str) -> None:
     from waterwave_hpo.host import make_device_memory
     from waterwave_hpo.relay import RelayedStorage  # noqa: F401
 
+    # One tiny training step on the CPU: PyTorch initialises autograd and its optimizers
+    # lazily (seconds on a busy machine, measured: 4.8 s on the loaded 2-core VM), which
+    # every worker's first trial would otherwise pay.
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 2)).sum().backward()
+    optimizer.step()
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
