@@ -163,6 +163,8 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
     from waterwave_hpo.host._memory import default_budget_bytes
     from waterwave_hpo.host._outcome import OnOOM
     from waterwave_hpo.host._planning import PlanSettings
+    from waterwave_hpo.workers import _payload
+    from waterwave_hpo.workers._lease_service import CONTEXT_RESERVE_BYTES
     from waterwave_hpo.workers._payload import process_hosts
 
     FakeCuda(total_memory=8 << 30).install(monkeypatch)
@@ -176,8 +178,19 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
         outcomes=queue.SimpleQueue(),
     )
 
+    class Handle:  # what process_hosts hands each device's host: its pool and payload
+        def __init__(self, pool: Any, settings: Any, payload: bytes, service: Any) -> None:
+            self.leases, self.payload = pool.leases, payload
+
+    class Pools:  # the devices' pools, without worker processes (the CUDA here is fake)
+        def pool(self, device: Any, n: int, budget: int | None, memory_pool: str) -> Any:
+            return SimpleNamespace(device=device, leases=LeaseServer(device, n, budget))
+
+    monkeypatch.setattr(_payload, "ProcessHostHandle", Handle)
+
     def worker_budgets(budget: int | None) -> list[tuple[int | None, int | None]]:
         hosts = process_hosts(
+            Pools(),  # type: ignore[arg-type]
             [CUDA0, torch.device("cuda", 1)],
             4,
             settings,
@@ -194,6 +207,7 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
             budgets.append((cloudpickle.loads(host.payload)[0].memory_budget_bytes, lease.nbytes))
         return budgets
 
-    share = default_budget_bytes(8 << 30) // 4
-    assert worker_budgets(None) == [(share, share)] * 2  # not the whole device's budget
+    # Not the whole device's budget; and each worker's own CUDA context is left out.
+    share = (default_budget_bytes(8 << 30) - 4 * CONTEXT_RESERVE_BYTES) // 4
+    assert worker_budgets(None) == [(share, share)] * 2
     assert worker_budgets(4000) == [(1000, 1000)] * 2

@@ -600,10 +600,10 @@ def check_worker_crash(
 
     study = optuna.create_study()
     study.set_user_attr("crash", crash)
-    executor = ww.WaterwaveExecutor(
+    with ww.WaterwaveExecutor(
         str(device), trials_per_device=k, record_trial_attrs=True, isolation="process"
-    )
-    executor.optimize(study, crash_one_worker, n_trials=n_trials)
+    ) as executor:  # its workers end with the check
+        executor.optimize(study, crash_one_worker, n_trials=n_trials)
     trials = study.get_trials(deepcopy=False)
     crashed, after = trials[_CRASHING_TRIAL], trials[_CRASHING_TRIAL + 1]
     reason = str(crashed.system_attrs.get(ATTR_FAIL_REASON, ""))

@@ -145,24 +145,28 @@ class WaterwaveExecutor:
         isolation: ``"threads"`` (default): each slot is a thread of this process, with its
             own CUDA stream, and all trials of a device share one stream-aware pool (memory
             flows between them). ``"process"``: each slot runs its trials in a worker process
-            of its own (spawned on first use, reused for the slot's later trials), on the
-            slot's device and its own stream, reaching the study through this process (which
-            tells every outcome, runs the callbacks and writes the heartbeats). A worker that
-            dies (segmentation fault, ``abort()``, ``os._exit``, SIGKILL, the OOM killer)
-            fails its trial alone, with the signal or exit code in the trial's
-            ``waterwave:fail_reason`` system attribute, and the slot gets a new worker; a
+            of its own, on the slot's device and its own stream, reaching the study through
+            this process (which tells every outcome, runs the callbacks and writes the
+            heartbeats). The workers are fresh interpreters (the user's script is never run
+            in them, so no ``if __name__ == "__main__":`` guard is needed), started in
+            parallel on the first :meth:`optimize` and kept warm for the later ones, of any
+            study, until :meth:`close` (or the ``with`` block's end, the executor's garbage
+            collection, the interpreter's exit). A worker that dies (segmentation fault,
+            ``abort()``, ``os._exit``, SIGKILL, the OOM killer) fails its trial alone, with
+            the signal or exit code in the trial's ``waterwave:fail_reason`` system
+            attribute, and a new worker takes the slot at once; a
             seeded trial gives the same result as alone, whatever its neighbours do. On CUDA
             each trial holds a lease of the device's memory (``memory_budget_bytes`` or the
             device's total less a reserve, split over ``trials_per_device``) and is bounded by
             it; each worker's pipeline scheduler and memory plans get
             ``memory_budget_bytes // trials_per_device``. The objective, the sampler, the
-            pruner and ``catch`` are pickled (cloudpickle: closures and lambdas work); a
-            script that starts workers needs the ``if __name__ == "__main__":`` guard, as for
-            any spawned process. ``trials_per_device="auto"`` is not supported with it. A worker
-            takes about 550 MiB of host memory: ``trials_per_device`` times the devices'
-            workers must fit the host memory available when the executor is made, and
-            ``memory_budget_bytes`` must leave each slot at least one byte; both are refused
-            up front with the figures.
+            pruner and ``catch`` are pickled (cloudpickle: closures, lambdas and functions of
+            the script run go by value); workers are fresh interpreters that never import
+            the user's script, so no ``if __name__ == "__main__":`` guard is needed.
+            ``trials_per_device="auto"`` is not supported with it. A worker takes about 550 MiB
+            of host memory: ``trials_per_device`` times the devices' workers must fit the host
+            memory available when the executor is made, and ``memory_budget_bytes`` must leave
+            each slot at least one byte; both are refused up front with the figures.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message
@@ -179,6 +183,8 @@ class WaterwaveExecutor:
 
     isolation: Isolation = Isolation.THREADS
     """How the trials of a device are kept apart (``isolation=``)."""
+    _workers: Any = None
+    """With ``isolation="process"``: the warm worker processes (``WorkerPools``), once started."""
 
     def __init__(
         self,
@@ -301,9 +307,13 @@ class WaterwaveExecutor:
                 or ``catch`` cannot be pickled (before any trial is asked).
         """
         if self.isolation is Isolation.PROCESS:
+            from waterwave_hpo.workers import WorkerPools
             from waterwave_hpo.workers import process_hosts
 
+            if self._workers is None:
+                self._workers = WorkerPools()
             return process_hosts(
+                self._workers,
                 self.devices,
                 self.trials_per_device,
                 settings,
@@ -327,6 +337,25 @@ class WaterwaveExecutor:
             )
             for device in self.devices
         ]
+
+    def close(self) -> None:
+        """End the executor's worker processes (``isolation="process"``). Idempotent.
+
+        The workers are started by the first :meth:`optimize` and kept warm for the next ones;
+        this ends them (each is asked to exit, and killed after a few seconds). A later
+        :meth:`optimize` starts new ones. Also done by the ``with`` statement's end, when the
+        executor is garbage-collected, and at the interpreter's exit. Nothing to do with
+        threads.
+        """
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
+
+    def __enter__(self) -> WaterwaveExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def schedulers(self) -> dict[str, PipelineScheduler]:

@@ -15,6 +15,7 @@ from waterwave_hpo.memory._leases import LeaseStats
 from waterwave_hpo.memory._leases import MemoryLease
 from waterwave_hpo.memory._lib import load_library
 from waterwave_hpo.memory._shim import CXX_STANDARD
+from waterwave_hpo.memory._shim import build_shim
 from waterwave_hpo.memory._shim import compile_shim
 from waterwave_hpo.memory._shim import cuda_variant_missing
 from waterwave_hpo.memory._torch_api import install_guards
@@ -25,6 +26,7 @@ __all__ = [
     "LeaseBook",
     "LeaseStats",
     "MemoryLease",
+    "build_shim",
     "compile_shim",
     "cuda_variant_missing",
     "cupy_on_stream",

@@ -32,8 +32,12 @@ import torch
 from waterwave_hpo import _experimental
 from waterwave_hpo.host import TRIAL_ACCOUNT as _TRIAL_ACCOUNT
 from waterwave_hpo.host import default_budget_bytes
+from waterwave_hpo.host import is_out_of_memory
 from waterwave_hpo.memory._internal import LeaseBook
 
+CONTEXT_RESERVE_BYTES = 512 << 20
+"""Device memory each worker holds outside any pool: its CUDA context, cuBLAS and cuDNN handles
+(hundreds of MiB per process on recent GPUs); the default lease budget leaves it out per worker."""
 LEASE_TTL_S = 10.0
 """A lease its worker stops renewing (the worker died) expires after this many seconds."""
 _POLL_S = 0.05
@@ -46,7 +50,9 @@ class LeaseServer:
         device: The device.
         n_slots: Its workers; a lease is ``budget // n_slots`` bytes.
         budget_bytes: The bytes the leases share (``memory_budget_bytes``); ``None``: on CUDA,
-            the device's total less the reserve for CUDA contexts; on the CPU, no leases.
+            the device's default budget (its total less the driver's reserve) less
+            :data:`CONTEXT_RESERVE_BYTES` per worker (each worker has a context of its own);
+            on the CPU, no leases.
     """
 
     def __init__(self, device: torch.device, n_slots: int, budget_bytes: int | None) -> None:
@@ -55,7 +61,9 @@ class LeaseServer:
         if self.enabled:
             if budget_bytes is None:
                 total = int(torch.cuda.get_device_properties(device).total_memory)
-                budget_bytes = default_budget_bytes(total)
+                budget_bytes = max(
+                    default_budget_bytes(total) - n_slots * CONTEXT_RESERVE_BYTES, total // 4
+                )
             self.book = LeaseBook(budget_bytes, n_slots, LEASE_TTL_S)
         self._lock = threading.Lock()
 
@@ -142,7 +150,24 @@ def hold_lease(call: Call, holder: str, device: torch.device) -> Iterator[int | 
                 else int(torch.cuda.max_memory_reserved(device))
             )
         with contextlib.suppress(Exception):
+            _release_cache(device)
+        with contextlib.suppress(Exception):
             _checked(call, "release", holder, peak)
+
+
+def _release_cache(device: torch.device) -> None:
+    """Give the worker's cached device memory back between trials.
+
+    A lease bounds what a trial allocates; what its worker keeps cached after the trial would
+    otherwise stay reserved beside the next lease holder's bytes.
+    """
+    from waterwave_hpo.memory import installed_pool
+
+    pool = installed_pool(device.index if device.index is not None else 0)
+    if pool is not None:
+        pool.release_cached_when_idle()
+    else:
+        torch.cuda.empty_cache()
 
 
 def bound_process(device: torch.device, nbytes: int, account: Any) -> None:
@@ -194,7 +219,43 @@ def leased(func: Any, call: Call, device: torch.device, pid: int) -> Any:
 
     @functools.wraps(func)
     def run(arg: Any) -> Any:
-        with hold_lease(call, f"pid{pid}-{next(counter)}", device):
-            return func(arg)
+        with hold_lease(call, f"pid{pid}-{next(counter)}", device) as nbytes:
+            try:
+                return func(arg)
+            except Exception as error:
+                if nbytes is None or not is_out_of_memory(error):
+                    raise
+                raise over_lease_error(error, nbytes, _peak_bytes(device)) from error
 
     return run
+
+
+def over_lease_error(error: BaseException, lease_bytes: int, peak_bytes: int | None) -> Exception:
+    """The out-of-memory error of a trial that needed more than its own lease.
+
+    Still PyTorch's out-of-memory type (the executor's classification and ``on_oom`` see an
+    OOM), its message naming the lease and the trial's peak. A worker's trials run alone in
+    their lease, so no neighbour leaving can help: the trial fails once, never re-run with
+    fewer neighbours.
+    """
+    peak = "unknown" if peak_bytes is None else f"{peak_bytes} bytes"
+    message = (
+        f"the trial needed more device memory than its worker's lease of {lease_bytes} bytes "
+        f"(its peak: {peak}); a re-run cannot help (the lease is the device's budget split "
+        "over trials_per_device): raise memory_budget_bytes, lower trials_per_device, or "
+        f"shrink the trial. ({type(error).__name__}: {error})"
+    )
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
+    try:
+        return oom_type(message)
+    except Exception:
+        return MemoryError(message)
+
+
+def _peak_bytes(device: torch.device) -> int | None:
+    with contextlib.suppress(Exception):
+        account = _TRIAL_ACCOUNT.get()
+        if account is not None and not account.closed:
+            return int(account.stats().peak_allocated_bytes)
+        return int(torch.cuda.max_memory_allocated(device))
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+import itertools
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import ClassVar
@@ -27,7 +28,7 @@ from waterwave_hpo.host import RunSettings
 from waterwave_hpo.relay import StorageService
 from waterwave_hpo.workers._environment import capture as capture_environment
 from waterwave_hpo.workers._handle import ProcessHostHandle
-from waterwave_hpo.workers._lease_service import LeaseServer
+from waterwave_hpo.workers._pool import WorkerPools
 
 if TYPE_CHECKING:
     import optuna
@@ -86,7 +87,74 @@ def _dumps_keeping_source_files(value: object) -> bytes:
     return buffer.getvalue()
 
 
+def refuse_cuda_tensors(name: str, func: Any) -> None:
+    """Refuse an objective that carries a CUDA tensor (in a global it reads or a closure cell).
+
+    Such a tensor is pickled with the objective and reloaded onto the device in every worker
+    before the worker's pool is in place: each worker would run without the pool and with its
+    own copy of the data. Checked before any trial is asked.
+
+    Raises:
+        TypeError: Naming the global (or closed-over variable) that holds the tensor, and the
+            fix.
+    """
+    for where, value in _captured(func):
+        if _holds_cuda_tensor(value):
+            raise _checks.type_error(
+                name,
+                func,
+                f"free of CUDA tensors, since isolation='process' pickles it to every worker, "
+                f"which would load {where} onto the device before its memory pool is in place "
+                "(a copy per worker, outside the pool)",
+                f"keep {where} on the CPU and move it inside the objective "
+                "(.to(waterwave_hpo.current().device)), or use isolation='threads'",
+            )
+
+
+def _captured(func: Any) -> list[tuple[str, object]]:
+    """``(description, value)`` of the globals ``func`` reads and the variables it closes over."""
+    func = getattr(func, "__wrapped__", func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    found: list[tuple[str, object]] = []
+    module_globals = getattr(func, "__globals__", {})
+    for name in _names(code):
+        if name in module_globals:
+            found.append((f"the global {name!r}", module_globals[name]))
+    cells = getattr(func, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            found.append((f"the closed-over variable {name!r}", cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
+    return found
+
+
+def _names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
+def _holds_cuda_tensor(value: object, depth: int = 0) -> bool:
+    if isinstance(value, torch.Tensor):
+        return bool(value.is_cuda)
+    if depth > 2:
+        return False
+    if isinstance(value, torch.nn.Module):
+        return any(t.is_cuda for t in itertools.chain(value.parameters(), value.buffers()))
+    if isinstance(value, dict):
+        return any(_holds_cuda_tensor(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_cuda_tensor(v, depth + 1) for v in value)
+    return False
+
+
 def process_hosts(
+    pools: WorkerPools,
     devices: Sequence[torch.device],
     n_slots: int,
     settings: RunSettings,
@@ -97,7 +165,10 @@ def process_hosts(
     memory_plan: PlanSettings,
     reseed_sampler_rng: bool = True,
 ) -> list[ProcessHostHandle]:
-    """The process hosts of one ``optimize`` call, one per device.
+    """The process hosts of one ``optimize`` call, one per device, on the executor's warm workers.
+
+    The workers of every device start (in parallel) on the executor's first call and stay for
+    its later ones; each host binds them to this call's study and objective.
 
     With ``reseed_sampler_rng`` (trials may run at once: ``HostSpec.reseed_sampler_rng``) each
     worker reseeds its copy of the sampler before each trial; without it, one worker runs every
@@ -105,10 +176,13 @@ def process_hosts(
 
     Raises:
         TypeError: If the objective, the sampler, the pruner or ``catch`` cannot be pickled.
+        RuntimeError: If no worker of a device could start (each died at start, or could not
+            load the objective), with the first worker's error; before any trial is asked.
     """
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
     study: optuna.Study = settings.study
+    refuse_cuda_tensors("func", settings.func)
     pickle_for_workers("func", settings.func)
     pickle_for_workers("study.sampler", study.sampler)
     pickle_for_workers("study.pruner", study.pruner)
@@ -118,31 +192,36 @@ def process_hosts(
     # trial.study.set_user_attr); other studies stay out of reach.
     service = StorageService(study, study_attrs=True)
     environment = capture_environment()
+    device_pools = [
+        pools.pool(device, n_slots, memory_budget_bytes, memory_pool.value) for device in devices
+    ]
     payloads: dict[int | None, bytes] = {}
-    hosts = []
-    for device in devices:
-        leases = LeaseServer(device, n_slots, memory_budget_bytes)
-        # Each worker's scheduler (and memory plans) gets its share of the device's budget,
-        # the same bytes as its lease; with no budget given, that of the device's default
-        # budget, resolved here (a worker would plan for the whole device).
-        share: int | None
-        if memory_budget_bytes is not None:
-            share = memory_budget_bytes // n_slots
-        else:
-            share = leases.share_bytes
-        if share not in payloads:
-            spec = HostSpec.of_run(
-                settings,
-                None,
-                n_slots=1,
-                admit_by_memory=False,
-                memory_pool=memory_pool,
-                memory_budget_bytes=share,
-                policy=policy,
-                memory_plan=memory_plan,
-                record_trial_attrs=settings.record_trial_attrs,
-                reseed_sampler_rng=reseed_sampler_rng,
-            )
-            payloads[share] = pickle_for_workers("catch", (spec, heartbeat, environment))
-        hosts.append(ProcessHostHandle(device, n_slots, settings, payloads[share], service, leases))
+    hosts: list[ProcessHostHandle] = []
+    try:
+        for pool in device_pools:
+            # Each worker's scheduler (and memory plans) gets its share of the device's budget,
+            # the same bytes as its lease; with no budget given, that of the device's default
+            # budget, resolved here (a worker would plan for the whole device).
+            share = pool.leases.share_bytes
+            if memory_budget_bytes is not None:
+                share = memory_budget_bytes // n_slots
+            if share not in payloads:
+                spec = HostSpec.of_run(
+                    settings,
+                    None,
+                    n_slots=1,
+                    admit_by_memory=False,
+                    memory_pool=memory_pool,
+                    memory_budget_bytes=share,
+                    policy=policy,
+                    memory_plan=memory_plan,
+                    record_trial_attrs=settings.record_trial_attrs,
+                    reseed_sampler_rng=reseed_sampler_rng,
+                )
+                payloads[share] = pickle_for_workers("catch", (spec, heartbeat, environment))
+            hosts.append(ProcessHostHandle(pool, settings, payloads[share], service))
+    except BaseException:
+        for host in hosts:
+            host.shutdown(timeout_s=5.0)
+        raise
     return hosts

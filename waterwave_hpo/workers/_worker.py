@@ -1,22 +1,32 @@
-"""A worker process of process isolation: one slot of the driver's host, over a pipe.
+"""A worker process of process isolation: one slot of a device, over a pipe, across runs.
 
-Started by the driver (``multiprocessing``'s spawn context) with its end of a pipe, the pickled
-:class:`~waterwave_hpo.host._runner.HostSpec` (cloudpickle: the objective goes by value
-when it is a closure or a lambda), its device and its slot's index. It opens the study through
-:class:`~waterwave_hpo.relay.RelayedStorage` over the pipe and runs the jobs the driver sends on
-a one-slot :class:`~waterwave_hpo.host._runner.HostRunner` (the executor's one run path);
-the records of how they ended go back over the same pipe.
+A worker is a fresh interpreter (``python -c``, started by :mod:`waterwave_hpo.workers._pool`):
+it never imports the user's script, so a script without ``if __name__ == "__main__":`` works,
+and nothing is inherited from the driver (no CUDA context, no lock, no thread). It gets its end
+of a socket pair as a file descriptor, warms up once (torch, the library, on CUDA the device's
+context and the stream-aware pool), and then serves one ``optimize`` call after another: each
+run sends the cloudpickled :class:`~waterwave_hpo.host._runner.HostSpec` (the objective goes by
+value when it is a closure, a lambda or defined in ``__main__``), the worker opens the study
+through :class:`~waterwave_hpo.relay.RelayedStorage` over the pipe and runs the jobs the driver
+sends on a one-slot :class:`~waterwave_hpo.host._runner.HostRunner` (the executor's one run
+path); the records of how they ended go back over the same pipe.
 
-Messages (tuples, first item the kind). Driver to worker: ``("submit", members, fused, cap)``,
-``("neighbours", n)``, ``("interrupt",)``, ``("stop",)``, ``("answer", call_id, ok, payload)``.
-Worker to driver: ``("ready", pid)``, ``("setup_error", error)``, ``("records", records,
-snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned the worker's context,
-so it exits and the slot's next trial gets a new worker), ``("call", call_id, target, method,
+Messages (tuples, first item the kind). Driver to worker: ``("init", sys_path, device, slot,
+torch_threads, memory_pool)`` (first, once), ``("begin", payload)``, ``("submit", members,
+fused, cap, frozen)``, ``("neighbours", n)``, ``("interrupt",)``, ``("end",)``, ``("stop",)``,
+``("answer", call_id, ok, payload)``. Worker to driver: ``("warm", pid)``, ``("ready", pid)``
+(the run's study is open), ``("setup_error", error, fatal)`` (``fatal``: the worker exits),
+``("records", records, snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned
+the worker's context, so it exits and a new worker takes the slot), ``("ended",)`` (the run's
+host is shut down; the worker waits for the next run), ``("call", call_id, target, method,
 args)`` (target ``"storage"`` or ``"lease"``).
+
+Messages are pickled with :mod:`pickle` (fast) and, when that fails (a lambda, a class defined
+by value), with cloudpickle; either is read by ``pickle.loads``.
 
 The worker ends with its driver: when the pipe closes (the driver exited or was killed) the
 reader sees EOF and the process exits at once; on Linux the kernel also sends it SIGKILL when
-the thread that started it dies (``PR_SET_PDEATHSIG``), in case the reader is stuck.
+the driver's thread that started it dies (``PR_SET_PDEATHSIG``), in case the reader is stuck.
 """
 
 from __future__ import annotations
@@ -24,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 import ctypes
 import itertools
-import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -34,6 +44,17 @@ from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.1
+_END_TIMEOUT_S = 5.0
+
+
+def dumps(message: Any) -> bytes:
+    """``message`` pickled: with :mod:`pickle` when it can, else by value with cloudpickle."""
+    try:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        import cloudpickle
+
+        return bytes(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class PipeLink:
@@ -51,10 +72,8 @@ class PipeLink:
         self._lock = threading.Lock()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        """Send one message (pickled with cloudpickle: errors and records of any kind)."""
-        import cloudpickle
-
-        data = cloudpickle.dumps(message)
+        """Send one message."""
+        data = dumps(message)
         with self._send_lock:
             self.conn.send_bytes(data)
 
@@ -84,86 +103,186 @@ class PipeLink:
         return lambda method, args: self.call("storage", method, args)
 
 
-def worker_main(conn: Any, payload: bytes, device: str, slot: int, torch_threads: int) -> None:
-    """The worker process's body (the target ``multiprocessing`` starts). Never returns.
+class _Worker:
+    """The worker's state: its device, its current run's :class:`HostRunner` (if any)."""
 
-    Args:
-        conn: The worker's end of the pipe.
-        payload: The cloudpickled ``HostSpec``.
-        device: Its device (``"cpu"``, ``"cuda:1"``).
-        slot: The index of the driver's slot it runs.
-        torch_threads: PyTorch's intra-op threads in the driver, kept here so a trial computes
-            as it would have in the driver, whatever the number of workers.
-    """
-    # Ctrl+C in a terminal reaches every process of the foreground group; the driver decides
-    # (it tells the trials FAIL, then ends the workers).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The driver starts its workers as daemons (multiprocessing ends them if it exits
-    # without stopping them); a worker itself is not one, so a trial may start processes
-    # of its own (DataLoader(num_workers=2), multiprocessing.Pool). They end with it: the
-    # worker exits with os._exit, and DataLoader's workers watch their parent.
-    multiprocessing.current_process().daemon = False
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the driver died before the line above took effect
-        os._exit(0)
-    link = PipeLink(conn)
-    runner = None
-    try:
-        import cloudpickle
+    def __init__(self, link: PipeLink, device: str, slot: int) -> None:
+        self.link = link
+        self.device = device
+        self.slot = slot
+        self.runner: Any = None  # the current run's HostRunner; None between runs
+        self.has_runner = threading.Condition()
+
+    # -- the requests' thread -----------------------------------------------------------------
+
+    def begin(self, payload: bytes) -> None:
+        """Open the run's study and build its one-slot host; ``ready`` or ``setup_error``."""
         import torch
 
-        torch.set_num_threads(torch_threads)
         from waterwave_hpo.host import HostRunner
         from waterwave_hpo.relay import RelayedHeartbeatStorage
         from waterwave_hpo.relay import RelayedStorage
 
-        spec, heartbeat, environment = cloudpickle.loads(payload)
-        # The driver's logging, warning filters and start method (DataLoader workers fork, as
-        # they would in the driver), before the first trial.
-        environment.apply()
-        if torch.device(device).type == "cuda":
-            from dataclasses import replace
-
-            from waterwave_hpo.workers._lease_service import leased
-
-            spec = replace(
-                spec, func=leased(spec.func, link.call, torch.device(device), os.getpid())
-            )
-        storage_class = RelayedHeartbeatStorage if heartbeat else RelayedStorage
-        # The driver tells each trial from the worker's record (defer_finish), so the user's
-        # sampler and callbacks see every end in the driver's process, as with threads.
-        storage = storage_class(link.storage_transport(), defer_finish=True)
-        # The reader must run while the study opens: opening it is storage calls on the pipe.
-        threading.Thread(target=_read, args=(link, lambda: runner), daemon=True).start()
-        runner = HostRunner(spec, storage, torch.device(device), slot_indices=[slot])
-    except BaseException as error:  # reported with the first job; the driver fails it
-        from waterwave_hpo.host import picklable_error
-
         try:
-            link.send(("setup_error", picklable_error(_with_context(error))))
-        finally:
-            os._exit(1)
-    link.send(("ready", os.getpid()))
-    try:
+            spec, heartbeat, environment = pickle.loads(payload)
+            # The driver's logging, warning filters and start method (DataLoader workers fork,
+            # as they would in the driver), before the run's first trial.
+            environment.apply()
+            device = torch.device(self.device)
+            if device.type == "cuda":
+                from dataclasses import replace
+
+                from waterwave_hpo.workers._lease_service import leased
+
+                spec = replace(spec, func=leased(spec.func, self.link.call, device, os.getpid()))
+            storage_class = RelayedHeartbeatStorage if heartbeat else RelayedStorage
+            # The driver tells each trial from the worker's record (defer_finish), so the
+            # user's sampler and callbacks see every end in the driver's process, as with
+            # threads.
+            storage = storage_class(self.link.storage_transport(), defer_finish=True)
+            runner = HostRunner(spec, storage, device, slot_indices=[self.slot])
+        except BaseException as error:  # the driver refuses the run with it
+            self.link.send(("setup_error", _setup_error(error), False))
+            return
+        with self.has_runner:
+            self.runner = runner
+            self.has_runner.notify_all()
+        self.link.send(("ready", os.getpid()))
+
+    def end(self) -> None:
+        """Shut the run's host down and forget it (the driver has seen every trial end)."""
+        with self.has_runner:
+            runner, self.runner = self.runner, None
+        if runner is not None:
+            # No gc.collect() here: a full collection in a process that imported torch takes
+            # a second on a busy machine, and every optimize call would wait for it.
+            runner.shutdown(timeout_s=_END_TIMEOUT_S)
+        self.link.send(("ended",))
+
+    def serve(self, requests: queue.SimpleQueue[tuple[Any, ...]]) -> None:
         while True:
+            message = requests.get()
+            kind = message[0]
+            if kind == "begin":
+                self.begin(message[1])
+                continue
+            if kind == "end":
+                self.end()
+                continue
+            self.handle(message)
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        """Run one of the driver's requests to the bound run (a submit, an interrupt...)."""
+        kind = message[0]
+        runner = self.runner
+        if runner is None:  # its run failed to begin: the driver failed the trial
+            return
+        if kind == "submit":
+            _, members, fused, cap, frozen = message
+            runner.submit(self.slot, members, fused, cap, frozen)
+        elif kind == "neighbours":
+            # On CUDA each trial runs in a lease of its own: other workers' trials cannot be
+            # why it ran out of memory, so they do not count (no futile re-run).
+            leased = self.device.startswith("cuda")
+            runner.host.outside_neighbours = 0 if leased else int(message[1])
+        elif kind == "interrupt":
+            runner.interrupt(self.slot)
+
+    # -- the main thread ----------------------------------------------------------------------
+
+    def report(self) -> None:
+        """Send the records of finished attempts, run after run. Never returns."""
+        while True:
+            with self.has_runner:
+                while self.runner is None:
+                    self.has_runner.wait()
+                runner = self.runner
             records, snapshot = runner.poll(_POLL_S)
             retire = any(poisons_context(record.error) for record in records)
             if records or snapshot.stop_requested:
-                link.send(("records", records, snapshot, retire))
+                self.link.send(("records", records, snapshot, retire))
             if retire:  # the driver starts a new worker for the slot's next trial
                 os._exit(0)
+
+
+def worker_main(fd: int, parent: int) -> None:
+    """The worker process's body (``python -c`` calls it). Never returns.
+
+    Args:
+        fd: Its end of the socket pair to the driver.
+        parent: The driver's pid (the worker exits if the driver is gone already).
+    """
+    # Ctrl+C in a terminal reaches every process of the foreground group; the driver decides
+    # (it tells the trials FAIL, then ends the workers).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    if os.getppid() != parent:  # the driver died before the line above took effect
+        os._exit(0)
+    from multiprocessing.connection import Connection
+
+    link = PipeLink(Connection(fd))
+    try:
+        _, sys_path, device, slot, torch_threads, memory_pool = pickle.loads(link.conn.recv_bytes())
+        sys.path[:] = list(sys_path)  # the objective's module is importable as in the driver
+        warm_up(device, torch_threads, memory_pool)
+    except BaseException as error:  # the driver reports it (and raises if no worker starts)
+        try:
+            link.send(("setup_error", _setup_error(error), True))
+        finally:
+            os._exit(1)
+    worker = _Worker(link, device, slot)
+    threading.Thread(target=_read, args=(link, worker), daemon=True).start()
+    link.send(("warm", os.getpid()))
+    try:
+        worker.report()
     except BaseException as error:  # the pipe broke: the driver is gone
         print(f"waterwave-hpo worker {os.getpid()}: {error!r}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
-def poisons_context(error: BaseException | None) -> bool:
-    """Whether a trial's ``error`` may have left this process's CUDA context unusable.
+def warm_up(device_name: str, torch_threads: int, memory_pool: str) -> None:
+    """What every run of this worker needs, done once: imports, autograd, on CUDA context and pool.
 
-    Any CUDA error other than out of memory (an illegal address, a device-side assert, a
-    launch failure are sticky: every later CUDA call of the process fails), and the pool's
-    backend errors. The worker is then replaced instead of reused.
+    On CUDA: the device's context (with its default stream), and the stream-aware pool
+    installed as PyTorch's allocator before anything allocates (``memory_pool``), so a trial
+    never meets a cold worker.
+    """
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    import optuna  # noqa: F401  (imported here, not in the first trial)
+
+    from waterwave_hpo.host import HostRunner  # noqa: F401
+    from waterwave_hpo.host import MemoryPoolMode
+    from waterwave_hpo.host import make_device_memory
+    from waterwave_hpo.relay import RelayedStorage  # noqa: F401
+
+    # One tiny training step on the CPU: PyTorch initialises autograd and its optimizers
+    # lazily (seconds on a busy machine, measured: 4.8 s on the loaded 2-core VM), which
+    # every worker's first trial would otherwise pay.
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 2)).sum().backward()
+    optimizer.step()
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # The pool first (it must be PyTorch's allocator before any allocation), then the
+        # context: one synchronisation creates it.
+        make_device_memory(device, MemoryPoolMode(memory_pool), None, "fifo", max_trials=1)
+        torch.cuda.synchronize(device)
+
+
+def poisons_context(error: BaseException | None) -> bool:
+    """Whether a trial's ``error`` has left this process's CUDA context unusable.
+
+    An out-of-memory error never does; the pool's backend errors always do. Any other error
+    while CUDA is in use is checked, whatever its message says (Triton's "Triton Error
+    [CUDA]", cuDNN's ``CUDNN_STATUS_EXECUTION_FAILED`` and an illegal address all leave a
+    sticky error behind): the device is synchronised, and an error there means every later
+    CUDA call of the process would fail too. An error that names CUDA's own error words is
+    taken as poisoning even if the synchronisation passes (an asynchronous error may surface
+    later). The worker is then replaced instead of reused.
     """
     if error is None:
         return False
@@ -174,29 +293,53 @@ def poisons_context(error: BaseException | None) -> bool:
         return True
     if not isinstance(error, Exception) or is_out_of_memory(error):
         return False
-    accelerator_error = getattr(__import__("torch"), "AcceleratorError", None)
+    import torch
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
-    return isinstance(error, RuntimeError) and "CUDA error" in str(error)
+    if isinstance(error, RuntimeError) and "CUDA error" in str(error):
+        return True
+    return context_poisoned()
 
 
-def _read(link: PipeLink, runner: Callable[[], Any]) -> None:
+def context_poisoned() -> bool:
+    """Whether this process's CUDA context fails a synchronisation (a sticky error).
+
+    ``False`` when CUDA was never initialised here (the trial ran on the CPU).
+    """
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        return True
+    return False
+
+
+def _read(link: PipeLink, worker: _Worker) -> None:
     """Take the driver's messages until the pipe closes; then the process exits.
 
-    Answers are delivered here; the driver's requests run in a thread of their own (a submit
-    makes storage calls, whose answers this thread must be free to take).
+    Answers are delivered here; the driver's requests run in order in a thread of their own (a
+    run's begin and a submit make storage calls, whose answers this thread must be free to
+    take).
     """
-    import cloudpickle
-
     requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    threading.Thread(target=_serve_requests, args=(requests, runner), daemon=True).start()
+    threading.Thread(target=worker.serve, args=(requests,), daemon=True).start()
     try:
         while True:
-            message = cloudpickle.loads(link.conn.recv_bytes())
-            if message[0] == "answer":
+            message = pickle.loads(link.conn.recv_bytes())
+            kind = message[0]
+            if kind == "answer":
                 link.answered(*message[1:])
-            elif message[0] == "stop":
+            elif kind == "stop":
                 break
+            elif kind == "submit" and requests.empty() and worker.runner is not None:
+                # The trials come with their copies (no storage call): started from here, a
+                # thread hand-off less per trial; behind a begin or an end, in order.
+                worker.handle(message)
             else:
                 requests.put(message)
     except (EOFError, OSError):
@@ -205,31 +348,15 @@ def _read(link: PipeLink, runner: Callable[[], Any]) -> None:
         os._exit(0)
 
 
-def _serve_requests(
-    requests: queue.SimpleQueue[tuple[Any, ...]], runner: Callable[[], Any]
-) -> None:
-    while True:
-        message = requests.get()
-        kind = message[0]
-        if kind == "submit":
-            runner().submit(_slot(runner), message[1], message[2], message[3])
-        elif kind == "neighbours":
-            runner().host.outside_neighbours = int(message[1])
-        elif kind == "interrupt":
-            runner().interrupt(_slot(runner))
+def _setup_error(error: BaseException) -> BaseException:
+    from waterwave_hpo.host import picklable_error
 
-
-def _slot(runner: Callable[[], Any]) -> int:
-    return int(runner().host.slots[0].index)
-
-
-def _with_context(error: BaseException) -> BaseException:
-    return RuntimeError(
+    wrapped = RuntimeError(
         f"The worker process {os.getpid()} could not start: {type(error).__name__}: {error}. "
         "A worker is a fresh interpreter: the objective's module must be importable there "
-        "(on sys.path, or the objective defined in the script run, under "
-        "if __name__ == '__main__':)."
+        "(on sys.path, or the objective defined in the script run)."
     )
+    return picklable_error(wrapped) or wrapped
 
 
 def _die_with_parent() -> None:
