@@ -178,6 +178,12 @@ def run_optuna_tests(
 def test_optuna_optimize_tests_pass_through_the_executor(
     isolation: str, k: int, tmp_path: Path
 ) -> None:
+    if isolation == "process" and os.environ.get("WATERWAVE_CONFORMANCE_PROCESS") != "1":
+        pytest.skip(
+            "isolation='process' conformance is opt-in (WATERWAVE_CONFORMANCE_PROCESS=1): each "
+            "of Optuna's tests makes an executor whose workers start anew, more than 10 minutes "
+            "per K on the 2-core CI machine"
+        )
     files = PROCESS_TEST_FILES if isolation == "process" else OPTUNA_TEST_FILES
     data = run_optuna_tests(k, tmp_path / "report.json", files, isolation=isolation)
     outcomes: dict[str, str] = data["outcomes"]
