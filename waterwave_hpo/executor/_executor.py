@@ -577,7 +577,7 @@ def check_isolation(value: object, trials_per_device: object) -> Isolation:
             trials_per_device,
             "is not supported with isolation='process' (each slot is a process started up "
             "front, and processes do not share the memory measurements 'auto' admits trials by)",
-            "pass the number of trial processes per device, e.g. trials_per_device=4",
+            "pass an int, the number of trial processes per device, e.g. trials_per_device=4",
         )
     return isolation
 
