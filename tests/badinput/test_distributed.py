@@ -99,7 +99,7 @@ def test_a_destroyed_group_names_new_group(entry: str, ddp_model: DistributedDat
         _entry_points(ddp_model)[entry](group)
 
 
-def test_the_refusal_survives_python_minus_o() -> None:
+def test_the_refusal_survives_python_minus_o(tmp_path: Path) -> None:
     code = (
         "from waterwave_hpo.distributed import LaySAState\n"
         "try:\n"
@@ -108,6 +108,11 @@ def test_the_refusal_survives_python_minus_o() -> None:
         "    print(error)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-O", "-c", code],
+        cwd=tmp_path,  # `-c` puts the working directory first on sys.path: not the checkout
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert done.returncode == 0, done.stderr
     assert "init_process_group" in done.stdout, done.stderr

@@ -5,6 +5,7 @@ user's script; what is refused before any trial; the CUDA cases with the fakes."
 from __future__ import annotations
 
 from collections.abc import Iterator
+import gc
 import os
 from pathlib import Path
 import subprocess
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::waterwave_hpo.ExperimentalWarni
 
 
 def _workers() -> list[int]:
+    gc.collect()  # an executor an earlier test dropped ends its workers now
     pids = []
     for child in psutil.Process().children(recursive=True):
         try:
