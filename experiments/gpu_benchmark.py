@@ -220,49 +220,23 @@ def plan_rows(device_type: str, ks: list[int], settings: list[str], toy: bool) -
 # -- models and one trial's training ---------------------------------------------------------------
 
 
-class ResBlock(nn.Module):
-    """Two 3x3 convolutions with batch norm and a skip connection, ``[B, C, H, W]`` in and out."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(x + self.bn2(self.conv2(y)))
-
-
 def build_model(wl: WorkloadDef) -> nn.Module:
     """The workload's model, ``[B, 3, S, S] -> [B, 10]``, on the CPU.
 
     ``small-cnn``: two convolution + ReLU + max-pool stages (``width``, ``2 width`` channels) and a
-    linear head. ``resnet``: the layers of ``waterwave-hpo bench``'s ResNet-style CNN (stem,
-    ``blocks`` residual blocks per stage at ``width`` and ``2 width`` channels, a stride-2
-    convolution between, global pooling, linear head) with ``width`` and ``blocks`` fixed, so
-    every trial has one structure (what fusion needs). Built here rather than imported from
-    ``waterwave_hpo.bench``, whose package needs pandas, which a bare GPU machine may lack.
+    linear head. ``resnet``: ``waterwave-hpo bench``'s ResNet-style CNN
+    (:func:`waterwave_hpo.bench.build_resnet`: stem, ``blocks`` residual blocks per stage at
+    ``width`` and ``2 width`` channels, a stride-2 convolution between, global pooling, linear
+    head) with ``width`` and ``blocks`` fixed, so every trial has one structure (what fusion
+    needs). The bench package imports without pandas, which a bare GPU machine may lack.
     """
     w = wl.width
     if wl.name == "resnet":
-        layers: list[nn.Module] = [
-            nn.Sequential(nn.Conv2d(3, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
-        ]
-        for stage in range(2):
-            if stage:
-                layers.append(
-                    nn.Sequential(
-                        nn.Conv2d(w, 2 * w, 3, stride=2, padding=1, bias=False),
-                        nn.BatchNorm2d(2 * w),
-                        nn.ReLU(),
-                    )
-                )
-                w *= 2
-            layers += [ResBlock(w) for _ in range(wl.blocks)]
-        layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w, 10)))
-        return nn.Sequential(*layers)
+        import optuna
+
+        from waterwave_hpo.bench import build_resnet
+
+        return build_resnet(optuna.trial.FixedTrial({"width": w, "blocks": wl.blocks}))
     return nn.Sequential(
         nn.Conv2d(3, w, 3, padding=1),
         nn.ReLU(),

@@ -215,3 +215,29 @@ def test_the_table_gives_ratios_and_the_pools_counters(gb: ModuleType) -> None:
     assert "| resnet | high | ww-pool K=4 | p | 1.50x | 16/16 | 2 | 2 | 120 / 3 / 7 | ok |" in table
     assert "one at a time, wall: resnet high 8.00 s" in table
     assert "matmul 700 TFLOP/s" in table and "copy 50 GB/s" in table
+
+
+def test_the_script_builds_the_bench_models_without_pandas(tmp_path: Path) -> None:
+    # The GPU machine has torch, Optuna and the package but not pandas: the script's ResNet is
+    # the bench's (one model, one definition), imported without pandas.
+    check = (
+        "import importlib.util, sys\n"
+        "sys.modules['pandas'] = None\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_benchmark', {str(SCRIPT)!r})\n"
+        "gb = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['gpu_benchmark'] = gb\n"
+        "spec.loader.exec_module(gb)\n"
+        "import torch\n"
+        "from waterwave_hpo.bench import BasicBlock\n"
+        "for wl in gb.workloads(True):\n"
+        "    model = gb.build_model(wl)\n"
+        "    x = torch.randn(2, 3, wl.image_size, wl.image_size)\n"
+        "    blocks = sum(isinstance(m, BasicBlock) for m in model.modules())\n"
+        "    print(wl.name, tuple(model(x).shape), blocks)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "small-cnn (2, 10) 0" in proc.stdout
+    assert "resnet (2, 10) 2" in proc.stdout  # one block per stage, two stages (toy)

@@ -96,3 +96,57 @@ def test_unfused_trials_keep_one_full_row_per_slot(study: optuna.Study) -> None:
     bars = timeline_bars(study.trials)
     assert {b.height for b in bars} == {0.7}
     assert all(b.y == int(b.y) for b in bars)
+
+
+def _users_png(path: Path) -> None:
+    """A PNG the user drew with matplotlib: an image, but not a timeline of ours."""
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    figure.add_subplot().plot([0, 1], [1, 0])
+    figure.savefig(path)
+
+
+@pytest.mark.parametrize("theirs", ["notes", "png", "symlink"])
+def test_timeline_refuses_a_file_it_did_not_write_and_leaves_it(
+    theirs: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "timeline.png"
+    if theirs == "notes":
+        path.write_bytes(b"my notes")
+    elif theirs == "png":
+        _users_png(path)
+    else:
+        (tmp_path / "elsewhere.png").write_bytes(b"my notes")
+        path.symlink_to(tmp_path / "elsewhere.png")
+    before = path.read_bytes()
+    problem = "is not a regular file" if theirs == "symlink" else "is not a timeline"
+    with pytest.raises(FileExistsError) as refused:
+        plot_timeline([], path)
+    assert str(refused.value).startswith(f"path={str(path)!r}: exists and {problem}")
+    assert str(refused.value).endswith(
+        "; nothing was written; pass a new path, or overwrite=True to replace it."
+    )
+    assert path.read_bytes() == before
+
+
+def test_timeline_rewrites_its_own_png_an_empty_file_or_any_file_with_overwrite(
+    study: optuna.Study, tmp_path: Path
+) -> None:
+    ours = plot_timeline(study.trials, tmp_path / "timeline.png", title="first")
+    first = ours.read_bytes()
+    assert plot_timeline(study.trials, ours, title="second").read_bytes() != first
+    empty = tmp_path / "empty.png"  # e.g. a file made by tempfile.mkstemp for it to fill
+    empty.touch()
+    assert plot_timeline([], empty).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    theirs = tmp_path / "theirs.png"
+    _users_png(theirs)
+    assert plot_timeline([], theirs, overwrite=True).read_bytes() != first
+    assert plot_timeline([], theirs).exists()  # now it is ours: no overwrite needed
+    no_suffix = plot_timeline([], tmp_path / "timeline")  # a PNG at exactly that path
+    assert no_suffix.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_overwrite_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"^overwrite='yes': must be a bool, not str; pass Tru"):
+        plot_timeline([], tmp_path / "t.png", overwrite="yes")  # type: ignore[arg-type]

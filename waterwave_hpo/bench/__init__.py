@@ -39,6 +39,7 @@ from waterwave_hpo.bench._workloads import BasicBlock
 from waterwave_hpo.bench._workloads import Setting
 from waterwave_hpo.bench._workloads import Workload
 from waterwave_hpo.bench._workloads import WorkloadSpec
+from waterwave_hpo.bench._workloads import build_resnet
 from waterwave_hpo.bench._workloads import draw_params
 from waterwave_hpo.bench._zoo import FAST_SAMPLE
 from waterwave_hpo.bench._zoo import TIMM_SAMPLE
@@ -77,6 +78,7 @@ __all__ = [
     "ZooOutcome",
     "ZooResult",
     "bench_file_names",
+    "build_resnet",
     "check_case",
     "compare_plans",
     "count_ops",

@@ -6,10 +6,12 @@ from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import fields
 import statistics
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from waterwave_hpo.bench._runners import MethodRun
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -168,5 +170,7 @@ def result_of(
 
 def results_table(results: list[MethodResult]) -> pd.DataFrame:
     """The rows as a DataFrame, columns in :class:`MethodResult` order."""
+    import pandas as pd  # here, not at the top: the bench's models import without pandas
+
     columns = [f.name for f in fields(MethodResult)]
     return pd.DataFrame([asdict(r) for r in results], columns=columns)

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 import platform
 import sys
+from typing import TYPE_CHECKING
 from typing import Any
 
 import optuna
-import pandas as pd
 import torch
 
 from waterwave_hpo import _checks
@@ -52,6 +52,9 @@ from waterwave_hpo.bench._workloads import Setting
 from waterwave_hpo.bench._workloads import Workload
 from waterwave_hpo.bench._workloads import WorkloadSpec
 from waterwave_hpo.bench._workloads import draw_params
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where a table is built: the bench's models need no pandas
 
 CPU_NOTICE = (
     "CPU-only run: these numbers say nothing about GPUs. On the CPU co-hosted trials share the "
@@ -410,6 +413,7 @@ def _line(r: MethodResult) -> str:
 
 def _versions() -> dict[str, str]:
     import matplotlib
+    import pandas as pd
 
     return {
         "waterwave_hpo": __version__,
@@ -450,6 +454,8 @@ def _write(
 ) -> None:
     folder.write("results.csv", lambda path: table.to_csv(path, index=False))
     if comparison:
+        import pandas as pd
+
         plans = pd.DataFrame([asdict(c) for c in comparison])
         folder.write("plans.csv", lambda path: plans.to_csv(path, index=False))
     payload = {

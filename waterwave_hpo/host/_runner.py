@@ -317,6 +317,11 @@ class HostRunner:
             )
         return records, snapshot
 
+    def idle(self) -> bool:
+        """Whether every job submitted has been recorded (no trial runs in any slot)."""
+        with self._lock:
+            return not self._pending
+
     def interrupt(self, slot: int) -> None:
         """Stop the trial running in ``slot`` (the driver has told it FAIL already)."""
         self._slots[slot].interrupt()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+import os
 from pathlib import Path
 
 from optuna.trial import FrozenTrial
@@ -16,6 +17,8 @@ from waterwave_hpo.host import ATTR_DEVICE
 from waterwave_hpo.host import ATTR_SLOT
 from waterwave_hpo.report._concurrency import check_trials
 
+# What plot_timeline writes in its PNGs' Software text chunk, to know its own file again.
+_MARK = "waterwave-hpo report.plot_timeline"
 _COLOURS = {
     TrialState.COMPLETE: "#2e7d32",
     TrialState.PRUNED: "#f9a825",
@@ -23,7 +26,9 @@ _COLOURS = {
 }
 
 
-def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = "") -> Path:
+def plot_timeline(
+    trials: Iterable[FrozenTrial], path: str | Path, title: str = "", *, overwrite: bool = False
+) -> Path:
     """Draw each finished trial as a bar from its start to its end, on its device slot's row.
 
     Rows are labelled ``<device> / slot <k>`` from the ``waterwave:device`` and ``waterwave:slot``
@@ -34,15 +39,29 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
     its slot's row is split into one thin row per trial, each with the trial's own state and
     end. Time is in seconds from the first start.
 
+    A file already at ``path`` is replaced only when it is empty or a PNG this function wrote
+    (it marks its PNGs in their ``Software`` text chunk); any other file, which may be the
+    user's, is refused unless ``overwrite=True``.
+
     Args:
         trials: The trials to draw; those not finished are skipped.
         path: Where to write the PNG.
         title: The figure's title.
+        overwrite: Replace whatever file is at ``path``.
 
     Returns:
         The path written.
+
+    Raises:
+        TypeError: If ``path`` is not a ``str`` or ``Path``, or ``overwrite`` not a bool.
+        IsADirectoryError: If ``path`` is a directory.
+        FileNotFoundError: If ``path``'s directory does not exist.
+        FileExistsError: If a file at ``path`` is neither empty nor a timeline this function
+            wrote, and ``overwrite`` is ``False`` (nothing is written).
     """
-    out = _check_output(path)
+    if not isinstance(overwrite, bool):
+        raise _checks.type_error("overwrite", overwrite, "a bool", "pass True or False")
+    out = _check_output(path, overwrite)
     trials = check_trials("trials", trials)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -86,11 +105,35 @@ def plot_timeline(trials: Iterable[FrozenTrial], path: str | Path, title: str = 
         fontsize=8,
         frameon=False,
     )
-    figure.savefig(out, dpi=120)
+    # The format by the suffix, PNG without one (matplotlib would then append ".png" to a
+    # name that is not the one checked and returned).
+    file_format = out.suffix[1:].lower() or "png"
+    figure.savefig(out, dpi=120, format=file_format, metadata=_metadata(file_format))
     return out
 
 
-def _check_output(path: object) -> Path:
+def _metadata(file_format: str) -> dict[str, str] | None:
+    """``savefig``'s metadata that marks a PNG as this function's (other formats: none)."""
+    if file_format != "png":
+        return None
+    import matplotlib
+
+    return {"Software": f"{_MARK} (Matplotlib {matplotlib.__version__})"}
+
+
+def _written_here(path: Path) -> bool:
+    """Whether ``path`` is a PNG whose ``Software`` text chunk is :data:`_MARK`'s."""
+    from PIL import Image  # a dependency of matplotlib
+
+    try:
+        with Image.open(path) as image:
+            software = image.info.get("Software") if image.format == "PNG" else None
+    except (OSError, SyntaxError, ValueError):  # not an image Pillow reads
+        return False
+    return isinstance(software, str) and software.startswith(f"{_MARK} ")
+
+
+def _check_output(path: object, overwrite: bool) -> Path:
     """``path`` as a PNG file path whose directory exists (checked before drawing)."""
     if not isinstance(path, (str, Path)):
         raise _checks.type_error("path", path, "a str or Path", "pass e.g. 'timeline.png'")
@@ -113,7 +156,22 @@ def _check_output(path: object) -> Path:
                 "create it first, or pass a path in an existing directory",
             )
         )
-    return out
+    if overwrite or not os.path.lexists(out):
+        return out
+    if out.is_symlink() or not out.is_file():
+        problem = "exists and is not a regular file"
+    elif out.stat().st_size == 0 or _written_here(out):
+        return out  # nothing to lose, or this function's own timeline
+    else:
+        problem = "exists and is not a timeline plot_timeline wrote (it may be yours)"
+    raise FileExistsError(
+        _checks.message(
+            "path",
+            str(path),
+            f"{problem}; nothing was written",
+            "pass a new path, or overwrite=True to replace it",
+        )
+    )
 
 
 @dataclass(frozen=True)

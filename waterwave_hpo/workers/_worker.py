@@ -42,6 +42,8 @@ import sys
 import threading
 from typing import Any
 
+from waterwave_hpo.workers._strays import end_stray_children
+
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.1
 _END_TIMEOUT_S = 5.0
@@ -191,13 +193,27 @@ class _Worker:
     # -- the main thread ----------------------------------------------------------------------
 
     def report(self) -> None:
-        """Send the records of finished attempts, run after run. Never returns."""
+        """Send the records of finished attempts, run after run. Never returns.
+
+        When the slot's job has ended (every trial of it recorded), the child processes it left
+        running are ended first (:func:`~waterwave_hpo.workers._strays.end_stray_children`):
+        the driver sends the next trial only after it has the record, so none of them can be
+        the next trial's.
+        """
+        ended: list[int] = []  # the numbers of the running job's trials recorded so far
+        last = None
         while True:
             with self.has_runner:
                 while self.runner is None:
                     self.has_runner.wait()
                 runner = self.runner
+            if runner is not last:  # a new run: nothing of the last one is pending
+                ended, last = [], runner
             records, snapshot = runner.poll(_POLL_S)
+            ended += [record.number for record in records]
+            if ended and runner.idle():
+                end_stray_children(ended)
+                ended = []
             retire = any(poisons_context(record.error) for record in records)
             if records or snapshot.stop_requested:
                 self.link.send(("records", records, snapshot, retire))
