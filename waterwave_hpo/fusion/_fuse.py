@@ -495,9 +495,10 @@ def fuse(
             (recurrent layers, ``SyncBatchNorm``, BatchNorm with ``momentum=None``).
         kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
             layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
-            as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
-            dropout, pooling; other layers through vmap), activations kept in HFTA's
-            ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
+            as one grouped convolution, or on the CPU, where a one-time timing finds it faster,
+            a Conv2d as im2col and one batched matmul (:class:`FusedConv`); BatchNorm over K*C
+            channels, LayerNorm, Embedding, dropout, pooling; other layers through vmap),
+            activations kept in HFTA's ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
             ``torch.fx`` traces into layers and elementwise arithmetic (``+``, ``*``, ``+=``,
             ``relu``, ``torch.flatten``: a ResNet) runs the same way node by node; the rest
             runs under vmap with Linear and Conv1d/2d as fused kernels. False: every layer
