@@ -498,11 +498,12 @@ def fuse(
             as one grouped convolution, or on the CPU, where a one-time timing finds it faster,
             a Conv2d as im2col and one batched matmul (:class:`FusedConv`); BatchNorm over K*C
             channels, LayerNorm, Embedding, dropout, pooling; other layers through vmap),
-            activations kept in HFTA's ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
-            ``torch.fx`` traces into layers and elementwise arithmetic (``+``, ``*``, ``+=``,
-            ``relu``, ``torch.flatten``: a ResNet) runs the same way node by node; the rest
-            runs under vmap with Linear and Conv1d/2d as fused kernels. False: every layer
-            through vmap's own batching rules. All give the same results (to float rounding).
+            activations kept in HFTA's ``(N, K*C, *S)`` layout between them. Any other model
+            without hooks whose forward ``torch.fx`` traces into layers and elementwise
+            arithmetic (``+``, ``*``, ``+=``, ``relu``, ``torch.flatten``: a ResNet) runs the
+            same way node by node; the rest runs under vmap with Linear and Conv1d/2d as fused
+            kernels. False: every layer through vmap's own batching rules. All give the same
+            results (to float rounding).
         example_inputs: A positional input of one model (a tensor), or a tuple of them,
             ``(B, ...)``; with ``example_kwargs``, what :func:`verify` runs. None (and no
             ``example_kwargs``): not verified (:func:`verify` can be called later).
