@@ -1,6 +1,6 @@
 """Does fusion take the models people train? A sample of timm and transformers.
 
-For each of the 30 timm models of the fusion zoo (convolutional, MLP, hybrid and attention families;
+For each of the 31 timm models of the fusion zoo (convolutional, MLP, hybrid and attention families;
 64x64 inputs, or the model's own size where it is fixed; batch 2) and four transformers models
 built from small configs (BERT, GPT-2, ViT, T5: 2 layers, width 64), it builds K=2 fresh copies
 (random weights, dropout and drop-path at 0, train mode), calls

@@ -401,6 +401,50 @@ def test_tied_weights_stay_one_tensor_when_fused_and_unfused() -> None:
         torch.testing.assert_close(model.embed.weight, table[k].detach())
 
 
+class SharedLayers(nn.Module):
+    """One depthwise convolution and one dropout reached by two paths, as CoaT's position
+    encoding is shared by every block of a stage; the forward reshapes (so it runs under vmap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoding = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.drop = nn.Dropout(0.0)
+        self.blocks = nn.ModuleList([nn.Sequential(self.encoding, self.drop) for _ in range(2)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x.transpose(2, 3))
+        return self.head(x.mean((2, 3)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_layer_shared_by_two_paths_stays_shared_and_gets_its_gradient(kernels: bool) -> None:
+    # Before, the shared convolution got no gradient (functional_call swapped its slot once per
+    # path and restored vmap's batched tensor into it), and only one path got the fused kernel.
+    torch.manual_seed(0)
+    models = [SharedLayers() for _ in range(2)]
+    fused = fusion.fuse(models, kernels=kernels)
+    shared = fused.stacked.blocks[0][0]
+    assert shared is fused.stacked.encoding and shared is fused.stacked.blocks[1][0]
+    assert fused.stacked.blocks[0][1] is fused.stacked.blocks[1][1]
+    x = torch.randn(3, 4, 5, 5)
+    for _ in range(2):  # the second step reads what the first left in the module
+        out = fused(x)
+        for k, model in enumerate(models):
+            torch.testing.assert_close(out[k], model(x), **TOL)
+        fused.zero_grad()
+        out.square().sum().backward()
+        assert type(shared.weight) is nn.Parameter and shared.weight.shape[0] == 2
+        for k, model in enumerate(models):
+            model.zero_grad()
+            model(x).square().sum().backward()
+            for name, param in fused.stacked.named_parameters():
+                grad = model.get_parameter(name).grad
+                assert param.grad is not None and grad is not None, name
+                torch.testing.assert_close(param.grad[k], grad, **TOL)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "start"),
     [

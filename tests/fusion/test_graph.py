@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from waterwave_hpo import fusion
 from waterwave_hpo.bench import count_ops
+from waterwave_hpo.fusion import _conv_forms
 
 
 class Block(nn.Module):
@@ -135,14 +136,21 @@ def test_each_fused_model_computes_its_own_function_and_gradients(
             torch.testing.assert_close(param.grad[i], grad, msg=name)
 
 
-def _step_ops(build: type[nn.Module], k: int) -> tuple[int, int]:
-    """ATen operations of one training step: (one model, the K fused)."""
+def _step_ops(build: type[nn.Module], k: int, *, autotune: bool = False) -> tuple[int, int]:
+    """ATen operations of one training step: (one model, the K fused).
+
+    With ``autotune`` False every fused convolution is grouped (as on CUDA), so the count does
+    not depend on which form a timing on this machine would choose.
+    """
     models = _models(build, k)
     x = torch.randn(8, 3, 8, 8)
     y = torch.randint(0, 10, (8,))
     one = copy.deepcopy(models[0])
     one_opt = torch.optim.SGD(one.parameters(), lr=0.01, foreach=True)
     fused = fusion.fuse(models)
+    for module in fused.modules():
+        if isinstance(module, fusion.FusedConv):
+            module.autotune = autotune
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.01, foreach=True)
 
     def single() -> None:
@@ -167,3 +175,13 @@ def test_a_fused_step_runs_about_one_models_operations_at_every_k() -> None:
     _, fused_8 = _step_ops(ResNetLike, 8)
     assert fused_4 == fused_8
     assert fused_4 <= 1.5 * one, (fused_4, one)
+
+
+def test_the_batched_matmul_form_keeps_the_count_flat_in_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The form the CPU may choose per layer (im2col and one bmm) costs more operations than the
+    # grouped convolution, but as many at every K.
+    monkeypatch.setattr(_conv_forms, "_choose", lambda *args: _conv_forms.BATCHED_MATMUL)
+    _, fused_4 = _step_ops(ResNetLike, 4, autotune=True)
+    _, fused_8 = _step_ops(ResNetLike, 8, autotune=True)
+    _, grouped = _step_ops(ResNetLike, 8)
+    assert fused_4 == fused_8 > grouped

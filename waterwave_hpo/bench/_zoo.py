@@ -58,8 +58,10 @@ TIMM_SAMPLE: tuple[str, ...] = (
     "vit_tiny_patch16_224",
     "deit_tiny_patch16_224",
     "mobilevit_xxs",
+    "coat_lite_tiny",
 )
-"""The zoo's 30 timm models: convolutional, MLP, hybrid and attention families."""
+"""The zoo's 31 timm models: convolutional, MLP, hybrid and attention families (CoaT's
+convolutional position encoding is one layer shared by every block of a stage)."""
 
 TIMM_FAST: tuple[str, ...] = (
     "resnet18",

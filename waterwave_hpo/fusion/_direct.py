@@ -26,6 +26,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from waterwave_hpo.fusion._conv_forms import fused_conv2d
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._kernels import FusedConv
 from waterwave_hpo.fusion._kernels import FusedLinear
@@ -129,14 +130,17 @@ def conv(layer: FusedConv, x: torch.Tensor, layout: Layout, k: int) -> Result:
     if x.dim() != spatial + (3 if layout is Layout.STACKED else 2):
         return None  # unbatched inputs: vmap
     fn: Callable[..., torch.Tensor] = F.conv1d if spatial == 1 else F.conv2d
-    fused_w = w.flatten(0, 1)
-    fused_b = None if b is None else b.flatten()
     args = (layer.stride, layer.padding, layer.dilation)
     if layout is Layout.SHARED and layer.groups == 1:
         # One input for all: a plain convolution with K*O output channels, no input copy.
-        return fn(x, fused_w, fused_b, *args, 1), Layout.CHANNELS
+        fused_b = None if b is None else b.flatten()
+        return fn(x, w.flatten(0, 1), fused_b, *args, 1), Layout.CHANNELS
     xs = channels(x, layout, k)
-    return fn(xs, fused_w, fused_b, *args, k * layer.groups), Layout.CHANNELS
+    if spatial == 2:
+        # The grouped convolution or, where timed faster once on the CPU, one batched matmul.
+        return fused_conv2d(layer, xs, k), Layout.CHANNELS
+    fused_b = None if b is None else b.flatten()
+    return fn(xs, w.flatten(0, 1), fused_b, *args, k * layer.groups), Layout.CHANNELS
 
 
 def batch_norm(

@@ -43,11 +43,20 @@ from waterwave_hpo.fusion._structure import unsupported_layer
 from waterwave_hpo.fusion._verify import verify_fused
 
 
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Replace the submodule of ``root`` at dotted ``path`` by ``module``."""
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, name, module)
+def _replace_modules(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:
+    """``root`` with each module whose ``id`` is in ``replacements`` replaced at every path.
+
+    A module shared by two parents (one position encoding for every block of a stage) is
+    replaced under both by the one new module, so they stay shared. Returns the new root when
+    ``root`` itself is replaced.
+    """
+    if id(root) in replacements:
+        return replacements[id(root)]
+    for parent in list(root.modules()):  # each parent once: its slots are every path's
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                setattr(parent, name, replacements[id(child)])
+    return root
 
 
 def _device_of(model: nn.Module) -> torch.device | None:
@@ -55,6 +64,29 @@ def _device_of(model: nn.Module) -> torch.device | None:
     for tensor in [*model.parameters(), *model.buffers()]:
         return tensor.device
     return None
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer slot of ``module`` by one name each, tied tensors under all.
+
+    ``functional_call`` swaps each name given in and back. A submodule reached by two paths (a
+    layer shared by two blocks, as CoaT's convolutional position encoding) has one slot; swapping
+    it once per path, as ``functional_call``'s own weight tying does, restores it in the wrong
+    order: the module kept vmap's batched tensor after the call and the stacked parameter got
+    no gradient. Here each ``(module, slot)`` gets its first path's name, and a tensor held in two
+    slots (tied weights, an embedding and an output layer) is given under each slot's name.
+    """
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, str]] = set()
+    for path, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for slots in (sub._parameters, sub._buffers):
+            for local, tensor in slots.items():
+                if tensor is None or (id(sub), local) in seen:
+                    continue
+                seen.add((id(sub), local))
+                state[prefix + local] = tensor
+    return state
 
 
 DirectStep = tuple[nn.Module, "Callable[[nn.Module, torch.Tensor, Layout, int], Result] | None"]
@@ -169,17 +201,19 @@ class FusedModule(nn.Module):
         }
         stacked = copy.deepcopy(template)
         self._stack_tensors(stacked, models)
+        dropouts: dict[int, nn.Module] = {}
         for path in self._dropout_paths:
             dropout = PerModelDropout(0.0).to(_device_of(stacked))
             dropout.set_rates(self._dropout_p[path])
-            _set_submodule(stacked, path, dropout)
+            dropouts[id(stacked.get_submodule(path))] = dropout
+        stacked = _replace_modules(stacked, dropouts)
         if kernels:
-            for path, module in list(stacked.named_modules()):
+            replaced: dict[int, nn.Module] = {}
+            for module in stacked.modules():
                 fused = kernel_module(module)
-                if fused is not None and path:
-                    _set_submodule(stacked, path, fused)
-                elif fused is not None:
-                    stacked = fused
+                if fused is not None:
+                    replaced[id(module)] = fused
+            stacked = _replace_modules(stacked, replaced)
         self.stacked = stacked
         # HFTA's direct path for a Sequential: its forward is its layers in order.
         self._direct: list[DirectStep] | None = None
@@ -288,8 +322,7 @@ class FusedModule(nn.Module):
         shared: bool,
     ) -> Any:
         """Run ``module`` (part of the stacked model) for the K models under vmap."""
-        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
-        tensors.update(module.named_buffers())
+        tensors = _state(module)
         args: tuple[Any, dict[str, Any]] = (inputs, kwargs)
         if shared and not tensors:
             # Nothing of the models' own to batch (e.g. a Softmax): vmap needs a batched input.
@@ -305,7 +338,8 @@ class FusedModule(nn.Module):
         )
 
         def call(state: dict[str, torch.Tensor], xs: tuple[Any, ...], kws: dict[str, Any]) -> Any:
-            return functional_call(module, state, xs, kws)
+            # ``_state`` names each slot once, tied tensors included: no tying needed.
+            return functional_call(module, state, xs, kws, tie_weights=False)
 
         batched = vmap(call, in_dims=(0, *dims), randomness="different")
         on_cpu = all(t.device.type == "cpu" for t in tensors.values())
@@ -461,13 +495,15 @@ def fuse(
             (recurrent layers, ``SyncBatchNorm``, BatchNorm with ``momentum=None``).
         kernels: Use fused kernels (HFTA). An ``nn.Sequential`` without hooks then runs
             layer by layer on the array without vmap (Linear as one batched matmul, Conv1d/2d
-            as one grouped convolution, BatchNorm over K*C channels, LayerNorm, Embedding,
-            dropout, pooling; other layers through vmap), activations kept in HFTA's
-            ``(N, K*C, *S)`` layout between them. Any other model without hooks whose forward
-            ``torch.fx`` traces into layers and elementwise arithmetic (``+``, ``*``, ``+=``,
-            ``relu``, ``torch.flatten``: a ResNet) runs the same way node by node; the rest
-            runs under vmap with Linear and Conv1d/2d as fused kernels. False: every layer
-            through vmap's own batching rules. All give the same results (to float rounding).
+            as one grouped convolution, or on the CPU, where a one-time timing finds it faster,
+            a Conv2d as im2col and one batched matmul (:class:`FusedConv`); BatchNorm over K*C
+            channels, LayerNorm, Embedding, dropout, pooling; other layers through vmap),
+            activations kept in HFTA's ``(N, K*C, *S)`` layout between them. Any other model
+            without hooks whose forward ``torch.fx`` traces into layers and elementwise
+            arithmetic (``+``, ``*``, ``+=``, ``relu``, ``torch.flatten``: a ResNet) runs the
+            same way node by node; the rest runs under vmap with Linear and Conv1d/2d as fused
+            kernels. False: every layer through vmap's own batching rules. All give the same
+            results (to float rounding).
         example_inputs: A positional input of one model (a tensor), or a tuple of them,
             ``(B, ...)``; with ``example_kwargs``, what :func:`verify` runs. None (and no
             ``example_kwargs``): not verified (:func:`verify` can be called later).

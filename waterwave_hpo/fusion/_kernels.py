@@ -196,6 +196,13 @@ class FusedConv(nn.Module):
     HFTA's fused convolution: the K models' channels side by side, ``groups`` times K.
     Holds the same ``weight`` ``(K, O, C/groups, *kernel)`` and ``bias`` ``(K, O)``.
 
+    Attributes:
+        autotune: Whether the fused module's traced or ``nn.Sequential`` path may run this
+            layer (2-d, ``groups=1``, on the CPU) as one batched matrix product instead of the
+            grouped convolution where a one-time timing finds it faster (True by default).
+        forms: The form chosen per input shape, dtype and grad mode, ``"grouped"`` or
+            ``"bmm"`` (filled at the first forward of each shape).
+
     Args:
         conv: The layer it replaces (zero padding only; its parameters are taken over).
     """
@@ -210,6 +217,8 @@ class FusedConv(nn.Module):
         self.groups = conv.groups
         self.weight = conv.weight
         self.bias = conv.bias
+        self.autotune = True
+        self.forms: dict[tuple[Any, ...], str] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C, *S) -> (N, O, *S')`` (or unbatched ``(C, *S)``) for one model."""
