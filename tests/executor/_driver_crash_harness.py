@@ -5,8 +5,9 @@ Run as a script by ``test_driver_crash.py``. It imports the library once, then f
 life), SIGKILLs it, and forks a resume: a new process that opens the study and runs the
 executor, then reports the trials it left RUNNING. Printed last: one JSON line.
 
-Usage: ``python _driver_crash_harness.py DB random KILLS SEED RESUME_EVERY`` (kill each driver
-after a seeded random delay; resume after every ``RESUME_EVERY``-th kill and after the last) or
+Usage: ``python _driver_crash_harness.py DB random KILLS SEED RESUME_EVERY`` (kill each driver a
+seeded random delay after it opened the study; resume after every ``RESUME_EVERY``-th kill and
+after the last) or
 ``python _driver_crash_harness.py DB after-ask`` (the driver kills itself right after
 ``study.ask()`` created its second trial while the first one sleeps: the issue's scenario).
 With ``WW_ISOLATION=process`` in the environment the drivers run their trials in worker
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import sys
 import time
@@ -33,7 +35,7 @@ GRACE_PERIOD_S = 2
 # A resume lasts longer than the grace period plus SQLite's one-second heartbeat resolution,
 # so every trial of a killed driver is stale before it ends.
 RESUME_S = GRACE_PERIOD_S + 2.0
-# Opening the study alone takes ~0.6 s (2-core VM).
+# Counted from the moment a driver has opened the study (that alone takes ~0.6 s on the 2-core VM).
 MAX_KILL_DELAY_S = float(os.environ.get("WW_MAX_KILL_DELAY_S", "1.0"))
 ISOLATION = os.environ.get("WW_ISOLATION", "threads")
 MARKER = "WW_CRASH_HARNESS_RUN"  # in every driver's and worker's environment
@@ -52,8 +54,10 @@ def _objective(trial: optuna.trial.Trial) -> float:
     return x
 
 
-def _drive(db: str, timeout_s: float | None) -> optuna.Study:
+def _drive(db: str, timeout_s: float | None, ready_fd: int | None = None) -> optuna.Study:
     study = _study(db)
+    if ready_fd is not None:  # the study is open: the killer's random delay starts now
+        os.write(ready_fd, b"1")
     executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation=ISOLATION)
     n_trials = None if timeout_s is not None else 10_000  # a driver runs until killed
     executor.optimize(study, _objective, n_trials=n_trials, timeout=timeout_s)
@@ -123,7 +127,13 @@ def main(argv: list[str]) -> None:
         n_kills, seed, resume_every = int(argv[2]), int(argv[3]), int(argv[4])
         rng = random.Random(seed)
         for i in range(n_kills):
-            pid = _in_child(_drive, db, None)
+            # The delay counts from the moment the driver has opened the study (seconds on a
+            # loaded machine), so that the kills land in its trials, not all in its start-up.
+            ready_r, ready_w = os.pipe()
+            pid = _in_child(_drive, db, None, ready_w)
+            os.close(ready_w)
+            select.select([ready_r], [], [], 120.0)
+            os.close(ready_r)
             time.sleep(rng.uniform(0.0, MAX_KILL_DELAY_S))
             os.kill(pid, signal.SIGKILL)
             status = _wait(pid)
