@@ -3,9 +3,10 @@
 On a GPU a small model's step is bound by kernel launches, one per ATen operation; fusion pays
 when a fused step of K models runs about as many operations as one model's step. For K = 1, 2, 4,
 8, 16 and four models (the digits MLP 64-128-128-10 and the small digits CNN of
-bench_fusion_kernels.py at batch 64; timm's resnet18 at 32x32, batch 8; a 2-layer BERT from a
-config, width 64, 16 tokens, batch 8) it counts, with a TorchDispatchMode
-(waterwave_hpo/bench/_opcount.py), the operations of:
+bench_fusion_kernels.py at batch 64; timm's resnet18 at 32x32, batch 8, with each fused
+convolution in the form this machine picks per layer, and as ``resnet18_grouped`` with every
+one grouped, as CUDA runs it; a 2-layer BERT from a config, width 64, 16 tokens, batch 8) it
+counts, with a TorchDispatchMode (waterwave_hpo/bench/_opcount.py), the operations of:
 
 * ``separate``: K ordinary models, one step each (forward, cross-entropy, backward, SGD step
   with ``foreach=True``);
@@ -18,6 +19,7 @@ It also times the separate and the fused step (CPU wall-clock, median of ``--rep
 separate/fused: how many times faster K models train fused), with the load average. Run::
 
     python experiments/fusion_op_counts.py --reps 3
+    python experiments/fusion_op_counts.py --models bert --ks 1 4 8
 
 Writes results.json and README.md to ``--out``
 (default ``experiments/results/<date>-fusion-op-counts/``).
@@ -104,7 +106,7 @@ def inputs(name: str) -> torch.Tensor:
         return torch.randn(64, 64, generator=g)
     if name == "small_cnn":
         return torch.randn(64, 1, 8, 8, generator=g)
-    if name == "resnet18":
+    if name.startswith("resnet18"):
         return torch.randn(8, 3, 32, 32, generator=g)
     return torch.randint(0, 128, (8, 16), generator=g)
 
@@ -113,8 +115,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "digits_mlp": digits_mlp,
     "small_cnn": small_cnn,
     "resnet18": resnet18,
+    "resnet18_grouped": resnet18,
     "bert": BertLogits,
 }
+# Every fused convolution grouped (what CUDA runs), not the CPU's form chosen per layer.
+GROUPED = {"resnet18_grouped"}
 
 
 def steps(name: str, k: int) -> dict[str, Callable[[], None]]:
@@ -131,6 +136,10 @@ def steps(name: str, k: int) -> dict[str, Callable[[], None]]:
             opt.step()
 
     fused = fusion.fuse(models)
+    if name in GROUPED:
+        for module in fused.modules():
+            if isinstance(module, fusion.FusedConv):
+                module.autotune = False
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.01, foreach=True)
     flat_y = y.repeat(k)
 
@@ -163,6 +172,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ks", type=int, nargs="*", default=list(KS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path("experiments/results") / f"{dt.date.today()}-fusion-op-counts"
@@ -171,7 +181,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     rows: list[dict[str, Any]] = []
     for name in args.models:
-        for k in KS:
+        for k in args.ks:
             work = steps(name, k)
             for run in work.values():
                 run()  # warm-up: lazy state (optimizer buffers, caches) before counting

@@ -50,7 +50,12 @@ def _leading(x: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor
         return None
     if dim is None:
         return x.unsqueeze(0).expand(size, *x.shape)
-    return x.movedim(dim, 0)
+    return _front(x, dim)
+
+
+def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.movedim(dim, 0)``, without the no-op ``permute`` (one ATen operation) when dim is 0."""
+    return x if dim == 0 else x.movedim(dim, 0)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -85,7 +90,7 @@ class _LinearFn(torch.autograd.Function):
             lead = x.shape[:-1]
             x3 = x.reshape(1, -1, x.shape[-1]).expand(k, -1, -1)
         else:
-            xk = x.movedim(x_dim, 0)
+            xk = _front(x, x_dim)
             lead = xk.shape[1:-1]
             x3 = xk.reshape(k, -1, xk.shape[-1])
         if b is None:
@@ -152,7 +157,7 @@ class _ConvFn(torch.autograd.Function):
                 xs = xs.reshape(xs.shape[0], -1, *xs.shape[3:])
                 out = conv(xs, fused_weight, fused_bias, stride, padding, dilation, k * groups)
         else:
-            xk = x.movedim(x_dim, 0)
+            xk = _front(x, x_dim)
             if unbatched:
                 xk = xk.unsqueeze(1)
             # (K, N, C, *S) -> (N, K*C, *S): a view when x came from a fused conv (dim 1).
