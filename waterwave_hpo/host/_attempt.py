@@ -216,6 +216,12 @@ def run_job(slot: SlotSeat, job: TrialJob, stream: torch.cuda.Stream | None) -> 
     )
     # Batch-mates count as neighbours: they shared the device's memory with each trial.
     attempt.neighbours += len(trials) - 1
+    count_outside = getattr(slot.host, "count_outside", None)
+    if attempt.out_of_memory and count_outside is not None:
+        # Trials outside this host (other worker processes) shared the device too; asked
+        # only now, so a trial that ends otherwise costs no question to the driver.
+        with contextlib.suppress(Exception):
+            attempt.neighbours += int(count_outside())
     outcomes = _tell_attempt(settings, job, attempt)
     if settings.gc_after_trial:
         gc.collect()
