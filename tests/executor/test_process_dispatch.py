@@ -63,10 +63,12 @@ def _trivial(trial: optuna.trial.Trial) -> float:
 
 
 def test_a_trivial_trial_costs_one_message_each_way_and_no_round_trip() -> None:
+    # RandomSampler reads nothing of the study (TPE's reads are calls: the sampler's, not the
+    # dispatch's).
     executor = _process(2)
     executor.optimize(optuna.create_study(), _trivial, n_trials=2)  # the workers are warm
     _clear_counts(executor)
-    study = optuna.create_study()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     n_trials = 20
     executor.optimize(study, _trivial, n_trials=n_trials)
     counts = _pipe_counts(executor)
@@ -83,13 +85,14 @@ def test_a_trivial_trial_costs_one_message_each_way_and_no_round_trip() -> None:
 
 
 def test_a_write_the_storage_refuses_fails_the_trial_as_under_study_optimize() -> None:
-    # The study knows "x" as categorical; the worker never read that trial, so it posts the
-    # float and the driver's storage refuses it (ValueError), as Optuna's storage does.
+    # The study knows "x" as categorical; the worker never read that trial (RandomSampler
+    # reads no trials), so it posts the float and the driver's storage refuses it
+    # (ValueError), as Optuna's storage does.
     def objective(trial: optuna.trial.Trial) -> float:
         return trial.suggest_float("x", 0.0, 1.0)
 
     def study_with_categorical_x() -> optuna.Study:
-        study = optuna.create_study()
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         study.enqueue_trial({"x": "a"})
         study.optimize(lambda t: float(len(t.suggest_categorical("x", ["a", "b"]))), n_trials=1)
         return study

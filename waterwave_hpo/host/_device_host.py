@@ -215,10 +215,23 @@ class _Slot:
     def neighbours(self) -> int:
         """How many other slots of this host are inside an objective now.
 
-        Trials outside the host (``DeviceHost.count_outside``) are added by the run path only
-        when the attempt ran out of memory.
+        Trials outside the host (:meth:`outside`) are added by the run path only when the
+        attempt ran out of memory.
         """
         return sum(1 for slot in self.host.slots if slot is not self and slot.busy)
+
+    def outside(self) -> int:
+        """Trials running on the device outside this host now (``DeviceHost.count_outside``).
+
+        0 when the host has no count (threads, a Ray host) or the count fails; never raises.
+        """
+        count = self.host.count_outside
+        if count is None:
+            return 0
+        try:
+            return int(count())
+        except Exception:
+            return 0
 
     def enter(self) -> None:
         """The slot's objective starts: from now on :meth:`interrupt` reaches it."""

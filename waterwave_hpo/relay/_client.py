@@ -67,6 +67,7 @@ class RelayedStorage(BaseStorage):
       them (so the user's sampler and callbacks in the driver's process see it).
     * the study's finished trials: ``get_all_trials`` fetches only the trials that are new or
       were unfinished at the last call (Optuna forbids changing a finished trial).
+    * the study's directions (fixed when Optuna creates a study), read once.
 
     Args:
         transport: ``transport(method, args) -> (ok, result or exception)``; ``args`` are
@@ -89,6 +90,7 @@ class RelayedStorage(BaseStorage):
         # The last distribution this process saw for each parameter name (its own writes and
         # the trials it read): a posted set_trial_param is checked against it here.
         self._distributions: dict[str, BaseDistribution] = {}
+        self._directions: dict[int, list[StudyDirection]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process starts empty: it runs no trials, it kept nothing.
@@ -193,6 +195,8 @@ class RelayedStorage(BaseStorage):
         return int(self._call("create_new_study", list(directions), study_name))
 
     def delete_study(self, study_id: int) -> None:
+        with self._lock:
+            self._directions.pop(study_id, None)
         self._call("delete_study", study_id)
 
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
@@ -208,7 +212,15 @@ class RelayedStorage(BaseStorage):
         return str(self._call("get_study_name_from_id", study_id))
 
     def get_study_directions(self, study_id: int) -> list[StudyDirection]:
-        return list(self._call("get_study_directions", study_id))
+        # A study's directions never change (Optuna sets them when it creates the study):
+        # read once (``Trial.report`` reads them at every report).
+        with self._lock:
+            known = self._directions.get(study_id)
+        if known is None:
+            known = list(self._call("get_study_directions", study_id))
+            with self._lock:
+                self._directions[study_id] = known
+        return list(known)
 
     def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
         return dict(self._call("get_study_user_attrs", study_id))

@@ -6,9 +6,10 @@ host: the run loop asks trials and hands them to its slots. Slot ``i`` runs its 
 once per executor, kept across ``optimize`` calls); the handle binds the workers to its run
 when it is made (each opens the study through the relay, in parallel) and unbinds them at its
 shutdown. Each worker's pipe thread serves the study's storage calls (checked by the run's
-:class:`~waterwave_hpo.relay.StorageService`) and hands back the records of finished attempts,
-which it tells the study from (``host/_runner.py``'s :func:`tell_record`) before it puts the
-outcome on the run's queue.
+:class:`~waterwave_hpo.relay.StorageService`), runs the writes the worker posted (in order,
+without answering: one the storage refuses fails its trial with that error when the record
+comes) and hands back the records of finished attempts, which it tells the study from
+(``host/_runner.py``'s :func:`tell_record`) before it puts the outcome on the run's queue.
 
 A worker that dies (a segmentation fault, ``abort()``, ``os._exit``, SIGKILL from outside or
 from the OOM killer) fails the trial it ran alone: the trial is told FAIL with the signal or
