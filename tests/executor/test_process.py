@@ -547,31 +547,3 @@ def test_a_message_the_driver_cannot_read_fails_the_trial_with_that_reason() -> 
     assert "sent a message the driver could not read" in reason
     assert "cannot be rebuilt outside the worker" in reason
     assert "SIGKILL" not in reason
-
-
-def test_neighbour_counts_are_sent_on_change_without_blocking_the_caller() -> None:
-    import multiprocessing
-    import pickle
-
-    from waterwave_hpo.workers._pool import WorkerProcess
-
-    worker = WorkerProcess.__new__(WorkerProcess)  # its pipe, without a process: nobody reads
-    worker.conn, far = multiprocessing.Pipe(duplex=True)
-    worker.dead = False
-    worker._lock, worker._send_lock = threading.Lock(), threading.Lock()
-    worker._neighbours, worker._neighbours_changed = None, threading.Event()
-    sender = threading.Thread(target=worker._send_neighbours, daemon=True)
-    sender.start()
-    with worker._send_lock:  # a send stuck on a worker that stopped reading its pipe
-        for n in (1, 1, 1, 2):
-            worker.tell_neighbours(n)  # returns: the run loop goes on
-    counts = [pickle.loads(far.recv_bytes())[1]]
-    while counts[-1] != 2:
-        counts.append(pickle.loads(far.recv_bytes())[1])
-    assert counts in ([2], [1, 2])  # only changes: the latest count last
-    assert not far.poll(0.5)
-    with worker._lock:
-        worker.dead = True
-    worker._neighbours_changed.set()
-    sender.join(timeout=30)
-    assert not sender.is_alive()

@@ -213,19 +213,9 @@ def test_a_trial_over_its_lease_fails_once_naming_the_lease_and_its_peak(
     # Other workers' trials are not its neighbours: no re-run "with fewer neighbours".
     from waterwave_hpo.workers._worker import _Worker
 
-    host = SimpleNamespace(outside_neighbours=0)
     worker = _Worker(SimpleNamespace(), "cuda:0", 0)
-    worker.runner = SimpleNamespace(host=host)
-    requests: Any = __import__("queue").SimpleQueue()
-    requests.put(("neighbours", 3))
-    requests.put(("begin_never",))  # unknown: ignored
-
-    import threading
-
-    threading.Thread(target=worker.serve, args=(requests,), daemon=True).start()
-    while not requests.empty():
-        pass
-    assert host.outside_neighbours == 0
+    assert worker.outside_counter(torch.device("cuda", 0)) is None
+    assert worker.outside_counter(torch.device("cpu")) is not None  # on the CPU they count
 
 
 def test_the_default_lease_budget_leaves_a_context_per_worker(

@@ -147,6 +147,12 @@ def run_attempt(
             attempt.no_plan_fits is not None or is_out_of_memory(error)
         )
         if attempt.out_of_memory:
+            # Trials outside the host (other worker processes) shared the device too: counted
+            # now, as the attempt ends (the release below may take a second), and only on OOM,
+            # so an attempt that ends otherwise costs no question to the driver.
+            outside = getattr(seat, "outside", None)
+            if outside is not None:
+                attempt.neighbours += outside()
             # Free the failed attempt's tensors (held by the traceback's frames) before its
             # scheduler share is released and before anyone retries.
             release_memory(error, context.device)  # type: ignore[arg-type]

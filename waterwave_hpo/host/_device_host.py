@@ -93,9 +93,11 @@ class DeviceHost(SlotTable["_Slot"]):
         self.admit_by_memory = admit_by_memory
         indices = list(range(n_slots)) if slot_indices is None else list(slot_indices)
         self.slots = [_Slot(self, index) for index in indices]
-        self.outside_neighbours = 0
-        """Trials running on the device outside this host (the other worker processes of the
-        driver's host, under process isolation); they count as every trial's neighbours."""
+        self.count_outside: Callable[[], int] | None = None
+        """How many trials run on the device outside this host (the other worker processes of
+        the driver's host, under process isolation), or ``None`` for none: asked only when an
+        attempt ran out of memory (they count as its neighbours for the re-run's decision), so
+        a trial that ends otherwise costs no question to the driver."""
 
     @classmethod
     def build(
@@ -211,9 +213,25 @@ class _Slot:
             )
 
     def neighbours(self) -> int:
-        """How many other slots of this host are inside an objective now."""
-        inside = sum(1 for slot in self.host.slots if slot is not self and slot.busy)
-        return inside + self.host.outside_neighbours
+        """How many other slots of this host are inside an objective now.
+
+        Trials outside the host (:meth:`outside`) are added by the run path only when the
+        attempt ran out of memory.
+        """
+        return sum(1 for slot in self.host.slots if slot is not self and slot.busy)
+
+    def outside(self) -> int:
+        """Trials running on the device outside this host now (``DeviceHost.count_outside``).
+
+        0 when the host has no count (threads, a Ray host) or the count fails; never raises.
+        """
+        count = self.host.count_outside
+        if count is None:
+            return 0
+        try:
+            return int(count())
+        except Exception:
+            return 0
 
     def enter(self) -> None:
         """The slot's objective starts: from now on :meth:`interrupt` reaches it."""

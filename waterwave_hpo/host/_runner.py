@@ -12,6 +12,7 @@ outcome in the driver's process. Two transports use it: a Ray host actor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import contextlib
 from dataclasses import dataclass
 from dataclasses import field
@@ -193,7 +194,9 @@ class HostRunner:
 
     Only the transport's threads call it: :meth:`submit`, :meth:`interrupt` and
     :meth:`shutdown` from the one that takes the driver's requests, :meth:`poll` from the one
-    that sends records (they may be the same).
+    that sends records (they may be the same). With ``report``, no one polls: each attempt's
+    record is handed to ``report`` by the slot thread that ran it, as soon as it ends (no
+    thread hand-off between the trial's end and its record's send).
 
     Args:
         spec: The study, the objective and the executor's settings.
@@ -201,6 +204,8 @@ class HostRunner:
         device: The device its trials run on.
         slot_indices: The indices its slots carry (default ``range(spec.n_slots)``): a worker
             process runs one slot of the driver's host, and its trials record that slot's index.
+        report: ``report(records, snapshot)``, called in the slot's thread for each ended
+            attempt, or ``None``: the records wait for :meth:`poll`.
 
     Raises:
         StoragePermissionError: If the study is not the one the driver's relay serves.
@@ -212,6 +217,7 @@ class HostRunner:
         storage: optuna.storages.BaseStorage,
         device: torch.device,
         slot_indices: list[int] | None = None,
+        report: Callable[[list[TrialRecord], HostSnapshot], None] | None = None,
     ) -> None:
         study = optuna.load_study(
             study_name=spec.study_name, storage=storage, sampler=spec.sampler, pruner=spec.pruner
@@ -232,7 +238,7 @@ class HostRunner:
             on_oom=spec.on_oom,
             max_oom_retries=spec.max_oom_retries,
             gc_after_trial=spec.gc_after_trial,
-            outcomes=queue.SimpleQueue(),
+            outcomes=queue.SimpleQueue() if report is None else _ReportAtOnce(self._report_now),
             record_trial_attrs=spec.record_trial_attrs,
             memory_plan=spec.memory_plan,
         )
@@ -250,6 +256,7 @@ class HostRunner:
         self._slots = {slot.index: slot for slot in self.host.slots}
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}  # id(job) -> members not recorded yet
+        self._report = report
 
     def submit(
         self,
@@ -322,6 +329,17 @@ class HostRunner:
         with self._lock:
             return not self._pending
 
+    def _report_now(self, outcome: TrialOutcome) -> None:
+        """Hand ``outcome``'s record to ``report`` (in the slot's thread that ended it)."""
+        assert self._report is not None
+        with self._lock:
+            record = self._record(outcome)
+            snapshot = HostSnapshot(
+                has_room=self.host.memory.has_room(),
+                stop_requested=_optuna_compat.stop_requested(self._study),
+            )
+        self._report([record], snapshot)
+
     def interrupt(self, slot: int) -> None:
         """Stop the trial running in ``slot`` (the driver has told it FAIL already)."""
         self._slots[slot].interrupt()
@@ -370,6 +388,16 @@ class HostRunner:
             smallest_peak_bytes=None if planning is None else planning.smallest_peak_bytes,
             fail_message=outcome.fail_message,
         )
+
+
+class _ReportAtOnce(queue.SimpleQueue[TrialOutcome]):
+    """A host's outcome queue that hands each outcome on as it is put (``HostRunner(report=)``)."""
+
+    def __init__(self, sink: Callable[[TrialOutcome], None]) -> None:
+        self._sink = sink
+
+    def put(self, item: TrialOutcome, block: bool = True, timeout: float | None = None) -> None:
+        self._sink(item)
 
 
 def plain_values(values: Any) -> float | list[float] | str | None:

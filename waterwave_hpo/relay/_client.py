@@ -18,6 +18,7 @@ from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution
+from optuna.distributions import check_distribution_compatibility
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import BaseHeartbeat
@@ -30,6 +31,8 @@ from waterwave_hpo import _optuna_compat
 
 # ``transport(method, args) -> (ok, result or exception)``: one storage call carried to the driver.
 Transport = Callable[[str, tuple[Any, ...]], tuple[bool, Any]]
+# ``post(method, args)``: one storage write sent to the driver without waiting for its answer.
+Post = Callable[[str, tuple[Any, ...]], None]
 
 
 class RelayedStorage(BaseStorage):
@@ -44,7 +47,14 @@ class RelayedStorage(BaseStorage):
     run ended raises ``ConnectionError`` (the transport's to raise).
 
     Every write goes to the driver before it returns (other processes' samplers and pruners see
-    it at once, as on a shared RDB). What is kept here, to save round trips:
+    it at once, as on a shared RDB), except with ``post``: then the writes to an adopted trial
+    (its parameters, user and system attributes, intermediate values) are checked here as far
+    as this process can (the trial is still running here; a parameter's distribution is
+    compatible with the one this process saw for its name) and handed to ``post``, which sends
+    them without waiting; the transport delivers them, in order, before its next call and
+    before the trial's record. An error the driver's storage raises for a posted write then
+    fails the trial in the driver with that error (as if the objective had raised it there),
+    not the objective's call. What is kept here, to save round trips:
 
     * the trials this process runs (:meth:`adopt`, with the copy the driver sent): reads of
       them are answered from that copy, which this process's own writes keep current, and a
@@ -57,27 +67,43 @@ class RelayedStorage(BaseStorage):
       them (so the user's sampler and callbacks in the driver's process see it).
     * the study's finished trials: ``get_all_trials`` fetches only the trials that are new or
       were unfinished at the last call (Optuna forbids changing a finished trial).
+    * the study's directions (fixed when Optuna creates a study), read once.
 
     Args:
         transport: ``transport(method, args) -> (ok, result or exception)``; ``args`` are
             positional and picklable.
         defer_finish: Keep adopted trials' final states for :meth:`release` (the driver tells).
+        post: ``post(method, args)`` sends a write to an adopted trial without waiting, or
+            ``None``: every write waits for the driver's answer.
     """
 
-    def __init__(self, transport: Transport, defer_finish: bool = False) -> None:
+    def __init__(
+        self, transport: Transport, defer_finish: bool = False, post: Post | None = None
+    ) -> None:
         self._transport = transport
         self._defer_finish = defer_finish
+        self._post = post
         self._lock = threading.RLock()
         self._own: dict[int, FrozenTrial] = {}
         self._finished: dict[int, tuple[TrialState, list[float] | None]] = {}
         self._trials: dict[int, list[FrozenTrial]] = {}  # by study id; index = trial number
+        # The last distribution this process saw for each parameter name (its own writes and
+        # the trials it read): a posted set_trial_param is checked against it here.
+        self._distributions: dict[str, BaseDistribution] = {}
+        self._directions: dict[int, list[StudyDirection]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process starts empty: it runs no trials, it kept nothing.
-        return {"_transport": self._transport, "_defer_finish": self._defer_finish}
+        return {
+            "_transport": self._transport,
+            "_defer_finish": self._defer_finish,
+            "_post": self._post,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        RelayedStorage.__init__(self, state["_transport"], state["_defer_finish"])
+        RelayedStorage.__init__(
+            self, state["_transport"], state["_defer_finish"], state.get("_post")
+        )
 
     def _call(self, method: str, *args: Any) -> Any:
         ok, payload = self._transport(method, args)
@@ -91,10 +117,13 @@ class RelayedStorage(BaseStorage):
         """Run ``trial`` here: answer reads of it from this copy (the driver's, just sent).
 
         Args:
-            trial: The trial as the driver's storage holds it now (RUNNING, its id set).
+            trial: The trial as the driver's storage holds it now (RUNNING, its id set): a
+                copy no one else holds (unpickled from the driver's message, or read from this
+                storage), which this storage keeps and updates.
         """
         with self._lock:
-            self._own[_optuna_compat.trial_id(trial)] = copy.deepcopy(trial)
+            self._own[_optuna_compat.trial_id(trial)] = trial
+            self._distributions.update(trial.distributions)
 
     def release(self, trial_id: int) -> tuple[TrialState, list[float] | None] | None:
         """Forget an adopted trial; return the final state and values kept for it, if any.
@@ -121,6 +150,43 @@ class RelayedStorage(BaseStorage):
         with self._lock:
             return self._own_copy(trial_id)
 
+    def _posted(
+        self, trial_id: int, method: str, *args: Any, check: Callable[[], None] | None = None
+    ) -> FrozenTrial | None:
+        """Post a write to an adopted trial still running here; return its copy, else ``None``.
+
+        Called with the lock held; the caller updates the copy. ``None``: no ``post``, or the
+        trial is not adopted; the caller then relays the write and waits. ``check`` runs
+        before the write is posted (the storage's own checks that this process can make).
+
+        Raises:
+            UpdateFinishedTrialError: If the trial has finished (as the storage would).
+        """
+        if self._post is None:
+            return None
+        own = self._own_copy(trial_id)
+        if own is None:
+            return None
+        if own.state.is_finished():
+            raise UpdateFinishedTrialError(
+                f"Trial#{own.number} has already finished and can not be updated."
+            )
+        if check is not None:
+            check()
+        self._post(method, (trial_id, *args))
+        return own
+
+    def _check_distribution(self, name: str, distribution: BaseDistribution) -> None:
+        """Raise ``ValueError`` as the storage would: ``name`` was seen with another kind."""
+        known = self._distributions.get(name)
+        if known is not None:
+            check_distribution_compatibility(known, distribution)
+
+    def _saw_distributions(self, trials: Sequence[FrozenTrial]) -> None:
+        with self._lock:
+            for trial in trials:
+                self._distributions.update(trial.distributions)
+
     # -- studies ------------------------------------------------------------------------------
 
     def create_new_study(
@@ -129,6 +195,8 @@ class RelayedStorage(BaseStorage):
         return int(self._call("create_new_study", list(directions), study_name))
 
     def delete_study(self, study_id: int) -> None:
+        with self._lock:
+            self._directions.pop(study_id, None)
         self._call("delete_study", study_id)
 
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
@@ -144,7 +212,15 @@ class RelayedStorage(BaseStorage):
         return str(self._call("get_study_name_from_id", study_id))
 
     def get_study_directions(self, study_id: int) -> list[StudyDirection]:
-        return list(self._call("get_study_directions", study_id))
+        # A study's directions never change (Optuna sets them when it creates the study):
+        # read once (``Trial.report`` reads them at every report).
+        with self._lock:
+            known = self._directions.get(study_id)
+        if known is None:
+            known = list(self._call("get_study_directions", study_id))
+            with self._lock:
+                self._directions[study_id] = known
+        return list(known)
 
     def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
         return dict(self._call("get_study_user_attrs", study_id))
@@ -167,9 +243,25 @@ class RelayedStorage(BaseStorage):
         param_value_internal: float,
         distribution: BaseDistribution,
     ) -> None:
+        with self._lock:
+            own = self._posted(
+                trial_id,
+                "set_trial_param",
+                param_name,
+                param_value_internal,
+                distribution,
+                check=lambda: self._check_distribution(param_name, distribution),
+            )
+            if own is not None:
+                own.params[param_name] = distribution.to_external_repr(param_value_internal)
+                own.distributions[param_name] = distribution
+                self._distributions[param_name] = distribution
+                return
         own = self._write_own(
             trial_id, "set_trial_param", param_name, param_value_internal, distribution
         )
+        with self._lock:
+            self._distributions[param_name] = distribution
         if own is not None:
             with self._lock:
                 own.params[param_name] = distribution.to_external_repr(param_value_internal)
@@ -221,12 +313,22 @@ class RelayedStorage(BaseStorage):
     def set_trial_intermediate_value(
         self, trial_id: int, step: int, intermediate_value: float
     ) -> None:
+        with self._lock:
+            own = self._posted(trial_id, "set_trial_intermediate_value", step, intermediate_value)
+            if own is not None:
+                own.intermediate_values[step] = intermediate_value
+                return
         own = self._write_own(trial_id, "set_trial_intermediate_value", step, intermediate_value)
         if own is not None:
             with self._lock:
                 own.intermediate_values[step] = intermediate_value
 
     def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        with self._lock:
+            own = self._posted(trial_id, "set_trial_user_attr", key, value)
+            if own is not None:
+                own.user_attrs[key] = value
+                return
         own = self._write_own(trial_id, "set_trial_user_attr", key, value)
         if own is not None:
             with self._lock:
@@ -243,6 +345,10 @@ class RelayedStorage(BaseStorage):
                         f"Trial#{own.number} has already finished and can not be updated."
                     )
                 return
+            own = self._posted(trial_id, "set_trial_system_attr", key, value)
+            if own is not None:
+                own.system_attrs[key] = value
+                return
         own = self._write_own(trial_id, "set_trial_system_attr", key, value)
         if own is not None:
             with self._lock:
@@ -252,7 +358,7 @@ class RelayedStorage(BaseStorage):
         with self._lock:
             own = self._own_copy(trial_id)
             if own is not None:
-                return copy.deepcopy(own)
+                return _copy_trial(own)
         trial: FrozenTrial = self._call("get_trial", trial_id)
         return trial
 
@@ -269,6 +375,7 @@ class RelayedStorage(BaseStorage):
             known = len(kept)
             unfinished = tuple(t.number for t in kept if not t.state.is_finished())
         fresh: list[FrozenTrial] = self._call("get_trials_since", study_id, known, unfinished)
+        self._saw_distributions(fresh)
         trials: list[FrozenTrial] = []
         with self._lock:
             kept = self._trials.setdefault(study_id, [])
@@ -318,6 +425,24 @@ class RelayedStorage(BaseStorage):
             if own is not None:
                 return copy.deepcopy(own.system_attrs)
         return dict(self._call("get_trial_system_attrs", trial_id))
+
+
+def _copy_trial(trial: FrozenTrial) -> FrozenTrial:
+    """``trial`` with containers of its own (parameters, attributes, values), entries shared.
+
+    What a read of an adopted trial returns: this storage's later writes replace the entries
+    of its copy's containers and never change an entry in place, so the returned trial keeps
+    what it read (as a deep copy would, at a fraction of its cost: one is made several times
+    per trial).
+    """
+    copied = copy.copy(trial)
+    copied.params = dict(trial.params)
+    copied.distributions = dict(trial.distributions)
+    copied.user_attrs = dict(trial.user_attrs)
+    copied.system_attrs = dict(trial.system_attrs)
+    copied.intermediate_values = dict(trial.intermediate_values)
+    copied.values = None if trial.values is None else list(trial.values)
+    return copied
 
 
 class RelayedHeartbeatStorage(RelayedStorage, BaseHeartbeat):

@@ -6,9 +6,10 @@ host: the run loop asks trials and hands them to its slots. Slot ``i`` runs its 
 once per executor, kept across ``optimize`` calls); the handle binds the workers to its run
 when it is made (each opens the study through the relay, in parallel) and unbinds them at its
 shutdown. Each worker's pipe thread serves the study's storage calls (checked by the run's
-:class:`~waterwave_hpo.relay.StorageService`) and hands back the records of finished attempts,
-which it tells the study from (``host/_runner.py``'s :func:`tell_record`) before it puts the
-outcome on the run's queue.
+:class:`~waterwave_hpo.relay.StorageService`), runs the writes the worker posted (in order,
+without answering: one the storage refuses fails its trial with that error when the record
+comes) and hands back the records of finished attempts, which it tells the study from
+(``host/_runner.py``'s :func:`tell_record`) before it puts the outcome on the run's queue.
 
 A worker that dies (a segmentation fault, ``abort()``, ``os._exit``, SIGKILL from outside or
 from the OOM killer) fails the trial it ran alone: the trial is told FAIL with the signal or
@@ -19,13 +20,18 @@ exception says, and its worker retires: a new one takes the slot.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
 import logging
 import time
 from typing import Any
 
+from optuna.trial import TrialState
+
 from waterwave_hpo import _optuna_compat
 from waterwave_hpo.host import ATTR_BATCH
 from waterwave_hpo.host import ATTR_DEVICE
+from waterwave_hpo.host import ATTR_FAIL_REASON
 from waterwave_hpo.host import ATTR_SLOT
 from waterwave_hpo.host import HostSnapshot
 from waterwave_hpo.host import NoMemory
@@ -43,6 +49,7 @@ from waterwave_hpo.workers._pool import WorkerPool
 from waterwave_hpo.workers._pool import WorkerProcess
 
 _logger = logging.getLogger("waterwave_hpo")
+_REASON_MAX_CHARS = 500
 
 
 class WorkerSlot:
@@ -126,7 +133,6 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         if worker.host is not self:
             worker.attach(self)
         worker.run(job, self._bookkeeping(slot, job))
-        self._tell_neighbours()
 
     def _bookkeeping(self, slot: WorkerSlot, job: TrialJob) -> list[Any]:
         """Write where the job runs (as the worker's run path would) and read its trials.
@@ -192,7 +198,44 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
                     record.number,
                 )
                 continue
+            failed_write = worker.take_write_error(_optuna_compat.trial_id(job.trial))
+            if failed_write is not None:
+                record = self._failed_by_write(job, record, *failed_write)
             self.outcome(tell_record(self.settings, job, record))
+
+    def _failed_by_write(
+        self, job: TrialJob, record: TrialRecord, method: str, error: BaseException
+    ) -> TrialRecord:
+        """``record`` of a trial whose posted write ``method`` the storage refused: FAIL.
+
+        The worker sent the write without waiting (its trial's parameters, attributes and
+        intermediate values are posted), so the objective went on; the trial ends as if the
+        objective had raised ``error`` at that call, as under ``Study.optimize``: FAIL with
+        ``error`` as its reason, and ``error`` raised by ``optimize`` unless ``catch`` lists it.
+        """
+        settings = self.settings
+        kind = OutcomeKind.FAILED if isinstance(error, settings.catch) else OutcomeKind.FATAL
+        reason = (
+            f"{type(error).__name__}: {error} (the study's storage refused the trial's "
+            f"{method}, which its worker process sent without waiting)"
+        )
+        if settings.record_trial_attrs:
+            with contextlib.suppress(Exception):
+                _optuna_compat.set_system_attr(
+                    settings.study,
+                    _optuna_compat.trial_id(job.trial),
+                    ATTR_FAIL_REASON,
+                    reason[:_REASON_MAX_CHARS],
+                )
+        return replace(
+            record,
+            kind=kind,
+            state=TrialState.FAIL,
+            values=None,
+            error=error,
+            error_traceback=None,
+            fail_message=None,
+        )
 
     def lost(
         self, members: list[TrialJob], error: BaseException | None, reason: str | None
@@ -217,9 +260,8 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
             self.outcome(TrialOutcome(member, kind, frozen, error, 0, None if error else why))
 
     def outcome(self, outcome: TrialOutcome) -> None:
-        """Report ``outcome`` to the run loop; the neighbours' counts follow."""
+        """Report ``outcome`` to the run loop."""
         self.settings.outcomes.put(outcome)
-        self._tell_neighbours()
 
     def serve_call(
         self, worker: WorkerProcess, target: str, method: str, args: tuple[Any, ...]
@@ -229,15 +271,18 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
             return self.service.run(method, args)
         if target == "lease":
             return self.leases.run(method, args)
+        if target == "neighbours":
+            return True, self.running_beside(worker)
         return False, PermissionError(f"A worker may not call {target}.{method}.")
 
-    def _tell_neighbours(self) -> None:
-        # Each worker's trials count the other workers' running trials as neighbours (the
-        # executor's OOM retry needs them), as threads of one host count each other.
-        running = [
-            worker
-            for worker in self.pool.workers
-            if worker.host is self and not worker.dead and worker.unrecorded
-        ]
-        for worker in running:
-            worker.tell_neighbours(len(running) - 1)
+    def running_beside(self, worker: WorkerProcess) -> int:
+        """How many other workers of this host run a trial now.
+
+        A worker whose trial ran out of memory asks (the executor's OOM re-run counts them as
+        the trial's neighbours, as threads of one host count each other).
+        """
+        return sum(
+            1
+            for other in self.pool.workers
+            if other is not worker and other.host is self and not other.dead and other.unrecorded
+        )

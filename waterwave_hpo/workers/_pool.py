@@ -20,6 +20,7 @@ told to the study by the bound run).
 
 from __future__ import annotations
 
+import collections
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
 import functools
@@ -80,6 +81,12 @@ worker_main(int(sys.argv[1]), int(sys.argv[2]))
 """
 WORKER_MARK = "waterwave_hpo.workers._worker"
 """A string in every worker process's command line (to find them, e.g. with psutil)."""
+
+
+def _trial_id(job: TrialJob) -> int:
+    from waterwave_hpo import _optuna_compat
+
+    return _optuna_compat.trial_id(job.trial)
 
 
 def exit_reason(exitcode: int | None, pid: int | None) -> str:
@@ -144,8 +151,14 @@ class WorkerProcess:
         self.interrupted = False
         self.stopping = False
         self.dead = False
-        self._neighbours: int | None = None  # the count to send (tell_neighbours)
-        self._neighbours_changed = threading.Event()
+        # Errors the storage raised for the running job's posted writes, by trial id: the
+        # trial fails with it when its record comes (as if the objective had raised it).
+        self.write_errors: dict[int, tuple[str, BaseException]] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+        """What crossed the pipe: messages by kind, both ways (``"to:submit"``,
+        ``"from:records"``, ``"from:post"``: the messages inside a batch count too),
+        ``"sent"`` and ``"received"`` (messages as sent, a batch once) and ``"from:call"``
+        (calls the worker waited on). Diagnostics (the tests count a trial's cost with it)."""
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self.send(
@@ -162,9 +175,6 @@ class WorkerProcess:
             target=self._serve, name=f"waterwave-pipe-{self.pid}", daemon=True
         )
         self.thread.start()
-        threading.Thread(
-            target=self._send_neighbours, name=f"waterwave-neighbours-{self.pid}", daemon=True
-        ).start()
 
     # -- the run loop's thread ------------------------------------------------------------
 
@@ -200,37 +210,15 @@ class WorkerProcess:
             self.job = job
             self.unrecorded = list(job.members())
             self.interrupted = False
+            self.write_errors.clear()
         self.send(("submit", members, bool(job.batch), cap, frozen))
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Send ``message``; never raises (a dead worker: its pipe thread reports)."""
         with contextlib.suppress(Exception), self._send_lock:
+            self.counts["to:" + message[0]] += 1
+            self.counts["sent"] += 1
             self.conn.send_bytes(dumps(message))
-
-    def tell_neighbours(self, n: int) -> None:
-        """Have the worker learn that ``n`` other workers run trials; never blocks.
-
-        Only a changed count is sent, from a thread of this worker's own: a worker that stops
-        reading its pipe (stuck holding the GIL) blocks that thread, not the run loop's.
-        """
-        with self._lock:
-            if n == self._neighbours:
-                return
-            self._neighbours = n
-        self._neighbours_changed.set()
-
-    def _send_neighbours(self) -> None:
-        sent: int | None = None
-        while True:
-            self._neighbours_changed.wait()
-            self._neighbours_changed.clear()
-            with self._lock:
-                if self.dead:
-                    return
-                n = self._neighbours
-            if n is not None and n != sent:
-                self.send(("neighbours", n))
-                sent = n
 
     def kill(self) -> None:
         """End the worker now (SIGKILL); its running trial has been told FAIL."""
@@ -269,7 +257,9 @@ class WorkerProcess:
             while True:
                 ready = multiprocessing.connection.wait(watched, timeout=_DEATH_POLL_S)
                 if self.conn in ready:
-                    self._dispatch(pickle.loads(self.conn.recv_bytes()))
+                    message = pickle.loads(self.conn.recv_bytes())
+                    self.counts["received"] += 1
+                    self._dispatch(message)
                     continue
                 if self.process.poll() is None:  # reaps it once it has died
                     continue
@@ -293,15 +283,18 @@ class WorkerProcess:
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "call":
+        self.counts["from:" + kind] += 1
+        if kind == "batch":  # posted writes, then (maybe) the message that followed them
+            for data in message[1]:
+                self._dispatch(pickle.loads(data))
+        elif kind == "post":
+            _, target, method, args = message
+            ok, payload = self._serve_call(target, method, args)
+            if not ok:
+                self._write_failed(method, args, payload)
+        elif kind == "call":
             _, call_id, target, method, args = message
-            host = self.host
-            if target == "lease":
-                ok, payload = self.pool.leases.run(method, args)
-            elif host is not None:
-                ok, payload = host.serve_call(self, target, method, args)
-            else:
-                ok, payload = False, ConnectionError("The run this worker served has ended.")
+            ok, payload = self._serve_call(target, method, args)
             self.send(("answer", call_id, *sendable(ok, payload, dumps)))
         elif kind == "records":
             _, records, snapshot, retire = message
@@ -332,6 +325,33 @@ class WorkerProcess:
         elif kind == "ended":
             self.ended_run.set()
 
+    def _serve_call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        host = self.host
+        if target == "lease":
+            return self.pool.leases.run(method, args)
+        if host is not None:
+            return host.serve_call(self, target, method, args)
+        return False, ConnectionError("The run this worker served has ended.")
+
+    def _write_failed(self, method: str, args: tuple[Any, ...], error: BaseException) -> None:
+        """A posted write failed: its trial fails with ``error`` when its record comes.
+
+        Only the first error of a trial is kept (the objective would have stopped there).
+        A write to a trial the worker no longer runs (the driver failed it: Ctrl+C) is dropped.
+        """
+        trial_id = args[0] if args else None
+        with self._lock:
+            if not isinstance(trial_id, int) or trial_id in self.write_errors:
+                return
+            if not any(_trial_id(m) == trial_id for m in self.unrecorded):
+                return
+            self.write_errors[trial_id] = (method, error)
+
+    def take_write_error(self, trial_id: int) -> tuple[str, BaseException] | None:
+        """The failed posted write of trial ``trial_id`` (its method and error), once."""
+        with self._lock:
+            return self.write_errors.pop(trial_id, None)
+
     def take_record(self, number: int) -> TrialJob | None:
         """The member of the running job numbered ``number`` (once), or ``None``."""
         with self._lock:
@@ -350,7 +370,6 @@ class WorkerProcess:
             lost, self.unrecorded = self.unrecorded, []
             interrupted = self.interrupted
             host = self.host
-        self._neighbours_changed.set()  # its sender ends
         self.warm.set()
         self.answered.set()
         self.ended_run.set()

@@ -13,13 +13,21 @@ path); the records of how they ended go back over the same pipe.
 
 Messages (tuples, first item the kind). Driver to worker: ``("init", sys_path, device, slot,
 torch_threads, memory_pool)`` (first, once), ``("begin", payload)``, ``("submit", members,
-fused, cap, frozen)``, ``("neighbours", n)``, ``("interrupt",)``, ``("end",)``, ``("stop",)``,
-``("answer", call_id, ok, payload)``. Worker to driver: ``("warm", pid)``, ``("ready", pid)``
-(the run's study is open), ``("setup_error", error, fatal)`` (``fatal``: the worker exits),
-``("records", records, snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned
-the worker's context, so it exits and a new worker takes the slot), ``("ended",)`` (the run's
-host is shut down; the worker waits for the next run), ``("call", call_id, target, method,
-args)`` (target ``"storage"`` or ``"lease"``).
+fused, cap, frozen)``, ``("interrupt",)``, ``("end",)``, ``("stop",)``, ``("answer", call_id,
+ok, payload)``. Worker to driver: ``("warm", pid)``, ``("ready", pid)`` (the run's study is
+open), ``("setup_error", error, fatal)`` (``fatal``: the worker exits), ``("records", records,
+snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned the worker's context,
+so it exits and a new worker takes the slot), ``("ended",)`` (the run's host is shut down; the
+worker waits for the next run), ``("call", call_id, target, method, args)`` (target
+``"storage"``, ``"lease"`` or ``"neighbours"``: the other workers' running trials, asked when a
+trial ran out of memory), ``("post", target, method, args)`` (a storage write to a trial the
+worker runs, answered by nobody: the driver runs it in order; an error fails the trial when
+its record comes) and ``("batch", [pickled message, ...])`` (posted writes and the message that
+followed them, in order, read as one).
+
+A trivial trial (one ``suggest``, one ``set_user_attr``) so costs one message each way (the
+submit; its writes and record in one batch) and no round trip the trial waits on; in the
+worker one thread hand-off (the pipe's reader to the slot's thread, which sends the record).
 
 Messages are pickled with :mod:`pickle` (fast) and, when that fails (a lambda, a class defined
 by value), with cloudpickle; either is read by ``pickle.loads``.
@@ -40,12 +48,13 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from waterwave_hpo.workers._strays import end_stray_children
 
 _PR_SET_PDEATHSIG = 1
-_POLL_S = 0.1
+_FLUSH_S = 0.1
 _END_TIMEOUT_S = 5.0
 
 
@@ -60,7 +69,13 @@ def dumps(message: Any) -> bytes:
 
 
 class PipeLink:
-    """The worker's end of the pipe: thread-safe sends and calls answered by the driver.
+    """The worker's end of the pipe: thread-safe sends, posted writes, calls the driver answers.
+
+    Storage writes to the trials the worker runs are *posted* (:meth:`post`): pickled at once
+    (an unpicklable value raises at the objective's call) and sent with the next message,
+    before it, in one ``("batch", ...)`` message: a call, the trial's record, or the periodic
+    :meth:`flush`. So a trial that writes and returns sends the driver one message, and waits
+    for no answer.
 
     Args:
         conn: The worker's ``multiprocessing.connection.Connection``.
@@ -72,12 +87,36 @@ class PipeLink:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._lock = threading.Lock()
+        self._posted: list[bytes] = []  # pickled ("post", target, method, args), not sent yet
 
     def send(self, message: tuple[Any, ...]) -> None:
-        """Send one message."""
+        """Send one message (after the posted writes, in one batch when there are any)."""
         data = dumps(message)
         with self._send_lock:
+            if self._posted:
+                posted, self._posted = self._posted, []
+                data = dumps(("batch", [*posted, data]))
             self.conn.send_bytes(data)
+
+    def post(self, target: str, method: str, args: tuple[Any, ...]) -> None:
+        """Send ``method`` of the driver's ``target`` with ``args`` later; never waits.
+
+        The driver runs posted calls in order, before the next message that follows them.
+
+        Raises:
+            pickle.PicklingError: (or another pickling error) if ``args`` cannot be sent.
+        """
+        data = dumps(("post", target, method, args))
+        with self._send_lock:
+            self._posted.append(data)
+
+    def flush(self) -> None:
+        """Send the posted writes now, if any."""
+        with self._send_lock:
+            if not self._posted:
+                return
+            posted, self._posted = self._posted, []
+            self.conn.send_bytes(dumps(("batch", posted)))
 
     def call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
         """Call ``method`` of the driver's ``target`` with ``args``; ``(ok, result or error)``."""
@@ -104,6 +143,10 @@ class PipeLink:
         """The :data:`waterwave_hpo.relay.Transport` of the study's storage over this pipe."""
         return lambda method, args: self.call("storage", method, args)
 
+    def storage_post(self) -> Callable[[str, tuple[Any, ...]], None]:
+        """The :data:`waterwave_hpo.relay.Post` of the study's storage over this pipe."""
+        return lambda method, args: self.post("storage", method, args)
+
 
 class _Worker:
     """The worker's state: its device, its current run's :class:`HostRunner` (if any)."""
@@ -114,6 +157,8 @@ class _Worker:
         self.slot = slot
         self.runner: Any = None  # the current run's HostRunner; None between runs
         self.has_runner = threading.Condition()
+        self._ended: list[int] = []  # numbers of the running job's trials recorded so far
+        self._strays_run: Any = None  # the run those belong to
 
     # -- the requests' thread -----------------------------------------------------------------
 
@@ -140,9 +185,12 @@ class _Worker:
             storage_class = RelayedHeartbeatStorage if heartbeat else RelayedStorage
             # The driver tells each trial from the worker's record (defer_finish), so the
             # user's sampler and callbacks see every end in the driver's process, as with
-            # threads.
-            storage = storage_class(self.link.storage_transport(), defer_finish=True)
-            runner = HostRunner(spec, storage, device, slot_indices=[self.slot])
+            # threads. Writes to the worker's trials are posted: the trial waits for none.
+            storage = storage_class(
+                self.link.storage_transport(), defer_finish=True, post=self.link.storage_post()
+            )
+            runner = HostRunner(spec, storage, device, slot_indices=[self.slot], report=self.report)
+            runner.host.count_outside = self.outside_counter(device)
         except BaseException as error:  # the driver refuses the run with it
             self.link.send(("setup_error", _setup_error(error), False))
             return
@@ -182,43 +230,66 @@ class _Worker:
         if kind == "submit":
             _, members, fused, cap, frozen = message
             runner.submit(self.slot, members, fused, cap, frozen)
-        elif kind == "neighbours":
-            # On CUDA each trial runs in a lease of its own: other workers' trials cannot be
-            # why it ran out of memory, so they do not count (no futile re-run).
-            leased = self.device.startswith("cuda")
-            runner.host.outside_neighbours = 0 if leased else int(message[1])
         elif kind == "interrupt":
             runner.interrupt(self.slot)
 
+    def outside_counter(self, device: Any) -> Callable[[], int] | None:
+        """What the run's host asks, on OOM, for the trials beside it in other workers.
+
+        ``None`` on CUDA: each trial runs in a lease of its own, so other workers' trials
+        cannot be why it ran out of memory and do not count (no futile re-run).
+        """
+        return None if device.type == "cuda" else self.count_outside
+
+    def count_outside(self) -> int:
+        """How many other workers of the driver's host run a trial now (asked on OOM)."""
+        ok, payload = self.link.call("neighbours", "count", ())
+        return int(payload) if ok else 0
+
+    # -- the slot's thread --------------------------------------------------------------------
+
+    def report(self, records: list[Any], snapshot: Any) -> None:
+        """Send the records of ended attempts, from the slot's thread that ran them.
+
+        The trial's posted writes go first, in the same message. A trial whose CUDA error may
+        have poisoned the context retires the worker after its record is sent.
+        """
+        self._end_strays_if_idle(records)
+        retire = any(poisons_context(record.error) for record in records)
+        try:
+            self.link.send(("records", records, snapshot, retire))
+        except BaseException as error:  # the pipe broke: the driver is gone
+            print(f"waterwave-hpo worker {os.getpid()}: {error!r}", file=sys.stderr, flush=True)
+            os._exit(1)
+        if retire:  # the driver starts a new worker for the slot's next trial
+            os._exit(0)
+
+    def _end_strays_if_idle(self, records: list[Any]) -> None:
+        """End the child processes the slot's job left running, once every trial of it is recorded.
+
+        Runs before the records go (:func:`~waterwave_hpo.workers._strays.end_stray_children`):
+        the driver sends the next trial only after it has them, so none of those processes can
+        be the next trial's.
+        """
+        runner = self.runner
+        if runner is not self._strays_run:  # a new run: nothing of the last one is pending
+            self._ended, self._strays_run = [], runner
+        self._ended += [record.number for record in records]
+        if self._ended and runner is not None and runner.idle():
+            end_stray_children(self._ended)
+            self._ended = []
+
     # -- the main thread ----------------------------------------------------------------------
 
-    def report(self) -> None:
-        """Send the records of finished attempts, run after run. Never returns.
+    def keep_flushing(self) -> None:
+        """Send the posted writes of long trials every ``_FLUSH_S`` seconds. Never returns.
 
-        When the slot's job has ended (every trial of it recorded), the child processes it left
-        running are ended first (:func:`~waterwave_hpo.workers._strays.end_stray_children`):
-        the driver sends the next trial only after it has the record, so none of them can be
-        the next trial's.
+        A trial's writes otherwise go with its next call or its record: here they reach the
+        driver's storage (and whoever watches it) within ``_FLUSH_S`` seconds.
         """
-        ended: list[int] = []  # the numbers of the running job's trials recorded so far
-        last = None
         while True:
-            with self.has_runner:
-                while self.runner is None:
-                    self.has_runner.wait()
-                runner = self.runner
-            if runner is not last:  # a new run: nothing of the last one is pending
-                ended, last = [], runner
-            records, snapshot = runner.poll(_POLL_S)
-            ended += [record.number for record in records]
-            if ended and runner.idle():
-                end_stray_children(ended)
-                ended = []
-            retire = any(poisons_context(record.error) for record in records)
-            if records or snapshot.stop_requested:
-                self.link.send(("records", records, snapshot, retire))
-            if retire:  # the driver starts a new worker for the slot's next trial
-                os._exit(0)
+            time.sleep(_FLUSH_S)
+            self.link.flush()
 
 
 def worker_main(fd: int, parent: int) -> None:
@@ -250,7 +321,7 @@ def worker_main(fd: int, parent: int) -> None:
     threading.Thread(target=_read, args=(link, worker), daemon=True).start()
     link.send(("warm", os.getpid()))
     try:
-        worker.report()
+        worker.keep_flushing()
     except BaseException as error:  # the pipe broke: the driver is gone
         print(f"waterwave-hpo worker {os.getpid()}: {error!r}", file=sys.stderr, flush=True)
         os._exit(1)
