@@ -560,6 +560,7 @@ def test_neighbour_counts_are_sent_on_change_without_blocking_the_caller() -> No
     worker.dead = False
     worker._lock, worker._send_lock = threading.Lock(), threading.Lock()
     worker._neighbours, worker._neighbours_changed = None, threading.Event()
+    worker._neighbours_sent = None
     sender = threading.Thread(target=worker._send_neighbours, daemon=True)
     sender.start()
     with worker._send_lock:  # a send stuck on a worker that stopped reading its pipe

@@ -199,8 +199,14 @@ class _Worker:
                 runner = self.runner
             records, snapshot = runner.poll(_POLL_S)
             retire = any(poisons_context(record.error) for record in records)
-            if records or snapshot.stop_requested:
-                self.link.send(("records", records, snapshot, retire))
+            with self.has_runner:
+                # Only while the run is still bound (end() swaps it out under this lock and
+                # then says "ended"): a poll of a run that has ended since would reach the
+                # driver's next run, e.g. its study.stop() would stop the next study.
+                if self.runner is not runner:
+                    continue
+                if records or snapshot.stop_requested:
+                    self.link.send(("records", records, snapshot, retire))
             if retire:  # the driver starts a new worker for the slot's next trial
                 os._exit(0)
 
