@@ -12,6 +12,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+import threading
 import time
 import uuid
 
@@ -48,6 +49,13 @@ def _stop_at(number: int) -> Callable[[optuna.trial.Trial], float]:
         return float(trial.number)
 
     return objective
+
+
+class _SamplerReadingTheStudy(optuna.samplers.RandomSampler):
+    """Optuna's test_before_trial sampler: ``before_trial`` reads the study's trials."""
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        assert len(study.trials) - 1 == trial.number
 
 
 @pytest.fixture
@@ -131,3 +139,18 @@ def test_a_second_call_counts_the_other_workers_trials_as_neighbours(tmp_path: P
     )
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert trials[2].params == trials[1].params
+
+
+def test_a_sampler_reading_the_study_in_before_trial_runs_every_trial(
+    executor: ww.WaterwaveExecutor,
+) -> None:
+    # The worker makes each trial (the sampler's before_trial, its relative sampling) where
+    # the study's reads can be answered; the pipe's reader thread would wait for itself.
+    study = optuna.create_study(sampler=_SamplerReadingTheStudy())
+    run = threading.Thread(
+        target=executor.optimize, args=(study, _value), kwargs={"n_trials": 3}, daemon=True
+    )
+    run.start()
+    run.join(_WAIT_S)
+    assert not run.is_alive(), "optimize() hung"
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
