@@ -40,10 +40,9 @@ _PROCESS: dict[str, str] = {
 }
 _PROCESS.update(
     {
-        _STUDY + "test_optimize_progbar_n_trials_prioritized": (
-            "asserts 'Best trial: 0' on the bar for two trials of equal value; at K > 1 their "
-            "workers start in either order (seconds each) and trial 1 may end first, so it is "
-            "the best (seen at K=4, one of its two cases), as test_optimize_with_progbar"
+        "tests/trial_tests/test_trial.py::test_datetime_start": (
+            "the objective stores trial.datetime_start in a list of the test's; in a worker it "
+            "fills the worker's copy of that list, so the test's stays [None]"
         ),
         _STUDY + "test_optimize_with_gc": (
             "patches gc.collect in the test's process and counts its calls; with "
@@ -86,6 +85,15 @@ _CONCURRENT.update(
         ),
         _STUDY + "test_optimize_with_progbar": (
             "asserts 'Best trial: 0' on the bar; with concurrent trials another may be best"
+        ),
+        _STUDY + "test_optimize_with_progbar_timeout": (
+            "asserts 'Best trial: 0' on the bar for trials of equal value; concurrent trials "
+            "end in any order and the first to end is the best (seen under processes at K=4)"
+        ),
+        _STUDY + "test_optimize_progbar_n_trials_prioritized": (
+            "asserts 'Best trial: 0' on the bar for two trials of equal value; concurrent "
+            "trials end in any order and the first to end is the best (seen at K=4 under "
+            "threads on the loaded VM, and under processes)"
         ),
         "tests/pruners_tests/test_hyperband.py::test_hyperband_pruner_and_brute_force_sampler": (
             "asserts BruteForceSampler's exact 9 trials; concurrent trials are sampled before "

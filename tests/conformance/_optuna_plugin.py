@@ -3,8 +3,10 @@
 Loaded only in the inner pytest run that ``test_optuna_conformance.py`` starts (``-p
 _optuna_plugin``), never in this project's own test session. ``WATERWAVE_CONFORMANCE_K`` is the
 executor's ``trials_per_device``; ``WATERWAVE_CONFORMANCE_ISOLATION`` its ``isolation``
-(``threads`` by default, or ``process``); ``WATERWAVE_CONFORMANCE_REPORT`` is the JSON file the
-plugin writes at the end: every collected test's outcome and whether it reached ``optimize``.
+(``threads`` by default: an executor per call; or ``process``: one executor for the whole run,
+closed at its end, so its workers start once); ``WATERWAVE_CONFORMANCE_REPORT`` is the JSON file
+the plugin writes at the end: every collected test's outcome and whether it reached
+``optimize``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ _current_nodeid: str | None = None
 _reached: set[str] = set()
 _outcomes: dict[str, str] = {}
 _original_optimize = optuna.Study.optimize
+# Under isolation="process", one executor for the whole inner run, made at the first optimize:
+# its K warm workers start once and serve every Optuna test, one study after another, whatever
+# the previous test left behind (an objective that raised, a stop, an interrupt, a timeout,
+# another storage), as a user's notebook reuses one executor. With threads, an executor per call.
+_executor: ww.WaterwaveExecutor | None = None
+
+
+def _executor_for_this_call() -> ww.WaterwaveExecutor:
+    global _executor
+    if _ISOLATION != "process":
+        return ww.WaterwaveExecutor(devices="cpu", trials_per_device=_K, isolation=_ISOLATION)
+    if _executor is None:
+        _executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=_K, isolation=_ISOLATION)
+    return _executor
 
 
 def _optimize_through_executor(
@@ -44,8 +60,7 @@ def _optimize_through_executor(
     # n_jobs is Optuna's thread pool; the executor's trials_per_device takes its place.
     if _current_nodeid is not None:
         _reached.add(_current_nodeid)
-    executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=_K, isolation=_ISOLATION)
-    executor.optimize(
+    _executor_for_this_call().optimize(
         self,
         func,
         n_trials=n_trials,
@@ -62,7 +77,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    global _executor
     optuna.Study.optimize = _original_optimize  # type: ignore[method-assign]
+    if _executor is not None:
+        _executor.close()
+        _executor = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

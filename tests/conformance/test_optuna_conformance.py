@@ -5,7 +5,8 @@ Optuna's own test files (from the sdist of the installed Optuna version, fetched
 index with pip into a cache directory, the way a user gets them) in a separate pytest process with
 ``_optuna_plugin`` loaded, which routes every ``Study.optimize`` through
 ``WaterwaveExecutor(devices="cpu", trials_per_device=K)`` with ``isolation="threads"`` (every
-file) and ``isolation="process"`` (``PROCESS_TEST_FILES``), at K=1 and 4. Tests listed in
+file; an executor per call) and ``isolation="process"`` (``PROCESS_TEST_FILES``; one executor
+for the whole run, its warm workers reused by every test), at K=1 and 4. Tests listed in
 ``_expected_different.py`` assert Optuna's internals and may fail; every other test must pass.
 
 The sdist is cached in ``$WATERWAVE_CONFORMANCE_CACHE`` (default
@@ -53,11 +54,12 @@ PROCESS_TEST_FILES = tuple(
     )
 )
 """The files run under ``isolation="process"``: by default ``test_study.py``, where Optuna tests
-what ``optimize`` means (``test_optimize.py`` reaches no ``optimize`` in Optuna 5.0). Each test
-makes its own executor, whose K workers start in a second or more, so more files would outgrow
-CI's budget on a small machine; ``WATERWAVE_CONFORMANCE_PROCESS_FILES`` (comma-separated) runs
-more, e.g. ``tests/study_tests/test_multi_objective.py,tests/test_callbacks.py``, whose
-differences ``_expected_different.py`` lists too."""
+what ``optimize`` means (``test_optimize.py`` reaches no ``optimize`` in Optuna 5.0). One
+executor serves the whole inner run (its K workers start once), yet a file of Optuna's tests
+still takes minutes per K on the 2-core CI machine: more files would outgrow CI's budget.
+``WATERWAVE_CONFORMANCE_PROCESS_FILES`` (comma-separated) runs others instead, e.g.
+``tests/study_tests/test_study.py,tests/trial_tests``, whose differences
+``_expected_different.py`` lists as they were seen."""
 
 
 _HERE = Path(__file__).resolve().parent
@@ -178,12 +180,6 @@ def run_optuna_tests(
 def test_optuna_optimize_tests_pass_through_the_executor(
     isolation: str, k: int, tmp_path: Path
 ) -> None:
-    if isolation == "process" and os.environ.get("WATERWAVE_CONFORMANCE_PROCESS") != "1":
-        pytest.skip(
-            "isolation='process' conformance is opt-in (WATERWAVE_CONFORMANCE_PROCESS=1): each "
-            "of Optuna's tests makes an executor whose workers start anew, more than 10 minutes "
-            "per K on the 2-core CI machine"
-        )
     files = PROCESS_TEST_FILES if isolation == "process" else OPTUNA_TEST_FILES
     data = run_optuna_tests(k, tmp_path / "report.json", files, isolation=isolation)
     outcomes: dict[str, str] = data["outcomes"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Sequence
 import queue
+import threading
 from typing import Any
 
 import optuna
@@ -185,6 +186,8 @@ class WaterwaveExecutor:
     """How the trials of a device are kept apart (``isolation=``)."""
     _workers: Any = None
     """With ``isolation="process"``: the warm worker processes (``WorkerPools``), once started."""
+    _workers_lock = threading.Lock()
+    """Guards the start of ``_workers`` (two threads' first ``optimize`` calls start one set)."""
 
     def __init__(
         self,
@@ -310,10 +313,12 @@ class WaterwaveExecutor:
             from waterwave_hpo.workers import WorkerPools
             from waterwave_hpo.workers import process_hosts
 
-            if self._workers is None:
-                self._workers = WorkerPools()
+            with self._workers_lock:
+                if self._workers is None:
+                    self._workers = WorkerPools()
+                workers = self._workers
             return process_hosts(
-                self._workers,
+                workers,
                 self.devices,
                 self.trials_per_device,
                 settings,
@@ -347,7 +352,8 @@ class WaterwaveExecutor:
         executor is garbage-collected, and at the interpreter's exit. Nothing to do with
         threads.
         """
-        workers, self._workers = self._workers, None
+        with self._workers_lock:
+            workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
 

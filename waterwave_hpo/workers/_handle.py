@@ -85,7 +85,10 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
 
     Raises:
         RuntimeError: If no worker could start the run (each died, or could not load the
-            objective): the first worker's error, before any trial is asked.
+            objective): the first worker's error, before any trial is asked; or if this
+            thread's own run holds the pool's workers already (:meth:`WorkerPool.take`).
+
+    Another ``optimize`` call holding the pool's workers (another thread) is waited for.
     """
 
     def __init__(
@@ -106,7 +109,12 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         self.slots = [WorkerSlot(self, index) for index in range(pool.n_workers)]
         self.active = True
         self._shut_down = False
-        pool.wait_warm()
+        pool.take()  # given back by shutdown()
+        try:
+            pool.wait_warm()
+        except BaseException:
+            self.shutdown(EXIT_WAIT_S)
+            raise
         workers = [pool.worker(index) for index in range(pool.n_workers)]
         for worker in workers:
             worker.attach(self)
@@ -170,16 +178,19 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
             return
         self._shut_down = True
         self.active = False
-        workers = [w for w in self.pool.workers if w.host is self]
-        for worker in workers:
-            worker.detach()
-        deadline = time.monotonic() + timeout_s
-        for worker in workers:
-            if not worker.ended_run.wait(max(0.0, deadline - time.monotonic())):
-                worker.kill()
-        for worker in workers:
-            if worker.host is self:
-                worker.host = None
+        try:
+            workers = [w for w in self.pool.workers if w.host is self]
+            for worker in workers:
+                worker.detach()
+            deadline = time.monotonic() + timeout_s
+            for worker in workers:
+                if not worker.ended_run.wait(max(0.0, deadline - time.monotonic())):
+                    worker.kill()
+            for worker in workers:
+                if worker.host is self:
+                    worker.host = None
+        finally:
+            self.pool.give_back()  # the next optimize call may take the workers
 
     # -- the pipes' threads ---------------------------------------------------------------
 

@@ -7,9 +7,11 @@ device's context and the stream-aware pool. Each ``optimize`` call then binds th
 :class:`~waterwave_hpo.workers._handle.ProcessHostHandle` (a ``begin`` message: the run's
 pickled objective and settings; the worker opens the study through the relay) and unbinds them
 when it ends (``end``); the processes stay, so the next call, of the same study or another,
-starts its first trial at once. A worker that dies is replaced at once, ahead of the slot's
-next trial. :class:`WorkerPools` (one per executor) ends them all on ``close()``, when the
-executor is garbage-collected, or at interpreter exit.
+starts its first trial at once. One call holds them at a time (:meth:`WorkerPool.take`): a
+call from a second thread waits for the first to end; nothing of a run (its ``study.stop()``)
+reaches the next. A worker that dies is replaced at once, ahead of the slot's next trial.
+:class:`WorkerPools` (one per executor) ends them all on ``close()``, when the executor is
+garbage-collected, or at interpreter exit.
 
 The driver's side of one worker is a :class:`WorkerProcess`: the process, and a thread that
 serves its pipe (the study's storage calls, through the bound run's
@@ -424,7 +426,43 @@ class WorkerPool:
         self.torch_threads = torch.get_num_threads()
         self.closed = False
         self._lock = threading.Lock()
+        # One run at a time: a run binds every worker of the pool (attach), so a second
+        # optimize call of the same executor (another thread) waits for the first to end.
+        self._run_lock = threading.Lock()
+        self._run_thread: int | None = None  # the thread whose run holds the workers
         self.workers: list[WorkerProcess] = [WorkerProcess(self, i) for i in range(n_workers)]
+
+    def take(self) -> None:
+        """Hold the workers for one run; wait while another ``optimize`` call holds them.
+
+        Every run binds all of the device's workers (:meth:`WorkerProcess.attach`): two
+        ``optimize`` calls of one executor from two threads run one after the other, each
+        with every slot, as the first call started them.
+
+        Raises:
+            RuntimeError: If this thread's own run holds them (``optimize`` called again from
+                a callback of the running ``optimize``): it would wait for itself.
+        """
+        me = threading.get_ident()
+        if not self._run_lock.acquire(blocking=False):
+            if self._run_thread == me:
+                raise RuntimeError(
+                    f"optimize() of this executor (isolation='process') was called again while "
+                    f"its run in the same thread holds the worker processes of {self.device} "
+                    "(from a callback?); use a second WaterwaveExecutor for the inner run"
+                )
+            _logger.info(
+                "The worker processes of %s run another optimize() call of this executor; "
+                "this call waits for it to end.",
+                self.device,
+            )
+            self._run_lock.acquire()
+        self._run_thread = me
+
+    def give_back(self) -> None:
+        """Let the next run take the workers (its :meth:`take` returns)."""
+        self._run_thread = None
+        self._run_lock.release()
 
     def wait_warm(self) -> None:
         """Wait until every worker has warmed up or died (one killed meanwhile starts again).
@@ -500,6 +538,7 @@ class WorkerPools:
 
     def __init__(self) -> None:
         self.pools: dict[str, WorkerPool] = {}
+        self._lock = threading.Lock()  # two threads' first calls start one pool per device
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="waterwave-launcher")
         self._finalizer = weakref.finalize(self, _close_pools, self.pools, self._launcher)
 
@@ -512,8 +551,10 @@ class WorkerPools:
     ) -> WorkerPool:
         """``device``'s pool, started (in parallel with the other devices') on first use."""
         key = str(device)
-        pool = self.pools.get(key)
-        if pool is None:
+        with self._lock:
+            pool = self.pools.get(key)
+            if pool is not None:
+                return pool
             leases = LeaseServer(device, n_workers, budget_bytes)
             env: dict[str, str] = {}
             if device.type == "cuda":
@@ -527,7 +568,7 @@ class WorkerPools:
             # The pools must not hold this object (its finalizer holds them).
             launch = functools.partial(_launch, self._launcher, env)
             pool = self.pools[key] = WorkerPool(device, n_workers, leases, memory_pool, launch)
-        return pool
+            return pool
 
     def close(self) -> None:
         """Stop every worker process. Idempotent."""

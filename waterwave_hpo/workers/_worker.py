@@ -423,11 +423,10 @@ def _read(link: PipeLink, worker: _Worker) -> None:
                 link.answered(*message[1:])
             elif kind == "stop":
                 break
-            elif kind == "submit" and requests.empty() and worker.runner is not None:
-                # The trials come with their copies (no storage call): started from here, a
-                # thread hand-off less per trial; behind a begin or an end, in order.
-                worker.handle(message)
             else:
+                # Never run here, not even a submit: making its trials runs the sampler's
+                # before_trial and relative sampling, which may read the study through this
+                # pipe, and only this thread takes the answers (it would wait for itself).
                 requests.put(message)
     except (EOFError, OSError):
         pass  # the driver closed the pipe or died
