@@ -19,8 +19,8 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
+from _barrier import arrive as _arrive
 import optuna
 from optuna.trial import TrialState
 import psutil
@@ -59,16 +59,6 @@ def _close_executors() -> Iterator[None]:
 
 def _states(study: optuna.Study) -> list[TrialState]:
     return [t.state for t in study.get_trials(deepcopy=False)]
-
-
-def _arrive(directory: Path, name: str, n: int) -> None:
-    """A barrier across processes: wait until ``n`` callers arrived at ``name``."""
-    (directory / f"{name}.{uuid.uuid4().hex}").touch()
-    deadline = time.monotonic() + _WAIT_S
-    while len(list(directory.glob(f"{name}.*"))) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name}: fewer than {n} arrived")
-        time.sleep(0.01)
 
 
 def _workers() -> list[psutil.Process]:

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import threading
 import time
-import uuid
 
+from _barrier import arrive as _arrive
 import optuna
 from optuna.trial import TrialState
 import pytest
@@ -26,16 +26,6 @@ import waterwave_hpo as ww
 pytestmark = pytest.mark.filterwarnings("ignore::waterwave_hpo.ExperimentalWarning")
 
 _WAIT_S = 120.0
-
-
-def _arrive(directory: Path, name: str, n: int) -> None:
-    """A barrier across processes: wait until ``n`` callers arrived at ``name``."""
-    (directory / f"{name}.{uuid.uuid4().hex}").touch()
-    deadline = time.monotonic() + _WAIT_S
-    while len(list(directory.glob(f"{name}.*"))) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name}: fewer than {n} arrived")
-        time.sleep(0.01)
 
 
 def _value(trial: optuna.trial.Trial) -> float:
