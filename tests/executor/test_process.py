@@ -116,6 +116,7 @@ def test_trials_run_in_worker_processes_with_optuna_semantics(
     assert {name for _, name in seen} == {threading.current_thread().name}
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_a_crashed_worker_fails_its_trial_alone_with_the_signal_or_exit_code() -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         x = trial.suggest_float("x", 0.0, 1.0)
@@ -173,6 +174,7 @@ def test_isolation_is_checked_with_the_argument_named() -> None:
     assert ww.WaterwaveExecutor("cpu").isolation is ww.executor.Isolation.THREADS
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_caught_and_uncaught_exceptions_end_as_with_threads(tmp_path: Path) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         if trial.number == 1:
@@ -226,6 +228,7 @@ def test_fused_batches_run_in_one_worker_each() -> None:
     assert all(value != float(os.getpid()) for value in values)
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_out_of_memory_beside_another_worker_is_retried(tmp_path: Path) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         x = trial.suggest_float("x", 0, 1)
@@ -251,6 +254,7 @@ def test_out_of_memory_beside_another_worker_is_retried(tmp_path: Path) -> None:
     assert trials[2].system_attrs["waterwave:retry_of"] == 0
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_ctrl_c_fails_every_running_trial_and_ends_the_workers(tmp_path: Path) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         (tmp_path / f"inside.{trial.number}").touch()
@@ -313,13 +317,14 @@ def _sigkill_workers(n_kills: int, n_trials: int, seed: int, tmp_path: Path) -> 
     assert len(trials) - len(failed) > 0
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_sigkill_of_workers_mid_trial_loses_nothing(tmp_path: Path) -> None:
     _sigkill_workers(n_kills=3, n_trials=12, seed=0, tmp_path=tmp_path)
 
 
 @pytest.mark.slow
 def test_many_sigkills_of_workers_at_random_moments_lose_nothing(tmp_path: Path) -> None:
-    _sigkill_workers(n_kills=25, n_trials=60, seed=1, tmp_path=tmp_path)
+    _sigkill_workers(n_kills=15, n_trials=36, seed=1, tmp_path=tmp_path)
 
 
 _DRIVER = """
@@ -334,6 +339,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_workers_exit_when_their_driver_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
@@ -486,6 +492,7 @@ def test_an_objective_may_start_dataloader_workers() -> None:
     assert trial.value == float(torch.arange(64.0).sum())
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_a_dead_worker_ends_its_trial_while_a_process_it_started_lives_on(
     tmp_path: Path,
 ) -> None:
@@ -515,6 +522,7 @@ def test_a_dead_worker_ends_its_trial_while_a_process_it_started_lives_on(
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_a_message_the_driver_cannot_read_fails_the_trial_with_that_reason() -> None:
     def rebuild(pid: int) -> Exception:
         if os.getpid() != pid:

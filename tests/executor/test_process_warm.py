@@ -67,6 +67,7 @@ def test_two_studies_run_on_the_same_warm_workers_and_close_ends_them(
     executor.close()  # idempotent
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_a_crashed_worker_is_replaced_ahead_of_the_next_call(
     executor: ww.WaterwaveExecutor,
 ) -> None:
@@ -100,6 +101,7 @@ print("states", sorted({{t.state.name for t in study.trials}}), len(study.trials
 """
 
 
+@pytest.mark.slow  # over 10 s on the 2-core CI machine
 def test_a_script_without_the_main_guard_runs_its_trials(tmp_path: Path) -> None:
     script = tmp_path / "quick_start.py"
     script.write_text(_QUICK_START.format(db=tmp_path / "study.db"))
