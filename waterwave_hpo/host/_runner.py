@@ -272,7 +272,8 @@ class HostRunner:
     ) -> None:
         """Run the study's trials (asked by the driver) in slot ``slot``, as one job.
 
-        The job goes the executor's one run path (``host/_attempt.py``), as on one machine.
+        The job goes the executor's one run path (``host/_attempt.py``), as on one machine, in
+        the slot's own thread.
 
         Args:
             slot: The slot's index.
@@ -284,6 +285,40 @@ class HostRunner:
 
         Precondition: the driver only submits to a slot whose previous job it has seen end.
         """
+        job = self._job(members, fused, plan_cap_bytes, frozen)
+        with self._lock:
+            self._pending[id(job)] = len(job.members())
+            self.host.submit(self._slots[slot], job)
+
+    def run_here(
+        self,
+        slot: int,
+        members: list[tuple[int, int, int | None]],
+        fused: bool = False,
+        plan_cap_bytes: int | None = None,
+        frozen: list[optuna.trial.FrozenTrial] | None = None,
+    ) -> None:
+        """As :meth:`submit`, but run the job in the calling thread; return when it has ended.
+
+        For a transport whose thread that takes the driver's requests is free to run the trial
+        (a worker process's one slot): no hand-off to a slot thread. Every job of ``slot``
+        must come from the same thread. The records are reported (``report``) before it
+        returns.
+        """
+        job = self._job(members, fused, plan_cap_bytes, frozen)
+        seat = self._slots[slot]
+        with self._lock:
+            self._pending[id(job)] = len(job.members())
+        self.host.run_here(seat, job)
+
+    def _job(
+        self,
+        members: list[tuple[int, int, int | None]],
+        fused: bool,
+        plan_cap_bytes: int | None,
+        frozen: list[optuna.trial.FrozenTrial] | None,
+    ) -> TrialJob:
+        """The job of ``members``: their trials built on this host's study."""
         planning = (
             None
             if self._memory_plan.mode is MemoryPlanMode.OFF
@@ -299,14 +334,9 @@ class HostRunner:
             for trial_id, attempt, retry_of in members
         ]
         first = jobs[0]
-        job = (
-            TrialJob(first.trial, first.attempt, first.retry_of, planning, batch=tuple(jobs))
-            if fused
-            else first
-        )
-        with self._lock:
-            self._pending[id(job)] = len(jobs)
-            self.host.submit(self._slots[slot], job)
+        if not fused:
+            return first
+        return TrialJob(first.trial, first.attempt, first.retry_of, planning, batch=tuple(jobs))
 
     def poll(self, timeout_s: float) -> tuple[list[TrialRecord], HostSnapshot]:
         """Wait up to ``timeout_s`` seconds for trial attempts to end; return how they ended."""
