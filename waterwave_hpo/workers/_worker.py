@@ -142,7 +142,10 @@ class PipeLink:
 
     def next_request(self) -> tuple[Any, ...]:
         """The driver's next request (a ``begin``, a ``submit``, an ``end``), in order."""
-        return self._take(lambda: self._requests.popleft() if self._requests else None)
+        request: tuple[Any, ...] = self._take(
+            lambda: self._requests.popleft() if self._requests else None
+        )
+        return request
 
     def _take(self, mine: Callable[[], Any]) -> Any:
         """Wait for what ``mine`` returns (not ``None``), reading the pipe while no one else is."""
