@@ -6,7 +6,9 @@ prints, per trial, the messages that crossed the pipes by kind (both ways; the p
 inside a batch count as ``from:post``), the messages as sent (``sent``, ``received``: a batch
 once) and the calls the worker waited on (``from:call``), from the driver's counters
 (``WorkerProcess.counts``); then the CPU seconds per trial of the driver and of the workers
-(``/proc``), beside the threads' (one process) for the same trials. Run:
+(``/proc``), beside the threads' (one process) for the same trials; and the sampler's reseeds
+per trial in the driver and in the workers (``RandomSampler.reseed_rng``: 0.1-0.4 ms each
+with NumPy's ``RandomState``). Run:
 ``python experiments/process_dispatch_counts.py --out DIR`` (writes ``counts.json``).
 """
 
@@ -37,8 +39,34 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class CountingSampler(optuna.samplers.RandomSampler):
+    """``RandomSampler`` counting its ``reseed_rng`` calls, per process (a class attribute)."""
+
+    reseeds = 0
+
+    def reseed_rng(self) -> None:
+        type(self).reseeds += 1
+        super().reseed_rng()
+
+
+def counted(trial: optuna.trial.Trial) -> float:
+    """The trivial trial, recording its process and the reseeds its sampler has seen there."""
+    trial.set_user_attr("t", (os.getpid(), type(trial.study.sampler).reseeds))
+    x = trial.suggest_float("x", -1.0, 1.0)
+    return x * x
+
+
 def _study() -> optuna.Study:
-    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    return optuna.create_study(sampler=CountingSampler(seed=0))
+
+
+def _worker_reseeds(study: optuna.Study) -> int:
+    """Reseeds in the workers during ``study``'s run, on new workers: each one's last count."""
+    seen: dict[int, list[int]] = {}
+    for trial in study.get_trials(deepcopy=False):
+        pid, count = trial.user_attrs["t"]
+        seen.setdefault(pid, []).append(count)
+    return sum(max(counts) for counts in seen.values())
 
 
 def main() -> None:
@@ -64,6 +92,15 @@ def main() -> None:
         counts: Counter[str] = Counter()
         for worker in workers:
             counts.update(worker.counts)
+    # Reseeds: a run of its own on new workers (each process counts from 0), its objective
+    # recording its process and that process's count.
+    CountingSampler.reseeds = 0
+    reseeded = _study()
+    n_counted = args.k * 10
+    with ww.WaterwaveExecutor("cpu", args.k, isolation="process") as executor:
+        executor.optimize(reseeded, counted, n_trials=n_counted)
+    driver_reseeds = CountingSampler.reseeds
+    worker_reseeds = _worker_reseeds(reseeded)
     threads = ww.WaterwaveExecutor("cpu", args.k)
     cpu_start = _cpu_s(me)
     start = time.time()
@@ -80,6 +117,10 @@ def main() -> None:
             "threads": 1e6 * (_cpu_s(me) - cpu_start) / n,
         },
         "trials_per_s": {"process": n / process_s, "threads": n / threads_s},
+        "reseeds_per_trial": {
+            "process_driver": driver_reseeds / n_counted,
+            "process_workers": worker_reseeds / n_counted,
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "counts.json").write_text(json.dumps(result, indent=2))

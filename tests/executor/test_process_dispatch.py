@@ -80,7 +80,9 @@ def test_a_trivial_trial_costs_one_message_each_way_and_no_round_trip() -> None:
     assert counts["from:call"] <= per_run  # no round trip per trial (three writes each)
     assert counts["from:post"] == 3 * n_trials  # parameter, user attribute, report
     assert counts["to:submit"] == n_trials
-    assert counts["received"] <= n_trials + per_run  # writes and record in one message
+    # Writes and record in one message; the worker's flush every 0.1 s may land mid-trial on
+    # a busy machine and send that trial's writes on their own.
+    assert counts["received"] - counts["from:flush"] <= n_trials + per_run
     assert counts["sent"] <= n_trials + per_run  # the submit; no neighbour counts
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import waterwave_hpo as ww
+from waterwave_hpo.host import ATTR_SLOT
 from waterwave_hpo.host import RemoteTraceback
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -145,17 +146,73 @@ def _reseeds_seen(trial: optuna.trial.Trial) -> float:
     return trial.suggest_float("x", 0.0, 1.0)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_workers_reseed_their_sampler_as_the_threads_do(k: int) -> None:
+def test_workers_reseed_their_sampler_once_per_run_when_trials_run_at_once() -> None:
+    # Each worker unpickles the same sampler: it reseeds its copy once as it opens a run (a
+    # reseed costs more than the rest of a trivial trial's sampling), never per trial.
+    with ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation="process") as executor:
+        for run in (1, 2):
+            study = optuna.create_study(sampler=_CountingSampler(seed=0))
+            executor.optimize(study, _reseeds_seen, n_trials=6)
+            trials = study.get_trials(deepcopy=False)
+            # The count lives in each worker process: one more per run, whatever it ran.
+            assert [t.user_attrs["reseeds"] for t in trials] == [run] * 6
+            assert len({t.params["x"] for t in trials}) == 6
+
+
+class _DriverCountingSampler(optuna.samplers.RandomSampler):
+    """Counts ``reseed_rng`` calls on this instance (the driver's; a worker counts its copy)."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.driver_reseeds = 0
+
+    def reseed_rng(self) -> None:
+        self.driver_reseeds += 1
+        super().reseed_rng()
+
+
+def test_the_driver_reseeds_its_sampler_once_per_run_when_workers_sample() -> None:
+    # The trials sample in the workers (each reseeds its copy once per run); the driver's
+    # sampler only sees before_trial and after_trial: one reseed per optimize call, as
+    # Study.optimize(n_trials=1, n_jobs=2) makes one (Optuna's test_optimize_with_reseeding).
+    sampler = _DriverCountingSampler()
+    study = optuna.create_study(sampler=sampler)
+    with ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation="process") as executor:
+        executor.optimize(study, _one_objective, n_trials=6)
+        assert sampler.driver_reseeds == 1
+        executor.optimize(study, _one_objective, n_trials=1)
+    assert sampler.driver_reseeds == 2
+    assert len({t.params["x"] for t in study.get_trials(deepcopy=False)}) == 7
+
+
+def test_one_worker_never_reseeds_its_sampler() -> None:
+    # One trial at a time: never reseeded (Study.optimize with n_jobs=1).
     study = optuna.create_study(sampler=_CountingSampler(seed=0))
-    _optimize(k, study, _reseeds_seen, n_trials=4)
-    counts = [t.user_attrs["reseeds"] for t in study.get_trials(deepcopy=False)]
-    if k == 1:  # one trial at a time: never reseeded (Study.optimize with n_jobs=1)
-        assert counts == [0, 0, 0, 0]
-    else:  # trials at once: before each trial of each worker (n_jobs > 1)
-        assert all(count >= 1 for count in counts)
-        assert sum(counts) >= 4  # each worker's counts grow by one per trial it ran
-        assert len({t.params["x"] for t in study.get_trials(deepcopy=False)}) == 4
+    _optimize(1, study, _reseeds_seen, n_trials=4)
+    assert [t.user_attrs["reseeds"] for t in study.get_trials(deepcopy=False)] == [0] * 4
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda: optuna.samplers.RandomSampler(seed=0),
+        lambda: optuna.samplers.TPESampler(seed=0, n_startup_trials=4),
+    ],
+    ids=["random", "tpe"],
+)
+def test_seeded_samplers_draw_distinct_parameters_in_each_worker(
+    sampler: Callable[[], optuna.samplers.BaseSampler],
+) -> None:
+    # Without a reseed, K workers holding the same pickled sampler draw the same values.
+    study = optuna.create_study(sampler=sampler())
+    with ww.WaterwaveExecutor(
+        devices="cpu", trials_per_device=3, isolation="process", record_trial_attrs=True
+    ) as executor:
+        executor.optimize(study, _one_objective, n_trials=12)
+    values = [t.params["x"] for t in study.get_trials(deepcopy=False)]
+    slots = {t.system_attrs[ATTR_SLOT] for t in study.get_trials(deepcopy=False)}
+    assert len(slots) > 1  # trials ran in more than one worker
+    assert len(set(values)) == 12
 
 
 def _missing_key(trial: optuna.trial.Trial) -> float:

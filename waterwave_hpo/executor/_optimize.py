@@ -110,6 +110,9 @@ class OptimizeRun:
         # -> the numbers of its trials whose outcome has not been handled yet.
         self.batch_pending: dict[int, set[int]] = {}
         self.asked_numbers: set[int] = set()  # every trial this run asked for
+        # Reseed the driver's sampler before every ask (its trials sample here), or only
+        # before the first (every host samples with a copy of its own: worker processes).
+        self.reseed_each_ask = any(getattr(host, "samples_in_driver", True) for host in self.hosts)
         self.told_numbers: set[int] = set()  # those whose end the storage recorded
         # The storage's error when it refused to record a trial's end (the trial stays RUNNING):
         # no new trial is asked for after it, and optimize raises a StorageWriteError.
@@ -239,9 +242,12 @@ class OptimizeRun:
 
         The trial stays in ``self.asked`` until the caller hands it to a slot. With several
         trials at once (more than one slot, or fused batches), the sampler's RNG is reseeded
-        before each ask, as ``Study.optimize`` does for each trial of ``n_jobs != 1``.
+        before each ask, as ``Study.optimize`` does for each trial of ``n_jobs != 1``; once,
+        before the run's first ask, when every host samples in a process of its own (worker
+        processes: each reseeds its copy as it opens the run, and this process's sampler only
+        sees ``before_trial`` and ``after_trial``).
         """
-        if self._concurrent():
+        if self._concurrent() and (self.reseed_each_ask or not self.asked_numbers):
             self.study.sampler.reseed_rng()
         trial = self.study.ask()
         self.asked.append(trial)  # (failed by _abort if the heartbeat cannot be written)

@@ -166,6 +166,22 @@ class DeviceHost(SlotTable["_Slot"]):
         slot.start()
         slot.inbox.put(job)
 
+    def run_here(self, slot: _Slot, job: TrialJob) -> None:
+        """Run ``job`` in ``slot`` in the calling thread, which then is the slot's thread.
+
+        For a host whose caller waits for each job anyway: a worker process of process
+        isolation runs its one slot's trials in the thread that reads its pipe, with no
+        hand-off to a slot thread. The outcomes go to the outcome queue as from a slot thread,
+        before this returns. The caller must be the same thread for every job of the slot
+        (its CUDA stream is acquired in it once, and released by :meth:`shutdown`).
+        """
+        assert slot.job is None, "run_here() in a busy slot"
+        assert slot.thread is None, "run_here() in a slot that has a thread of its own"
+        for i, member in enumerate(job.members()):
+            self.memory.trial_admitted(member.trial, scheduled=i == 0)
+        slot.job = job
+        slot.run_here(job)
+
     def running_jobs(self) -> list[tuple[_Slot, TrialJob]]:
         """The (slot, job) pairs running now."""
         return [(slot, slot.job) for slot in self.slots if slot.job is not None]
@@ -179,6 +195,7 @@ class DeviceHost(SlotTable["_Slot"]):
         for slot in self.slots:
             if slot.thread is not None:
                 slot.thread.join(timeout=max(0.0, deadline))
+            slot.release_caller_stream()
 
 
 class _Slot:
@@ -191,6 +208,12 @@ class _Slot:
         self.thread: threading.Thread | None = None
         self.job: TrialJob | None = None  # owned by the executor's thread
         self.busy = False  # owned by the slot's thread: inside an objective now
+        self.ident: int | None = None  # the thread running its jobs (its own, or run_here's)
+        # run_here's: the caller's stream, made on its first job (None: not on CUDA), or
+        # the error that kept it from being made.
+        self._caller_stream: torch.cuda.Stream | None = None
+        self._caller_setup: BaseException | None = None
+        self._caller_ready = False
 
     def start(self) -> None:
         if self.thread is None:
@@ -207,9 +230,10 @@ class _Slot:
         The exception arrives at the thread's next Python bytecode; a long native call (a CUDA
         kernel launch, a big matmul on the CPU) finishes first.
         """
-        if self.thread is not None and self.thread.ident is not None and self.busy:
+        ident = self.ident
+        if ident is not None and self.busy:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread.ident), ctypes.py_object(TrialInterrupted)
+                ctypes.c_ulong(ident), ctypes.py_object(TrialInterrupted)
             )
 
     def neighbours(self) -> int:
@@ -243,45 +267,72 @@ class _Slot:
         self.busy = False
         return neighbours
 
-    def _loop(self) -> None:
+    def run_here(self, job: TrialJob) -> None:
+        """Run ``job`` in the calling thread (see :meth:`DeviceHost.run_here`)."""
+        self.ident = threading.get_ident()
+        if not self._caller_ready:
+            self._caller_ready = True
+            try:
+                self._caller_stream = self._stream()
+            except BaseException as error:  # every job fails with it, as a slot thread's first
+                self._caller_setup = error
+        self._run(job, self._caller_stream, self._caller_setup)
+
+    def release_caller_stream(self) -> None:
+        """Give back the stream :meth:`run_here` acquired, if any (the host shuts down)."""
+        stream, self._caller_stream = self._caller_stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                _streams.release_stream(stream)
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's device set and its own stream on it (``None`` off CUDA)."""
         device = self.host.device
+        if device.type != "cuda":
+            return None
+        torch.cuda.set_device(device)
+        return _streams.acquire_stream(device)
+
+    def _run(
+        self, job: TrialJob, stream: torch.cuda.Stream | None, setup_error: BaseException | None
+    ) -> None:
+        """Run ``job`` in this thread; put each member's outcome on the outcome queue."""
+        settings = self.host.settings
+        if setup_error is not None:
+            outcomes = [
+                fail_without_running(settings, member, setup_error) for member in job.members()
+            ]
+        else:
+            try:
+                outcomes = run_job(self, job, stream)
+            except TrialInterrupted as interrupted:  # inside the executor's own calls
+                release_interrupted(interrupted)
+                with contextlib.suppress(Exception):
+                    _optuna_compat.release_thread_session(settings.study)
+                outcomes = [
+                    TrialOutcome(member, OutcomeKind.INTERRUPTED, None) for member in job.members()
+                ]
+            except BaseException as error:  # the study's storage failed, not the trial
+                outcomes = [
+                    fail_without_running(settings, member, error) for member in job.members()
+                ]
+        for outcome in outcomes:
+            settings.outcomes.put(outcome)
+
+    def _loop(self) -> None:
+        self.ident = threading.get_ident()
         stream: torch.cuda.Stream | None = None
         setup_error: BaseException | None = None
-        if device.type == "cuda":
-            try:
-                torch.cuda.set_device(device)
-                stream = _streams.acquire_stream(device)
-            except BaseException as error:  # reported with the first job, then the slot exits
-                setup_error = error
+        try:
+            stream = self._stream()
+        except BaseException as error:  # reported with the first job, then the slot exits
+            setup_error = error
         try:
             while True:
                 job = self.inbox.get()
                 if job is None:
                     return
-                settings = self.host.settings
-                if setup_error is not None:
-                    outcomes = [
-                        fail_without_running(settings, member, setup_error)
-                        for member in job.members()
-                    ]
-                else:
-                    try:
-                        outcomes = run_job(self, job, stream)
-                    except TrialInterrupted as interrupted:  # inside the executor's own calls
-                        release_interrupted(interrupted)
-                        with contextlib.suppress(Exception):
-                            _optuna_compat.release_thread_session(settings.study)
-                        outcomes = [
-                            TrialOutcome(member, OutcomeKind.INTERRUPTED, None)
-                            for member in job.members()
-                        ]
-                    except BaseException as error:  # the study's storage failed, not the trial
-                        outcomes = [
-                            fail_without_running(settings, member, error)
-                            for member in job.members()
-                        ]
-                for outcome in outcomes:
-                    settings.outcomes.put(outcome)
+                self._run(job, stream, setup_error)
                 if setup_error is not None:
                     return
         finally:

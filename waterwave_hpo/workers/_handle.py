@@ -91,6 +91,10 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
     Another ``optimize`` call holding the pool's workers (another thread) is waited for.
     """
 
+    samples_in_driver = False
+    """Its trials sample with the worker's copy of the sampler (reseeded once per run there):
+    the run loop reseeds the driver's sampler once per run, not before every ask."""
+
     def __init__(
         self,
         pool: WorkerPool,

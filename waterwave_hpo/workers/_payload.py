@@ -171,8 +171,9 @@ def process_hosts(
     its later ones; each host binds them to this call's study and objective.
 
     With ``reseed_sampler_rng`` (trials may run at once: ``HostSpec.reseed_sampler_rng``) each
-    worker reseeds its copy of the sampler before each trial; without it, one worker runs every
-    trial with the driver's sampler as pickled, so a seeded sampler draws Optuna's sequence.
+    worker reseeds its copy of the sampler once, as it opens the run (distinct draws across
+    workers); without it, one worker runs every trial with the driver's sampler as pickled, so
+    a seeded sampler draws Optuna's sequence.
 
     Raises:
         TypeError: If the objective, the sampler, the pruner or ``catch`` cannot be pickled.

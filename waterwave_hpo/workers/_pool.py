@@ -13,11 +13,13 @@ reaches the next. A worker that dies is replaced at once, ahead of the slot's ne
 :class:`WorkerPools` (one per executor) ends them all on ``close()``, when the executor is
 garbage-collected, or at interpreter exit.
 
-The driver's side of one worker is a :class:`WorkerProcess`: the process, and a thread that
-serves its pipe (the study's storage calls, through the bound run's
-:class:`~waterwave_hpo.relay.StorageService`; memory-lease calls, through the device's
+The driver's side of one worker is a :class:`WorkerProcess`: the process and its pipe. One
+thread per pool, its :class:`PipeServer`, serves every worker's pipe from one selector (the
+study's storage calls, through the bound run's :class:`~waterwave_hpo.relay.StorageService`;
+memory-lease calls, through the device's
 :class:`~waterwave_hpo.workers._lease_service.LeaseServer`; the records of finished attempts,
-told to the study by the bound run).
+told to the study by the bound run) and notices each worker's death: one thread waking for
+whichever worker wrote, instead of a thread per worker each taking the GIL in turn.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ import multiprocessing.connection
 import os
 from pathlib import Path
 import pickle
+import select
+import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -56,7 +61,8 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger("waterwave_hpo")
 EXIT_WAIT_S = 5.0  # how long a worker whose pipe closed may take to be reaped
-_DEATH_POLL_S = 1.0  # without a pidfd: how often a pipe thread checks that its worker lives
+_DEATH_POLL_S = 1.0  # without a pidfd: how often the pipe server checks that workers live
+_READ_BYTES = 1 << 16  # read at once from a worker's pipe (whole messages are dispatched)
 _STOP_WAIT_S = 5.0
 _START_TRIES = 100  # a worker killed (SIGKILL) while it warms up is started again
 # The package's parent directory: the worker imports waterwave_hpo from there before it learns
@@ -124,7 +130,7 @@ def _pidfd(pid: int | None) -> int | None:
 
 
 class WorkerProcess:
-    """One worker process and the driver thread that serves its pipe.
+    """One worker process and its pipe (served by its pool's :class:`PipeServer`).
 
     Its life: started (:meth:`__init__` returns at once), warm (``warm``), bound to one run at a
     time (:meth:`attach` ... :meth:`detach`), stopped by its pool or dead. Only the run loop's
@@ -159,10 +165,18 @@ class WorkerProcess:
         self.counts: collections.Counter[str] = collections.Counter()
         """What crossed the pipe: messages by kind, both ways (``"to:submit"``,
         ``"from:records"``, ``"from:post"``: the messages inside a batch count too),
-        ``"sent"`` and ``"received"`` (messages as sent, a batch once) and ``"from:call"``
-        (calls the worker waited on). Diagnostics (the tests count a trial's cost with it)."""
+        ``"sent"`` and ``"received"`` (messages as sent, a batch once), ``"from:call"``
+        (calls the worker waited on) and ``"from:flush"`` (batches of posted writes alone: the
+        worker's periodic flush, every 0.1 s). Diagnostics (the tests count a trial's cost
+        with it)."""
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
+        # Read by the pool's PipeServer only: bytes of messages not whole yet, the pid's fd.
+        self._received = bytearray()
+        self._pidfd = _pidfd(self.pid)
+        self._unreadable = False  # it sent a message the driver could not read: ignored now
+        self._ending = False  # the server has seen it end
+        self.served = threading.Event()  # the server is done with it (it ended, all reported)
         self.send(
             (
                 "init",
@@ -173,10 +187,7 @@ class WorkerProcess:
                 pool.memory_pool,
             )
         )
-        self.thread = threading.Thread(
-            target=self._serve, name=f"waterwave-pipe-{self.pid}", daemon=True
-        )
-        self.thread.start()
+        pool.server.add(self)
 
     # -- the run loop's thread ------------------------------------------------------------
 
@@ -244,51 +255,70 @@ class WorkerProcess:
                 self.process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=EXIT_WAIT_S)
-        self.thread.join(timeout=EXIT_WAIT_S)
+        self.served.wait(timeout=EXIT_WAIT_S)
         with contextlib.suppress(Exception):
             self.conn.close()
 
-    # -- the pipe's thread ----------------------------------------------------------------
+    # -- the pool's pipe server's thread -------------------------------------------------
 
-    def _serve(self) -> None:
-        # The worker's death is noticed as its pid's end, not the pipe's EOF: a process it
-        # started (fork) inherits the pipe and may hold it open long after it died.
-        pidfd = _pidfd(self.pid)
-        watched: list[Any] = [self.conn] if pidfd is None else [self.conn, pidfd]
+    def receive(self) -> bool:
+        """Read what the pipe holds now; dispatch each whole message. ``False``: it has closed.
+
+        Called when the pipe is readable (one read, which does not wait). A message that
+        cannot be read makes the worker unusable: the driver ends it (its death is noticed as
+        any other), and ignores what it sends meanwhile.
+        """
         try:
-            while True:
-                ready = multiprocessing.connection.wait(watched, timeout=_DEATH_POLL_S)
-                if self.conn in ready:
-                    message = pickle.loads(self.conn.recv_bytes())
-                    self.counts["received"] += 1
-                    self._dispatch(message)
-                    continue
-                if self.process.poll() is None:  # reaps it once it has died
-                    continue
-                while self.conn.poll(0):  # what it sent before it died
-                    self._dispatch(pickle.loads(self.conn.recv_bytes()))
-                break
-        except (EOFError, OSError):
-            pass
-        except Exception as error:  # a message that cannot be read: the worker is unusable
-            _logger.error("Worker %s sent a message that cannot be read: %r", self.pid, error)
-            self.driver_reason = (
-                f"its worker process (pid {self.pid}) sent a message the driver "
-                f"could not read: {type(error).__name__}: {error}; the driver ended the worker"
-            )
-            with contextlib.suppress(Exception):
-                self.process.kill()
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-        self._ended()
+            data = os.read(self.conn.fileno(), _READ_BYTES)
+        except OSError:
+            return False
+        if not data:
+            return False
+        if self._unreadable:
+            return True
+        self._received += data
+        for frame in _whole_frames(self._received):
+            try:
+                message = pickle.loads(frame)
+                self.counts["received"] += 1
+                self._dispatch(message)
+            except Exception as error:  # a message that cannot be read or served
+                self._cannot_read(error)
+                return True
+        return True
+
+    def receive_rest(self) -> None:
+        """Read and dispatch what it sent before it ended, without waiting.
+
+        Nothing here waits for more: a process the worker forked may hold the pipe open long
+        after the worker died.
+        """
+        poller = select.poll()
+        poller.register(self.conn.fileno(), select.POLLIN)
+        with contextlib.suppress(Exception):
+            while poller.poll(0) and self.receive():
+                pass
+
+    def _cannot_read(self, error: BaseException) -> None:
+        _logger.error("Worker %s sent a message that cannot be read: %r", self.pid, error)
+        self._unreadable = True
+        self._received.clear()
+        self.driver_reason = (
+            f"its worker process (pid {self.pid}) sent a message the driver "
+            f"could not read: {type(error).__name__}: {error}; the driver ended the worker"
+        )
+        with contextlib.suppress(Exception):
+            self.process.kill()
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         self.counts["from:" + kind] += 1
         if kind == "batch":  # posted writes, then (maybe) the message that followed them
-            for data in message[1]:
-                self._dispatch(pickle.loads(data))
+            inner = [pickle.loads(data) for data in message[1]]
+            if inner and inner[-1][0] == "post":  # the worker's periodic flush
+                self.counts["from:flush"] += 1
+            for each in inner:
+                self._dispatch(each)
         elif kind == "post":
             _, target, method, args = message
             ok, payload = self._serve_call(target, method, args)
@@ -375,6 +405,7 @@ class WorkerProcess:
         self.warm.set()
         self.answered.set()
         self.ended_run.set()
+        self.served.set()
         if host is not None and lost:
             if interrupted:
                 host.lost(lost, None, None)
@@ -395,6 +426,138 @@ class WorkerProcess:
         if error is not None:
             return str(error)
         return self.driver_reason or exit_reason(self.process.returncode, self.pid)
+
+
+def _whole_frames(buffer: bytearray) -> list[bytes]:
+    r"""Take the whole messages off the front of ``buffer`` (``Connection.send_bytes`` framing).
+
+    >>> buffer = bytearray(b"\x00\x00\x00\x02hi\x00\x00\x00\x03ab")
+    >>> _whole_frames(buffer), bytes(buffer)
+    ([b'hi'], b'\x00\x00\x00\x03ab')
+    """
+    frames = []
+    start = 0
+    end = len(buffer)
+    while end - start >= 4:
+        (size,) = struct.unpack_from("!i", buffer, start)
+        header = 4
+        if size == -1:  # over 2 GiB: an 8-byte size follows
+            if end - start < 12:
+                break
+            (size,) = struct.unpack_from("!Q", buffer, start + 4)
+            header = 12
+        if end - start - header < size:
+            break
+        frames.append(bytes(buffer[start + header : start + header + size]))
+        start += header + size
+    del buffer[:start]
+    return frames
+
+
+class PipeServer:
+    """One thread that serves the pipes of a pool's workers, all from one selector.
+
+    It reads whatever a worker sent (a storage call, posted writes, records), serves it in
+    order (:meth:`WorkerProcess.receive`) and notices each worker's end: its pid's file
+    descriptor (Linux 5.3+), else a look every ``_DEATH_POLL_S`` seconds. What follows an end
+    (failing the trial the worker ran, starting its successor, which may wait seconds to send
+    it the run) happens in a thread of its own, so the other workers are not kept waiting.
+
+    Args:
+        name: The thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._added: list[WorkerProcess] = []
+        self._stopping = False
+        self._polled: list[WorkerProcess] = []  # served workers without a pid fd
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def add(self, worker: WorkerProcess) -> None:
+        """Serve ``worker``'s pipe from now on (until it ends)."""
+        with self._lock:
+            self._added.append(worker)
+        self._wake()
+
+    def stop(self) -> None:
+        """End the thread (every worker has ended). Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._wake()
+        self.thread.join(timeout=EXIT_WAIT_S)
+        if not self.thread.is_alive():
+            self._selector.close()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"!")
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                if not self._serve_ready():
+                    return
+            except Exception:  # the driver's own bug: say so, keep serving the others
+                _logger.exception("The pipe server of the worker processes failed")
+
+    def _serve_ready(self) -> bool:
+        """Serve what is ready (waiting up to ``_DEATH_POLL_S`` s); ``False`` once stopped."""
+        for key, _ in self._selector.select(timeout=_DEATH_POLL_S):
+            if key.data is None:
+                if not self._take_added():
+                    return False
+                continue
+            worker, is_pidfd = key.data
+            if worker._ending:
+                continue  # ended already (its pipe and its pid were both ready)
+            if is_pidfd or not worker.receive():
+                self._end(worker)
+        for worker in list(self._polled):
+            if not worker._ending and worker.process.poll() is not None:
+                self._end(worker)
+        return True
+
+    def _take_added(self) -> bool:
+        """Register the workers added since; ``False`` when the server stops."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_read, 4096)
+        with self._lock:
+            added, self._added = self._added, []
+            stopping = self._stopping
+        for worker in added:
+            self._selector.register(worker.conn.fileno(), selectors.EVENT_READ, (worker, False))
+            if worker._pidfd is not None:
+                self._selector.register(worker._pidfd, selectors.EVENT_READ, (worker, True))
+            else:
+                self._polled.append(worker)
+        return not stopping
+
+    def _end(self, worker: WorkerProcess) -> None:
+        """``worker`` exited or closed its pipe: read the rest, forget it, report it."""
+        worker._ending = True
+        worker.receive_rest()
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(worker.conn.fileno())
+        if worker._pidfd is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(worker._pidfd)
+            os.close(worker._pidfd)
+            worker._pidfd = None
+        if worker in self._polled:
+            self._polled.remove(worker)
+        threading.Thread(
+            target=worker._ended, name=f"waterwave-ended-{worker.pid}", daemon=True
+        ).start()
 
 
 class WorkerPool:
@@ -430,6 +593,7 @@ class WorkerPool:
         # optimize call of the same executor (another thread) waits for the first to end.
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None  # the thread whose run holds the workers
+        self.server = PipeServer(f"waterwave-pipes-{device}")
         self.workers: list[WorkerProcess] = [WorkerProcess(self, i) for i in range(n_workers)]
 
     def take(self) -> None:
@@ -525,6 +689,7 @@ class WorkerPool:
             worker.stop()
         for worker in workers:
             worker.join(_STOP_WAIT_S)
+        self.server.stop()
 
 
 class WorkerPools:

@@ -13,9 +13,9 @@ path); the records of how they ended go back over the same pipe.
 
 Messages (tuples, first item the kind). Driver to worker: ``("init", sys_path, device, slot,
 torch_threads, memory_pool)`` (first, once), ``("begin", payload)``, ``("submit", members,
-fused, cap, frozen)``, ``("interrupt",)``, ``("end",)``, ``("stop",)``, ``("answer", call_id,
-ok, payload)``. Worker to driver: ``("warm", pid)``, ``("ready", pid)`` (the run's study is
-open), ``("setup_error", error, fatal)`` (``fatal``: the worker exits), ``("records", records,
+fused, cap, frozen)``, ``("end",)``, ``("stop",)``, ``("answer", call_id, ok, payload)``.
+Worker to driver: ``("warm", pid)``, ``("ready", pid)`` (the run's study is open),
+``("setup_error", error, fatal)`` (``fatal``: the worker exits), ``("records", records,
 snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned the worker's context,
 so it exits and a new worker takes the slot), ``("ended",)`` (the run's host is shut down; the
 worker waits for the next run), ``("call", call_id, target, method, args)`` (target
@@ -26,29 +26,34 @@ its record comes) and ``("batch", [pickled message, ...])`` (posted writes and t
 followed them, in order, read as one).
 
 A trivial trial (one ``suggest``, one ``set_user_attr``) so costs one message each way (the
-submit; its writes and record in one batch) and no round trip the trial waits on; in the
-worker one thread hand-off (the pipe's reader to the slot's thread, which sends the record).
+submit; its writes and record in one batch), no round trip the trial waits on and no thread
+hand-off in the worker: one thread, the slot's, reads the submit, runs the trial and sends its
+record. Nobody reads the pipe while a trial runs unless it waits for an answer: a thread that
+waits for a message reads the pipe itself when no other thread is reading it, and hands on
+what is not its own (:class:`PipeLink`).
 
 Messages are pickled with :mod:`pickle` (fast) and, when that fails (a lambda, a class defined
 by value), with cloudpickle; either is read by ``pickle.loads``.
 
 The worker ends with its driver: when the pipe closes (the driver exited or was killed) the
-reader sees EOF and the process exits at once; on Linux the kernel also sends it SIGKILL when
-the driver's thread that started it dies (``PR_SET_PDEATHSIG``), in case the reader is stuck.
+next read sees EOF and the process exits at once; on Linux the kernel also sends it SIGKILL when
+the driver's thread that started it dies (``PR_SET_PDEATHSIG``), so a worker in a long trial
+(nobody reading) ends too.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 import ctypes
 import itertools
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from waterwave_hpo.workers._strays import end_stray_children
@@ -77,6 +82,14 @@ class PipeLink:
     :meth:`flush`. So a trial that writes and returns sends the driver one message, and waits
     for no answer.
 
+    No thread of its own reads the pipe: a thread that waits for a message (the slot's thread
+    for the driver's next request, :meth:`next_request`; a caller for its answer, :meth:`call`)
+    reads it itself while no other thread does, keeps what is its own and leaves the rest for
+    the thread it belongs to (leader and followers). So the slot's thread reads its submit and
+    runs the trial with no hand-off, and a call made while it waits for a request (a thread
+    the trial left running) still gets its answer. The process exits (``os._exit(0)``) when a
+    read meets the end of the pipe (the driver is gone) or the driver's ``("stop",)``.
+
     Args:
         conn: The worker's ``multiprocessing.connection.Connection``.
     """
@@ -85,9 +98,11 @@ class PipeLink:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
-        self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
-        self._lock = threading.Lock()
         self._posted: list[bytes] = []  # pickled ("post", target, method, args), not sent yet
+        self._messages = threading.Condition()  # guards what follows
+        self._reading = False  # a thread is reading the pipe now
+        self._answers: dict[int, tuple[bool, Any]] = {}  # read, not yet taken by their caller
+        self._requests: deque[tuple[Any, ...]] = deque()  # the driver's, read by a caller
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Send one message (after the posted writes, in one batch when there are any)."""
@@ -121,23 +136,44 @@ class PipeLink:
     def call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
         """Call ``method`` of the driver's ``target`` with ``args``; ``(ok, result or error)``."""
         call_id = next(self._ids)
-        done = threading.Event()
-        answer: list[Any] = []
-        with self._lock:
-            self._waiting[call_id] = (done, answer)
         self.send(("call", call_id, target, method, args))
-        done.wait()
-        ok, payload = answer[0]
+        ok, payload = self._take(lambda: self._answers.pop(call_id, None))
         return bool(ok), payload
 
-    def answered(self, call_id: int, ok: bool, payload: Any) -> None:
-        """Deliver the driver's answer to the waiting call ``call_id``."""
-        with self._lock:
-            waiting = self._waiting.pop(call_id, None)
-        if waiting is not None:
-            done, answer = waiting
-            answer.append((ok, payload))
-            done.set()
+    def next_request(self) -> tuple[Any, ...]:
+        """The driver's next request (a ``begin``, a ``submit``, an ``end``), in order."""
+        request: tuple[Any, ...] = self._take(
+            lambda: self._requests.popleft() if self._requests else None
+        )
+        return request
+
+    def _take(self, mine: Callable[[], Any]) -> Any:
+        """Wait for what ``mine`` returns (not ``None``), reading the pipe while no one else is."""
+        while True:
+            with self._messages:
+                while True:
+                    found = mine()
+                    if found is not None:
+                        return found
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._messages.wait()
+            try:
+                message = pickle.loads(self.conn.recv_bytes())
+            except BaseException:  # the pipe closed (the driver is gone) or cannot be read
+                os._exit(0)
+            kind = message[0]
+            if kind == "stop":
+                os._exit(0)
+            with self._messages:
+                self._reading = False
+                if kind == "answer":
+                    _, call_id, ok, payload = message
+                    self._answers[call_id] = (ok, payload)
+                else:
+                    self._requests.append(message)
+                self._messages.notify_all()
 
     def storage_transport(self) -> Callable[[str, tuple[Any, ...]], tuple[bool, Any]]:
         """The :data:`waterwave_hpo.relay.Transport` of the study's storage over this pipe."""
@@ -156,11 +192,10 @@ class _Worker:
         self.device = device
         self.slot = slot
         self.runner: Any = None  # the current run's HostRunner; None between runs
-        self.has_runner = threading.Condition()
         self._ended: list[int] = []  # numbers of the running job's trials recorded so far
         self._strays_run: Any = None  # the run those belong to
 
-    # -- the requests' thread -----------------------------------------------------------------
+    # -- the slot's thread: the driver's requests --------------------------------------------
 
     def begin(self, payload: bytes) -> None:
         """Open the run's study and build its one-slot host; ``ready`` or ``setup_error``."""
@@ -194,44 +229,47 @@ class _Worker:
         except BaseException as error:  # the driver refuses the run with it
             self.link.send(("setup_error", _setup_error(error), False))
             return
-        with self.has_runner:
-            self.runner = runner
-            self.has_runner.notify_all()
+        self.runner = runner
         self.link.send(("ready", os.getpid()))
 
     def end(self) -> None:
         """Shut the run's host down and forget it (the driver has seen every trial end)."""
-        with self.has_runner:
-            runner, self.runner = self.runner, None
+        runner, self.runner = self.runner, None
         if runner is not None:
             # No gc.collect() here: a full collection in a process that imported torch takes
             # a second on a busy machine, and every optimize call would wait for it.
             runner.shutdown(timeout_s=_END_TIMEOUT_S)
         self.link.send(("ended",))
 
-    def serve(self, requests: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-        while True:
-            message = requests.get()
-            kind = message[0]
-            if kind == "begin":
-                self.begin(message[1])
-                continue
-            if kind == "end":
-                self.end()
-                continue
-            self.handle(message)
+    def serve(self) -> None:
+        """Take the driver's requests in order and run them, trials included. Never returns.
 
-    def handle(self, message: tuple[Any, ...]) -> None:
-        """Run one of the driver's requests to the bound run (a submit, an interrupt...)."""
-        kind = message[0]
+        This thread is the slot's: it reads a submit and runs its trial itself (the records go
+        from here too). An error of the worker's own (not the trial's, which the run path
+        records) ends the process: the driver fails the trial it ran and starts a new worker.
+        """
+        try:
+            while True:
+                message = self.link.next_request()
+                kind = message[0]
+                if kind == "begin":
+                    self.begin(message[1])
+                elif kind == "end":
+                    self.end()
+                elif kind == "submit":
+                    self.run(message)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def run(self, message: tuple[Any, ...]) -> None:
+        """Run a submitted job in this thread; its records are sent before this returns."""
         runner = self.runner
         if runner is None:  # its run failed to begin: the driver failed the trial
             return
-        if kind == "submit":
-            _, members, fused, cap, frozen = message
-            runner.submit(self.slot, members, fused, cap, frozen)
-        elif kind == "interrupt":
-            runner.interrupt(self.slot)
+        _, members, fused, cap, frozen = message
+        runner.run_here(self.slot, members, fused, cap, frozen)
 
     def outside_counter(self, device: Any) -> Callable[[], int] | None:
         """What the run's host asks, on OOM, for the trials beside it in other workers.
@@ -246,7 +284,7 @@ class _Worker:
         ok, payload = self.link.call("neighbours", "count", ())
         return int(payload) if ok else 0
 
-    # -- the slot's thread --------------------------------------------------------------------
+    # -- the slot's thread: records ------------------------------------------------------------
 
     def report(self, records: list[Any], snapshot: Any) -> None:
         """Send the records of ended attempts, from the slot's thread that ran them.
@@ -318,7 +356,7 @@ def worker_main(fd: int, parent: int) -> None:
         finally:
             os._exit(1)
     worker = _Worker(link, device, slot)
-    threading.Thread(target=_read, args=(link, worker), daemon=True).start()
+    threading.Thread(target=worker.serve, name="waterwave-worker-slot", daemon=True).start()
     link.send(("warm", os.getpid()))
     try:
         worker.keep_flushing()
@@ -404,34 +442,6 @@ def context_poisoned() -> bool:
     except Exception:
         return True
     return False
-
-
-def _read(link: PipeLink, worker: _Worker) -> None:
-    """Take the driver's messages until the pipe closes; then the process exits.
-
-    Answers are delivered here; the driver's requests run in order in a thread of their own (a
-    run's begin and a submit make storage calls, whose answers this thread must be free to
-    take).
-    """
-    requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    threading.Thread(target=worker.serve, args=(requests,), daemon=True).start()
-    try:
-        while True:
-            message = pickle.loads(link.conn.recv_bytes())
-            kind = message[0]
-            if kind == "answer":
-                link.answered(*message[1:])
-            elif kind == "stop":
-                break
-            else:
-                # Never run here, not even a submit: making its trials runs the sampler's
-                # before_trial and relative sampling, which may read the study through this
-                # pipe, and only this thread takes the answers (it would wait for itself).
-                requests.put(message)
-    except (EOFError, OSError):
-        pass  # the driver closed the pipe or died
-    finally:
-        os._exit(0)
 
 
 def _setup_error(error: BaseException) -> BaseException:
