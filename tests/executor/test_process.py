@@ -348,8 +348,10 @@ def test_workers_exit_when_their_driver_is_killed(tmp_path: Path) -> None:
     )
     try:
         assert driver.stdout is not None
-        pids = [int(driver.stdout.readline().split()[1]) for _ in range(2)]
-        workers = [psutil.Process(pid) for pid in pids]
+        lines = [driver.stdout.readline() for _ in range(2)]
+        # An empty line is the end of the driver's output: it exited before both trials began.
+        assert all(line.startswith("worker ") for line in lines), (lines, driver.poll())
+        workers = [psutil.Process(int(line.split()[1])) for line in lines]
         driver.kill()
         driver.wait(timeout=30)
         _, alive = psutil.wait_procs(workers, timeout=30)
