@@ -328,9 +328,12 @@ def test_many_sigkills_of_workers_at_random_moments_lose_nothing(tmp_path: Path)
 
 
 _DRIVER = """
-import sys, time, optuna, waterwave_hpo as ww
+import os, sys, time, optuna, waterwave_hpo as ww
 def objective(trial):
-    print("worker", __import__("os").getpid(), flush=True)
+    # One write per line: under PYTHONUNBUFFERED, print writes each argument apart, and the two
+    # workers' writes interleave (a CI run read "workerworker 5156" and " 5157").
+    sys.stdout.write(f"worker {os.getpid()}\\n")
+    sys.stdout.flush()
     time.sleep(600)
     return 0.0
 if __name__ == "__main__":
