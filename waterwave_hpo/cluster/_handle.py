@@ -96,6 +96,11 @@ class RayHostHandle(SlotTable[RaySlot]):
         access: The run's storage policy: the trials handed to this host are allowed at once.
     """
 
+    samples_in_driver = False
+    """Its trials sample in the actor, with the actor's copy of the sampler (reseeded once as
+    the actor opens the run: ``HostSpec.reseed_sampler_rng``): the run loop reseeds the
+    driver's sampler once per run, not before every ask."""
+
     def __init__(
         self,
         actor: Any,
