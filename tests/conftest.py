@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import os
 import signal
 
+import fakes
 import optuna
 import pytest
 import torch
@@ -55,8 +56,10 @@ def ray_cluster(
         )
     finally:
         os.chdir(cwd)
-    # The trainables and objectives live in the test module, which Ray's workers cannot import.
+    # The trainables and objectives live in the test module, and shared test doubles in
+    # tests/fakes, neither of which Ray's workers can import.
     ray.cloudpickle.register_pickle_by_value(request.module)
+    ray.cloudpickle.register_pickle_by_value(fakes)
     yield
     ray.shutdown()
     signal.signal(signal.SIGINT, sigint)

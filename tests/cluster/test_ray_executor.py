@@ -16,6 +16,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from fakes.samplers import ReseedCountingSampler  # noqa: E402
+
 import waterwave_hpo as ww  # noqa: E402
 from waterwave_hpo.cluster import ATTR_HOST  # noqa: E402
 from waterwave_hpo.cluster import AllHostsLostError  # noqa: E402
@@ -545,28 +547,16 @@ def test_the_driver_tells_each_hosted_trial_so_its_sampler_sees_every_end() -> N
             assert t.values is None or t.value == t.intermediate_values[max(t.intermediate_values)]
 
 
-class _DriverCountingSampler(optuna.samplers.RandomSampler):
-    """Counts ``reseed_rng`` calls on this instance (the driver's; an actor counts its copy)."""
-
-    def __init__(self) -> None:
-        super().__init__(seed=0)
-        self.driver_reseeds = 0
-
-    def reseed_rng(self) -> None:
-        self.driver_reseeds += 1
-        super().reseed_rng()
-
-
 def test_the_driver_reseeds_its_sampler_once_per_run_as_the_hosts_sample() -> None:
     # The trials sample in the host actors (each reseeds its copy as it opens the run); the
     # driver's sampler only sees before_trial and after_trial: one reseed per optimize call.
-    sampler = _DriverCountingSampler()
+    sampler = ReseedCountingSampler()
     study = ww.create_study(sampler=sampler)
     executor = RayExecutor(trials_per_device=2)
     study.optimize(_objective, n_trials=8, catch=(ValueError,), executor=executor)
-    assert sampler.driver_reseeds == 1
+    assert sampler.reseeds == 1
     study.optimize(_objective, n_trials=4, catch=(ValueError,), executor=executor)
-    assert sampler.driver_reseeds == 2
+    assert sampler.reseeds == 2
     assert len({t.params["x"] for t in study.get_trials(deepcopy=False)}) == 12
 
 

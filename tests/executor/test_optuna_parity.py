@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from fakes.samplers import ReseedCountingSampler
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.study import MaxTrialsCallback
@@ -153,16 +154,6 @@ def test_every_co_hosted_trial_records_heartbeats(tmp_path: Path) -> None:
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
 
 
-class _CountingSampler(optuna.samplers.RandomSampler):
-    def __init__(self) -> None:
-        super().__init__(seed=0)
-        self.reseeds = 0
-
-    def reseed_rng(self) -> None:
-        self.reseeds += 1
-        super().reseed_rng()
-
-
 @pytest.mark.parametrize(
     ("executor", "reseeds"),
     [
@@ -177,7 +168,7 @@ def test_the_sampler_is_reseeded_per_trial_when_trials_run_at_once(
 ) -> None:
     # Study.optimize reseeds the sampler's RNG before each trial when n_jobs != 1, so that
     # threads do not share a random sequence; one trial at a time (n_jobs=1) it does not.
-    sampler = _CountingSampler()
+    sampler = ReseedCountingSampler()
     study = optuna.create_study(sampler=sampler)
     objective = (lambda t: t.suggest_float("x", 0, 1)) if executor.fuse is None else None
     if objective is None:

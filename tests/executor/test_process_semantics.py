@@ -17,6 +17,7 @@ import traceback
 from typing import Any
 import warnings
 
+from fakes.samplers import ReseedCountingSampler
 import optuna
 from optuna.trial import TrialState
 import pytest
@@ -159,29 +160,17 @@ def test_workers_reseed_their_sampler_once_per_run_when_trials_run_at_once() -> 
             assert len({t.params["x"] for t in trials}) == 6
 
 
-class _DriverCountingSampler(optuna.samplers.RandomSampler):
-    """Counts ``reseed_rng`` calls on this instance (the driver's; a worker counts its copy)."""
-
-    def __init__(self) -> None:
-        super().__init__(seed=0)
-        self.driver_reseeds = 0
-
-    def reseed_rng(self) -> None:
-        self.driver_reseeds += 1
-        super().reseed_rng()
-
-
 def test_the_driver_reseeds_its_sampler_once_per_run_when_workers_sample() -> None:
     # The trials sample in the workers (each reseeds its copy once per run); the driver's
     # sampler only sees before_trial and after_trial: one reseed per optimize call, as
     # Study.optimize(n_trials=1, n_jobs=2) makes one (Optuna's test_optimize_with_reseeding).
-    sampler = _DriverCountingSampler()
+    sampler = ReseedCountingSampler()
     study = optuna.create_study(sampler=sampler)
     with ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation="process") as executor:
         executor.optimize(study, _one_objective, n_trials=6)
-        assert sampler.driver_reseeds == 1
+        assert sampler.reseeds == 1
         executor.optimize(study, _one_objective, n_trials=1)
-    assert sampler.driver_reseeds == 2
+    assert sampler.reseeds == 2
     assert len({t.params["x"] for t in study.get_trials(deepcopy=False)}) == 7
 
 
