@@ -3,7 +3,7 @@
 Every trial a study started must end COMPLETE, PRUNED or FAIL, whatever happens to its worker
 between the driver's choice of a worker and the trial's record, and whatever bytes a worker's
 pipe carries. Faults are injected on the CPU: a worker killed (SIGKILL) at a chosen moment, a
-worker whose run cannot begin.
+worker whose run cannot begin, a fake worker that writes a frame header no message has.
 
 A study that would hang runs in a thread the test waits for, up to a bound far above the
 study's need (:data:`_WAIT_S`): the bound turns a hang into a failure; it is no measure of speed.
@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import os
 from pathlib import Path
 import signal
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -125,3 +127,58 @@ def test_a_worker_whose_run_could_not_begin_fails_the_trials_sent_to_it(tmp_path
         reason = trial.system_attrs["waterwave:fail_reason"]
         assert "could not start the run" in reason
         assert "FileExistsError" in reason
+
+
+_FAKE_WORKERS = r"""
+import itertools, os, pickle, socket, struct, subprocess, sys, threading
+import torch
+from waterwave_hpo.workers._lease_service import LeaseServer
+from waterwave_hpo.workers._pool import WorkerPool, WorkerProcess
+
+# Fake workers: the first writes a frame header no message has (size -4), as a stream
+# corrupted by a second writer would; the second says it is warm, as a worker does.
+PEERS = [
+    "import os, struct, sys, time; os.write(int(sys.argv[1]), struct.pack('!i', -4) + b'abcd');"
+    " time.sleep(600)",
+    "import os, pickle, sys, time; from multiprocessing.connection import Connection;"
+    " c = Connection(int(sys.argv[1])); c.send_bytes(pickle.dumps(('warm', os.getpid())));"
+    " time.sleep(600)",
+]
+launched = itertools.count()
+
+def launch(fd):
+    return subprocess.Popen(
+        [sys.executable, "-c", PEERS[next(launched)], str(fd)], pass_fds=(fd,)
+    )
+
+cpu = torch.device("cpu")
+pool = WorkerPool(cpu, 1, LeaseServer(cpu, 1, None), "off", launch)
+bad = pool.workers[0]
+served = bad.served.wait(60)
+print("bad served:", served, flush=True)
+if not served:
+    os._exit(1)
+print("bad reason:", bad.exit_reason(), flush=True)
+good = WorkerProcess(pool, 1)
+print("good warm:", good.warm.wait(60) and good.is_warm, flush=True)
+pool.workers.append(good)
+pool.close()
+os._exit(0)
+"""
+
+
+def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still_served() -> None:
+    # The pool's one pipe server must not spin on a malformed frame (a size of -4 once made it
+    # loop without end, and then no worker of the pool was served): the driver ends the
+    # worker that sent it, as a message it cannot read, and serves the others.
+    done = subprocess.run(
+        [sys.executable, "-c", _FAKE_WORKERS],
+        capture_output=True,
+        text=True,
+        timeout=_WAIT_S + 60,
+        check=False,
+    )
+    out = done.stdout
+    assert "bad served: True" in out, out + done.stderr
+    assert "could not read" in out, out + done.stderr
+    assert "good warm: True" in out, out + done.stderr

@@ -295,7 +295,12 @@ class WorkerProcess:
         if self._unreadable:
             return True
         self._received += data
-        for frame in _whole_frames(self._received):
+        try:
+            frames = _whole_frames(self._received)
+        except ValueError as error:  # a header no message has: the stream is lost
+            self._cannot_read(error)
+            return True
+        for frame in frames:
             try:
                 message = pickle.loads(frame)
                 self.counts["received"] += 1
@@ -452,6 +457,10 @@ def _whole_frames(buffer: bytearray) -> list[bytes]:
     >>> buffer = bytearray(b"\x00\x00\x00\x02hi\x00\x00\x00\x03ab")
     >>> _whole_frames(buffer), bytes(buffer)
     ([b'hi'], b'\x00\x00\x00\x03ab')
+
+    Raises:
+        ValueError: If a header gives a negative size (not a message's: the bytes are not
+            what ``send_bytes`` wrote).
     """
     frames = []
     start = 0
@@ -464,6 +473,8 @@ def _whole_frames(buffer: bytearray) -> list[bytes]:
                 break
             (size,) = struct.unpack_from("!Q", buffer, start + 4)
             header = 12
+        elif size < 0:
+            raise ValueError(f"a frame header gives a size of {size} bytes")
         if end - start - header < size:
             break
         frames.append(bytes(buffer[start + header : start + header + size]))
