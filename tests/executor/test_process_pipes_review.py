@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import optuna
@@ -127,6 +128,43 @@ def test_a_worker_whose_run_could_not_begin_fails_the_trials_sent_to_it(tmp_path
         reason = trial.system_attrs["waterwave:fail_reason"]
         assert "could not start the run" in reason
         assert "FileExistsError" in reason
+
+
+def test_a_thread_the_trial_left_running_gets_its_answer_while_the_worker_waits_for_work(
+    tmp_path: Path,
+) -> None:
+    # Trial 0 leaves a thread that reads the study after the trial has ended. The driver sends
+    # nothing meanwhile (its callback for trial 0 waits for that read), so the worker's slot
+    # thread waits for its next request, reading the pipe: it must hand the answer on.
+    told = tmp_path / "told"
+    answered = tmp_path / "answered"
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            study = trial.study
+
+            def read_later() -> None:
+                while not told.exists():
+                    time.sleep(0.01)
+                answered.write_text(str(study.user_attrs["k"]))
+
+            threading.Thread(target=read_later, daemon=True).start()
+        return trial.suggest_float("x", 0.0, 1.0)
+
+    def callback(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+        if frozen.number != 0:
+            return
+        told.touch()
+        deadline = time.monotonic() + _WAIT_S
+        while not answered.exists():  # a bound on a hang, not a measure of speed
+            assert time.monotonic() < deadline, "the left thread's read got no answer"
+            time.sleep(0.01)
+
+    study = optuna.create_study()
+    study.set_user_attr("k", 7)
+    _process(1).optimize(study, objective, n_trials=2, callbacks=[callback])
+    assert answered.read_text() == "7"
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
 
 
 _FAKE_WORKERS = r"""
