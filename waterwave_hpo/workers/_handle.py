@@ -141,10 +141,13 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         """Hand ``job`` to ``slot``'s worker, starting a new worker if it has none alive."""
         assert slot.job is None, "submit() to a busy slot"
         slot.job = job
-        worker = self.pool.worker(slot.index)
-        if worker.host is not self:
-            worker.attach(self)
-        worker.run(job, self._bookkeeping(slot, job))
+        frozen = self._bookkeeping(slot, job)
+        while True:  # again only if the worker died before the job reached it
+            worker = self.pool.worker(slot.index)
+            if worker.host is not self:
+                worker.attach(self)
+            if worker.run(job, frozen):
+                return
 
     def _bookkeeping(self, slot: WorkerSlot, job: TrialJob) -> list[Any]:
         """Write where the job runs (as the worker's run path would) and read its trials.

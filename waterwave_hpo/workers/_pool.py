@@ -213,18 +213,36 @@ class WorkerProcess:
                 return
         self.send(("end",))
 
-    def run(self, job: TrialJob, frozen: list[Any]) -> None:
-        """Send ``job`` (its trials as the driver's storage holds them: ``frozen``)."""
+    def run(self, job: TrialJob, frozen: list[Any]) -> bool:
+        """Send ``job`` (its trials as the driver's storage holds them: ``frozen``).
+
+        Returns:
+            ``False`` if the worker has died (the driver has seen it end, and failed what it
+            ran before): nothing was sent; the slot's next worker takes the job. A worker whose
+            bound run could not begin fails the job at once with its error (it would drop it).
+        """
         from waterwave_hpo import _optuna_compat
 
         members = [(_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()]
         cap = None if job.planning is None else job.planning.cap_bytes
         with self._lock:
-            self.job = job
-            self.unrecorded = list(job.members())
-            self.interrupted = False
-            self.write_errors.clear()
+            # Checked with the job taken in one step: _ended (the death) and the setup_error
+            # (the run's begin failed) take what is unrecorded under this lock; seen here
+            # instead, no one else would end the job.
+            if self.dead:
+                return False
+            setup_error, host = self.setup_error, self.host
+            if setup_error is None:
+                self.job = job
+                self.unrecorded = list(job.members())
+                self.interrupted = False
+                self.write_errors.clear()
+        if setup_error is not None:
+            if host is not None:
+                host.lost(list(job.members()), setup_error, None)
+            return True
         self.send(("submit", members, bool(job.batch), cap, frozen))
+        return True
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Send ``message``; never raises (a dead worker: its pipe thread reports)."""
@@ -277,7 +295,12 @@ class WorkerProcess:
         if self._unreadable:
             return True
         self._received += data
-        for frame in _whole_frames(self._received):
+        try:
+            frames = _whole_frames(self._received)
+        except ValueError as error:  # a header no message has: the stream is lost
+            self._cannot_read(error)
+            return True
+        for frame in frames:
             try:
                 message = pickle.loads(frame)
                 self.counts["received"] += 1
@@ -347,9 +370,9 @@ class WorkerProcess:
             if fatal:
                 self.fatal_setup_error = error
             else:
-                self.setup_error = error
                 host = self.host
-                with self._lock:
+                with self._lock:  # with the job taken, as run() reads them (see there)
+                    self.setup_error = error
                     lost, self.unrecorded = self.unrecorded, []
                 if host is not None and lost:
                     host.lost(lost, error, None)
@@ -434,6 +457,10 @@ def _whole_frames(buffer: bytearray) -> list[bytes]:
     >>> buffer = bytearray(b"\x00\x00\x00\x02hi\x00\x00\x00\x03ab")
     >>> _whole_frames(buffer), bytes(buffer)
     ([b'hi'], b'\x00\x00\x00\x03ab')
+
+    Raises:
+        ValueError: If a header gives a negative size (not a message's: the bytes are not
+            what ``send_bytes`` wrote).
     """
     frames = []
     start = 0
@@ -446,6 +473,8 @@ def _whole_frames(buffer: bytearray) -> list[bytes]:
                 break
             (size,) = struct.unpack_from("!Q", buffer, start + 4)
             header = 12
+        elif size < 0:
+            raise ValueError(f"a frame header gives a size of {size} bytes")
         if end - start - header < size:
             break
         frames.append(bytes(buffer[start + header : start + header + size]))
