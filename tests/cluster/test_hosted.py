@@ -103,9 +103,12 @@ def test_stop_ends_a_running_trial_and_a_waiting_one_never_starts(host: TrialHos
 
     for name in ("a", "b", "c"):
         host.start(name, long, {"name": name})
-    deadline = time.monotonic() + 10
-    while host.stats().running < 2 and time.monotonic() < deadline:
+    # Until both functions run: a trial the host counts as running may not have reached its
+    # first line yet, and stopped then it ends before that line (a CI run met this).
+    deadline = time.monotonic() + 30
+    while len(started) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert host.stats().running == 2
     host.stop("c")  # waiting: never runs
     host.stop("a")
     host.stop("b")
