@@ -94,6 +94,26 @@ def test_a_worker_that_dies_just_before_its_next_trial_is_sent_loses_no_trial(
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
 
 
+def test_a_worker_attached_twice_to_one_run_opens_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slot's new worker can be attached to the run by two threads at once: the death
+    # handler's replacement and the slot's next submit. The worker must open the run once
+    # (one begin): a second would open a second study in it and, on CUDA, a second stream.
+    run = WorkerProcess.run
+    begins: list[int] = []
+
+    def run_after_a_second_attach(self: WorkerProcess, job: Any, frozen: list[Any]) -> Any:
+        assert self.host is not None
+        self.attach(self.host)  # as the other thread would
+        begins.append(self.counts["to:begin"])
+        return run(self, job, frozen)
+
+    monkeypatch.setattr(WorkerProcess, "run", run_after_a_second_attach)
+    study = optuna.create_study()
+    assert _optimize_or_hang(_process(2), study, _x, n_trials=4) is None
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    assert begins == [1] * 4
+
+
 def test_a_worker_whose_run_could_not_begin_fails_the_trials_sent_to_it(tmp_path: Path) -> None:
     # Of two workers, one cannot open the run (its begin fails: here the objective's state
     # cannot be rebuilt a second time; in life a module edited or gone since the first worker

@@ -171,6 +171,9 @@ class WorkerProcess:
         with it)."""
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
+        # Held across an attach's begin (never by the pipe server): a second attach to the run
+        # returns only once the first one's begin is sent, so a submit never overtakes it.
+        self._attach_lock = threading.Lock()
         # Read by the pool's PipeServer only: bytes of messages not whole yet, the pid's fd.
         self._received = bytearray()
         self._pidfd = _pidfd(self.pid)
@@ -192,18 +195,26 @@ class WorkerProcess:
     # -- the run loop's thread ------------------------------------------------------------
 
     def attach(self, host: ProcessHostHandle) -> None:
-        """Bind the worker to ``host``'s run: it opens the run's study (``begin``)."""
-        with self._lock:
-            self.host = host
-            self.ready = False
-            self.setup_error = None
-            self.answered.clear()
-            self.ended_run.clear()
-            dead = self.dead
-        if dead:
-            self.answered.set()
-            return
-        self.send(("begin", host.payload))
+        """Bind the worker to ``host``'s run: it opens the run's study (``begin``).
+
+        Once per run: the slot's next submit and the death handler's replacement may both
+        attach a new worker to the same run, and a second ``begin`` would open the run again in
+        the worker (a second study and, on CUDA, a second stream, kept until the run ends).
+        """
+        with self._attach_lock:
+            with self._lock:
+                if self.host is host:
+                    return
+                self.host = host
+                self.ready = False
+                self.setup_error = None
+                self.answered.clear()
+                self.ended_run.clear()
+                dead = self.dead
+            if dead:
+                self.answered.set()
+                return
+            self.send(("begin", host.payload))
 
     def detach(self) -> None:
         """Ask the worker to end the bound run (its host shuts down); it stays warm."""
