@@ -225,7 +225,9 @@ os._exit(0)
 """
 
 
-def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still_served() -> None:
+def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still_served(
+    tmp_path: Path,
+) -> None:
     # The pool's one pipe server must not spin on a malformed frame (a size of -4 once made it
     # loop without end, and then no worker of the pool was served): the driver ends the
     # worker that sent it, as a message it cannot read, and serves the others.
@@ -235,6 +237,7 @@ def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still
         text=True,
         timeout=_WAIT_S + 60,
         check=False,
+        cwd=tmp_path,  # `-c` puts the working directory first: not the source checkout
     )
     out = done.stdout
     assert "bad served: True" in out, out + done.stderr
