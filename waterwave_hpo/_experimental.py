@@ -33,10 +33,6 @@ class ExperimentalPath(enum.Enum):
     EXECUTOR_CUDA = "the executor's CUDA path (a stream per trial, the pool on the device)"
     BENCH_CUDA = "the bench's methods on a CUDA device"
     LEASES_CUDA = "shared_gpu()'s memory leases on a CUDA device"
-    POOL_ROUTED = (
-        "the stream-aware pool under each trial's stream after CUDA started (torch.cuda.MemPool "
-        "and stream routing)"
-    )
 
 
 #: The GPU run of 2026-11-27 (one NVIDIA H200, torch 2.11.0+cu130, CuPy 14.2.0), per path.
@@ -66,11 +62,6 @@ GPU_STATUS: dict[ExperimentalPath, str] = {
         "demand and the gpt workload have not finished on a GPU"
     ),
     ExperimentalPath.LEASES_CUDA: "it has not yet run on a GPU",
-    ExperimentalPath.POOL_ROUTED: (
-        "it has not yet run on a GPU (written after the H200 run of 2026-11-27; "
-        "tests/memory/test_gpu.py::test_the_pool_under_a_trial_stream_after_cuda_started is "
-        "its first GPU check)"
-    ),
 }
 
 _warned: set[ExperimentalPath] = set()

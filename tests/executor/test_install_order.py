@@ -58,20 +58,21 @@ def test_tune_trial_hosts_install_the_pool_before_cuda_initialises(cuda: FakeCud
 
 def test_the_fake_refuses_a_pool_after_cuda_initialised(cuda: FakeCuda) -> None:
     # The check above can fail: an install after any CUDA call is refused, as PyTorch does;
-    # the executor then puts the pool under the trials' streams instead of swapping.
+    # the executor then runs the trials on PyTorch's own allocator and says so.
     torch.cuda.get_device_properties(0)
     with pytest.raises(RuntimeError, match="before CUDA's first allocation"):
         ww.memory.use_pool(ww.memory.StreamAwarePool(backend="cuda", device=0))
-    hosts = ww.WaterwaveExecutor("cuda:0", 1, memory_pool="on")._make_hosts(
-        RunSettings(
-            study=optuna.create_study(),
-            func=lambda trial: 0.0,
-            catch=(),
-            on_oom=OnOOM.RETRY,
-            max_oom_retries=0,
-            gc_after_trial=False,
-            outcomes=queue.SimpleQueue(),
+    with pytest.warns(RuntimeWarning, match="PyTorch's own CUDA allocator"):
+        hosts = ww.WaterwaveExecutor("cuda:0", 1)._make_hosts(
+            RunSettings(
+                study=optuna.create_study(),
+                func=lambda trial: 0.0,
+                catch=(),
+                on_oom=OnOOM.RETRY,
+                max_oom_retries=0,
+                gc_after_trial=False,
+                outcomes=queue.SimpleQueue(),
+            )
         )
-    )
-    assert cuda.events == ["cuda init", "routed 0"] and cuda.pools == {}
-    assert hosts[0].memory.routed and hosts[0].memory.pool is cuda.routed[0]
+    assert cuda.events == ["cuda init"] and cuda.pools == {}
+    assert hosts[0].memory.pool is None

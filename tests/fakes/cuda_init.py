@@ -5,8 +5,8 @@ an initialised allocator), and everything that touches a device initialises it
 (``torch.cuda._lazy_init``: ``get_device_properties``, ``set_device``, ``mem_get_info``, the
 first tensor). :class:`FakeCuda` makes ``torch.cuda`` report ``n`` devices, records every
 initialisation and every pool install in :attr:`events`, and, like the real ``use_pool``,
-refuses the first install once CUDA is initialised (the executor then routes trial streams to
-the pool instead: ``routed N`` in :attr:`events`).
+refuses the first install once CUDA is initialised (the executor then runs the trials on
+PyTorch's own allocator: the late path).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class FakeCuda:
         self.swapped = False
         self.events: list[str] = []
         self.pools: dict[int, _FakePool] = {}
-        self.routed: dict[int, _FakePool] = {}
 
     def _init(self, *_: Any, **__: Any) -> None:
         if not self.initialised:
@@ -68,11 +67,6 @@ class FakeCuda:
         self.swapped = True
         self.pools[pool.device] = pool
         self.events.append(f"pool {pool.device}")
-
-    def _enable_stream_routing(self, pool: _FakePool) -> None:
-        # Late: PyTorch's private pools under each trial's stream (memory/_routed.py).
-        self.routed[pool.device] = pool
-        self.events.append(f"routed {pool.device}")
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
         import waterwave_hpo.memory as memory
@@ -104,6 +98,4 @@ class FakeCuda:
         monkeypatch.setattr(memory, "use_pool", self._use_pool)
         monkeypatch.setattr(memory, "installed_pool", lambda device=0: self.pools.get(device))
         monkeypatch.setattr(memory, "allocator_swapped", lambda: self.swapped)
-        monkeypatch.setattr(memory, "enable_stream_routing", self._enable_stream_routing)
-        monkeypatch.setattr(memory, "routed_pool", lambda device=0: self.routed.get(device))
         return self

@@ -87,10 +87,10 @@ class MemoryPoolMode(str, enum.Enum):
     """Whether the executor routes PyTorch's CUDA allocations through the stream-aware pool.
 
     ``AUTO``: on CUDA, make the pool PyTorch's allocator if CUDA has not initialised yet in this
-    process; once it has (the user's script touched the GPU first), put the pool under each
-    trial's stream through PyTorch's private pools (:mod:`waterwave_hpo.memory._routed`); where
-    neither works, warn with the cause and the fix and keep PyTorch's allocator. ``ON``: the
-    same, or raise. ``OFF``: never.
+    process; once it has (the user's script touched the GPU first: the *late path*), or where
+    the pool cannot be installed, warn once with the cause, what is lost and the fix, and run
+    the trials on PyTorch's own caching allocator. ``ON``: the pool, or raise. ``OFF``: PyTorch's
+    allocator, without a word.
     """
 
     AUTO = "auto"
@@ -128,10 +128,6 @@ class DeviceMemory:
         # (the profile simulated, its prediction); read by other threads, replaced whole.
         self._packing: tuple[TrialProfile, PackingPrediction | None] | None = None
         self.pool = pool
-        # The pool sits under each trial's stream (CUDA was initialised before the executor)
-        # rather than being PyTorch's allocator.
-        self.routed = False
-        self._routes: dict[int, Any] = {}  # trial number -> its StreamRoute
         self.scheduler = scheduler
         self._lock = threading.Lock()
         self._peaks: deque[int] = deque(maxlen=_HISTORY)
@@ -163,12 +159,6 @@ class DeviceMemory:
         if self.pool is None or stream is None:
             return None
         account = self.pool.open_account(f"trial {trial_number}", streams=(stream,))
-        if self.routed:
-            from waterwave_hpo.memory import StreamRoute
-
-            route = StreamRoute(self.pool.device, stream)
-            with self._lock:
-                self._routes[trial_number] = route
         with self._lock:
             self._running[trial_number] = account
         _TRIAL_ACCOUNT.set(account)
@@ -178,10 +168,6 @@ class DeviceMemory:
         """Close the trial's account; returns its peak allocated bytes (``None`` without one)."""
         if account is None:
             return None
-        with self._lock:
-            route = self._routes.pop(trial_number, None)
-        if route is not None:
-            route.close()
         peak = int(account.stats().peak_allocated_bytes)
         if _TRIAL_ACCOUNT.get() is account:
             _TRIAL_ACCOUNT.set(None)
@@ -317,14 +303,9 @@ def make_device_memory(
         if capacity is not None and capacity < budget:
             budget = int(capacity)
     scheduler = None if budget is None else PipelineScheduler(budget, policy)
-    memory = DeviceMemory(
+    return DeviceMemory(
         device, pool, scheduler, budget, max_trials, DevicePlans() if plans else None
     )
-    if pool is not None:
-        from waterwave_hpo.memory import routed_pool
-
-        memory.routed = routed_pool(pool.device) is pool
-    return memory
 
 
 def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
@@ -341,7 +322,7 @@ def _device_pool(device: torch.device, mode: MemoryPoolMode) -> Any:
     if existing is not None:
         return existing
     if not allocator_swapped() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return _routed_pool(device, index, mode)
+        return _late_path(device, mode)
     try:
         pool = StreamAwarePool(backend="cuda", device=index)
         # "on": no allocator swap without the complete torch shim (its compiler's message).
@@ -386,38 +367,34 @@ _LATE_CAUSE = (
     "earlier study or process-isolated run in this process), so its allocator can no longer "
     "be replaced"
 )
+#: What running on PyTorch's caching allocator instead of the pool loses, and the fix.
+_LATE_LOSS = (
+    "memory a trial frees stays cached for its own CUDA stream and reaches a co-hosted trial "
+    "only when that trial's allocation fails (PyTorch then frees every cached block, "
+    "synchronising the device, and retries), instead of block by block as the pool hands it "
+    "on; trials have no pool account (waterwave_hpo.trial_memory_stats() returns None) and "
+    "trials_per_device='auto' has no measured peaks to pack by. PyTorch's own memory stats, "
+    "cuDNN benchmark mode, CUDA graphs and record_stream work as usual"
+)
+_LATE_FIX = (
+    "Fix: build the WaterwaveExecutor (or call waterwave_hpo.memory.use_pool) before the "
+    "script's first CUDA call; memory_pool='off' silences this."
+)
 
 
-def _routed_pool(device: torch.device, index: int, mode: MemoryPoolMode) -> Any:
-    """The pool under each trial's stream, for a process whose CUDA was initialised first."""
-    from waterwave_hpo.memory import StreamAwarePool
-    from waterwave_hpo.memory import enable_stream_routing
-    from waterwave_hpo.memory import routed_pool
+def _late_path(device: torch.device, mode: MemoryPoolMode) -> None:
+    """The late path: PyTorch's own allocator, said once with what it loses, or raised.
 
-    existing = routed_pool(index)
-    if existing is not None:
-        return existing
-    try:
-        pool = StreamAwarePool(backend="cuda", device=index)
-        enable_stream_routing(pool)
-    except (RuntimeError, ValueError, ImportError, OSError) as error:
-        message = (
-            f"Trials on {device} use PyTorch's own CUDA allocator, not the stream-aware pool: "
-            f"{_LATE_CAUSE}, and the pool cannot sit under the trials' streams either ({error}). "
-            "Fix: build the executor (or call waterwave_hpo.memory.use_pool) before the first "
-            "CUDA call of the process, or use a torch with torch.cuda.MemPool; "
-            "memory_pool='off' silences this."
-        )
-        if mode is MemoryPoolMode.ON:
-            raise RuntimeError(f"memory_pool='on': {message}") from error
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return None
-    _logger.info(
-        "%s: %s; the stream-aware pool serves each trial's stream through a private pool of "
-        "PyTorch's caching allocator instead (per-trial accounts, quotas and PyTorch's own "
-        "stats and cuDNN benchmark mode kept; memory flows between trials when a trial ends, "
-        "not block by block while they run).",
-        device,
-        _LATE_CAUSE,
+    The pool is not put under the trials' streams through private ``torch.cuda.MemPool``s:
+    while any stream is routed to one, PyTorch's caching allocator skips its out-of-memory
+    recovery and defers every ``record_stream`` free, and a ``MemPool`` destroyed while another
+    is routed aborts the process (``~MemPool`` -> ``emptyCache`` asserts no capture is
+    underway); measured on the CPU, see ``experiments/results/*-late-path-flow``.
+    """
+    message = (
+        f"Trials on {device} use PyTorch's own CUDA allocator, not the stream-aware pool: "
+        f"{_LATE_CAUSE}. What this loses: {_LATE_LOSS}. {_LATE_FIX}"
     )
-    return pool
+    if mode is MemoryPoolMode.ON:
+        raise RuntimeError(f"memory_pool='on': {message}")
+    warnings.warn(message, RuntimeWarning, stacklevel=4)

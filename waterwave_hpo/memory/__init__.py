@@ -16,10 +16,6 @@ from waterwave_hpo.memory._pool import Account
 from waterwave_hpo.memory._pool import Backend
 from waterwave_hpo.memory._pool import StreamAwarePool
 from waterwave_hpo.memory._pool import round_size
-from waterwave_hpo.memory._routed import StreamRoute
-from waterwave_hpo.memory._routed import enable_stream_routing
-from waterwave_hpo.memory._routed import routed_pool
-from waterwave_hpo.memory._routed import stream_routing_unavailable
 from waterwave_hpo.memory._sim import AllocRecord
 from waterwave_hpo.memory._sim import FinishRecord
 from waterwave_hpo.memory._sim import FreeRecord
@@ -72,7 +68,6 @@ __all__ = [
     "SimDevice",
     "StreamAwarePool",
     "StreamHazard",
-    "StreamRoute",
     "StreamWaitRecord",
     "SubmitRecord",
     "TorchAllocatorInfo",
@@ -82,14 +77,11 @@ __all__ = [
     "allocator_info",
     "allocator_swapped",
     "device_pool",
-    "enable_stream_routing",
     "installed_pool",
     "is_pool_oom",
     "library_path",
     "round_size",
-    "routed_pool",
     "stream_handle",
-    "stream_routing_unavailable",
     "translate_oom",
     "use_pool",
 ]
