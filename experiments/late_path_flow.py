@@ -17,15 +17,18 @@ the ordered events of one trial, what the same Python code asks of a CUDA alloca
 
 How it is replayed: ``--trials`` trials over K slots (one stream per slot, reused by the slot's
 next trial, as the executor's slots do), interleaved event by event (each round, every running
-slot does its next event, in slot order); slot ``s`` opens ``s * step_events / K`` rounds late, so
-that the trials' peaks do not all align; when a trial ends, the slot starts the next one. An
-attempt whose allocation fails frees everything it holds (in reverse order), counts one OOM, and
-the executor's rules of ``waterwave_hpo/executor/_optimize.py`` apply: ``release_memory`` calls
-``torch.cuda.empty_cache()``; with neighbours, the trial is re-queued (at most
-``--max-oom-retries`` times, the executor's default 2) to run only when at most
-``neighbours - 1`` trials run, and fresh trials wait behind it; alone, or past the cap, it fails.
-Capacities: ``factor`` x one trial's solo peak reserved bytes (the trial alone on PyTorch's
-caching allocator, what ``gpu_benchmark.py`` sizes its high demand by); ``light`` is K + 1.
+slot does its next event, in slot order). So that the trials' peaks do not all align, slot ``s``
+opens ``s * spread / K`` of a steady step late; each row is replayed ``--phases`` times, with
+``spread`` 1/P, 2/P, ..., 1, and its counts are summed over them. When a trial ends, its slot
+starts the next one. An attempt whose allocation fails frees everything it holds (latest first),
+counts one OOM, and the executor's rules apply (``waterwave_hpo/host/_attempt.py``,
+``waterwave_hpo/executor/_optimize.py``): ``release_memory`` calls ``torch.cuda.empty_cache()``
+before the attempt's account (and route) closes; an attempt that had neighbours is re-queued, at
+most ``--max-oom-retries`` times (the executor's default, 2), and starts first, once at most
+``neighbours - 1`` trials run (fresh trials wait behind it, and fill the other slots after it
+started); an attempt alone, or past the cap, fails its trial. Capacities: a factor times one
+trial's solo peak reserved bytes (the trial alone on PyTorch's caching allocator, what
+``gpu_benchmark.py`` sizes its high demand by): ``1.5``, ``0.75K`` (0.75 K), ``light`` (K + 1).
 
 The allocators:
 
@@ -79,14 +82,17 @@ or ``roundup_power2_divisions`` (PyTorch's defaults); no ``record_stream`` in th
 the traces are the CPU's ATen ops (same operators as on CUDA, ``native_batch_norm`` for cuDNN's);
 time is rounds of events, not seconds: a synchronisation costs nothing here, it is counted.
 
-Measured per (workload, K, capacity, allocator): trials completed and failed, OOM attempts;
-``flow_bytes``: bytes handed to an attempt that another attempt freed last (physical bytes:
-marks survive a segment's release and re-allocation), of which ``flow_live_bytes`` were freed by
-an attempt still running; ``device_syncs``: release passes that gave at least one segment back to
+Measured per (workload, K, capacity, allocator), summed over the phases: trials completed (and
+per phase) and failed, OOM attempts; ``flow_bytes``: bytes handed to an attempt that another
+attempt freed last (physical bytes: marks survive a segment's release and re-allocation), of
+which ``flow_cross_slot_bytes`` were freed on another slot and ``flow_live_bytes`` by an attempt
+still running (so on another slot: memory moving between co-hosted trials);
+``device_syncs``: release passes that gave at least one segment back to
 the driver (``cudaFree``/``cuMemFree`` synchronise the device), and the segments so given back;
-peak reserved bytes (device bytes held: PyTorch's ``total_allocated_memory``, or the pool's
-``peak_reserved_bytes``); segments taken from the device; for the pool, where its allocations came
-from (same stream, completed event, stream wait, new segment); ``rounds``: the replay's length.
+the highest peak reserved bytes (device bytes held: PyTorch's ``total_allocated_memory``, or the
+pool's ``peak_reserved_bytes``); segments taken from the device; for the pool, where its
+allocations came from (same stream, completed event, stream wait, new segment), per phase;
+``rounds``: the replays' length.
 
 Run (the committed results):
     python experiments/late_path_flow.py --out experiments/results/<date>-late-path-flow/
@@ -878,14 +884,18 @@ def replay(
     k: int,
     max_oom_retries: int = 2,
     gpu_lag: int = 8,
+    spread: float = 1.0,
 ) -> dict[str, Any]:
-    """Replays ``trials`` trials of ``trace`` over ``k`` slots on ``allocator``; their counts."""
+    """Replays ``trials`` trials of ``trace`` over ``k`` slots on ``allocator``; their counts.
+
+    Slot ``s`` opens ``s * spread / k`` of a steady step late (``spread`` 1: the slots' first
+    trials are spread over one step).
+    """
     slot_of: dict[int, int] = {}
     ledger = FlowLedger(slot_of)
     alloc = make_allocator(allocator, capacity_bytes, ledger, gpu_lag)
     events = trace.events
-    stagger = max(1, trace.step_events // k)
-    open_at = [s * stagger for s in range(k)]
+    open_at = [int(s * spread * trace.step_events / k) for s in range(k)]
     fresh = deque(range(trials))
     retries: deque[tuple[int, int, int]] = deque()  # (trial, attempt number, most running)
     slots: list[Attempt | None] = [None] * k
@@ -1054,15 +1064,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 capacity = int(factor * base)
                 for name in args.allocators:
                     t1 = time.time()
-                    row = replay(
-                        trace,
-                        name,
-                        capacity_bytes=capacity,
-                        trials=args.trials,
-                        k=k,
-                        max_oom_retries=args.max_oom_retries,
-                        gpu_lag=args.gpu_lag,
-                    )
+                    runs = [
+                        replay(
+                            trace,
+                            name,
+                            capacity_bytes=capacity,
+                            trials=args.trials,
+                            k=k,
+                            max_oom_retries=args.max_oom_retries,
+                            gpu_lag=args.gpu_lag,
+                            spread=(j + 1) / args.phases,
+                        )
+                        for j in range(args.phases)
+                    ]
                     row = {
                         "workload": wl.name,
                         "k": k,
@@ -1070,13 +1084,42 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "factor": factor,
                         "capacity_bytes": capacity,
                         "allocator": name,
-                        **row,
+                        **aggregate(runs),
                         "replay_s": round(time.time() - t1, 2),
+                        "phases": runs,
                     }
                     rows.append(row)
                     print(_row_line(row), flush=True)
     meta["load_end"] = _load()
     return {"meta": meta, "workloads": workloads, "rows": rows}
+
+
+#: Counts that add up over a row's phases; the rest is a maximum (peaks) or kept per phase.
+_SUMMED = (
+    "trials",
+    "completed",
+    "failed",
+    "oom_attempts",
+    "attempts",
+    "rounds",
+    "device_syncs",
+    "segment_allocs",
+    "segment_frees",
+    "handed_bytes",
+    "flow_bytes",
+    "flow_live_bytes",
+    "flow_cross_slot_bytes",
+)
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's replays (one per phase) summed; peaks are the highest; completed per phase."""
+    out: dict[str, Any] = {key: sum(int(r[key]) for r in runs) for key in _SUMMED}
+    out["completed_by_phase"] = [r["completed"] for r in runs]
+    out["peak_reserved_bytes"] = max(int(r["peak_reserved_bytes"]) for r in runs)
+    calls = [r["sync_calls"] for r in runs]
+    out["sync_calls"] = None if None in calls else sum(calls)
+    return out
 
 
 def _mib(n: int | None) -> str:
@@ -1086,7 +1129,8 @@ def _mib(n: int | None) -> str:
 def _row_line(r: dict[str, Any]) -> str:
     return (
         f"  {r['workload']} K={r['k']} C={r['capacity']:<9} {r['allocator']:<11} "
-        f"done {r['completed']:>2}/{r['trials']} fail {r['failed']:>2} oom {r['oom_attempts']:>2} "
+        f"done {r['completed']:>2}/{r['trials']} {r['completed_by_phase']} "
+        f"fail {r['failed']:>2} oom {r['oom_attempts']:>2} "
         f"flow {_mib(r['flow_cross_slot_bytes'])} MiB (live {_mib(r['flow_live_bytes'])}) "
         f"syncs {r['device_syncs']} peak {_mib(r['peak_reserved_bytes'])} MiB "
         f"segs {r['segment_allocs']} rounds {r['rounds']} ({r['replay_s']} s)"
@@ -1118,7 +1162,8 @@ def table(results: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {r['k']} | {r['capacity']} = {_mib(r['capacity_bytes'])} MiB | "
-                f"{r['allocator']} | {r['completed']}/{r['trials']} | {r['failed']} | "
+                f"{r['allocator']} | {r['completed']}/{r['trials']} "
+                f"({', '.join(map(str, r['completed_by_phase']))}) | {r['failed']} | "
                 f"{r['oom_attempts']} | {_mib(r['flow_cross_slot_bytes'])} | "
                 f"{_mib(r['flow_live_bytes'])} | "
                 f"{r['device_syncs']} ({r['segment_frees']}) | {_mib(r['peak_reserved_bytes'])} | "
@@ -1172,10 +1217,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=ALLOCATORS)
     p.add_argument("--max-oom-retries", type=int, default=2)
     p.add_argument("--gpu-lag", type=int, default=8, help="events a stream's GPU work lags")
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=3,
+        help="replays per row, the slots' starts spread over 1/P, 2/P, ... 1 of a step",
+    )
     p.add_argument("--toy", action="store_true", help="a tiny CNN, 3 steps, 6 trials, K=2")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.trials < 1 or min(args.ks) < 1 or args.gpu_lag < 1:
-        p.error("--steps, --trials, --ks and --gpu-lag must be >= 1")
+    if min(args.steps, args.trials, *args.ks, args.gpu_lag, args.phases) < 1:
+        p.error("--steps, --trials, --ks, --gpu-lag and --phases must be >= 1")
     if args.toy:
         args.steps, args.trials, args.ks = min(args.steps, 3), min(args.trials, 6), [2]
     for f in args.factors:
