@@ -460,11 +460,13 @@ class PoolReplay(Replayed):
 
     def __init__(self, capacity_bytes: int, gpu_lag: int) -> None:
         self.pool = StreamAwarePool(capacity_bytes=capacity_bytes, backend="sim")
+        self.capacity = capacity_bytes
         self._gpu = _SimGpu(self.pool, gpu_lag)
         self._accounts: dict[int, Any] = {}
         self._attempt_of: dict[int, int] = {}  # account id -> attempt id
         self._live: dict[int, dict[int, int]] = {}  # attempt -> tid -> ptr
         self.ooms = 0
+        self.oom_free_bytes = 0  # summed over OOMs: capacity not in live blocks
 
     def begin(self, a: Attempt) -> None:
         account = self.pool.open_account(f"attempt {a.aid}", streams=(a.stream,))
@@ -477,6 +479,7 @@ class PoolReplay(Replayed):
             self._live[a.aid][tid] = self.pool.allocate(nbytes, a.stream)
         except PoolOutOfMemoryError:
             self.ooms += 1
+            self.oom_free_bytes += self.capacity - self.pool.stats().allocated_bytes
             return False
         return True
 
@@ -509,6 +512,7 @@ class PoolReplay(Replayed):
         out.update(
             peak_reserved_bytes=s.peak_reserved_bytes,
             sync_calls=None,
+            oom_free_bytes=self.oom_free_bytes,
             sources={
                 "same_stream": s.same_stream,
                 "completed_event": s.completed_event,
@@ -675,7 +679,10 @@ class CachingModel(Replayed):
         self.freeable: list[_PrivatePool] = []
         self.routes_open = 0  # len(captures_underway)
         self._live: dict[int, dict[int, _Block]] = {}
+        self.capacity = capacity_bytes
         self.total = 0  # total_allocated_memory
+        self.allocated = 0  # bytes in live blocks
+        self.oom_free_bytes = 0  # summed over OOMs: capacity not in live blocks
         self.peak = 0
         self.segment_allocs = 0  # num_device_alloc
         self.segment_frees = 0  # num_device_free
@@ -757,6 +764,7 @@ class CachingModel(Replayed):
                 block = self._alloc_block(pool, a.stream, alloc_size)
             if block is None:
                 self.ooms += 1
+                self.oom_free_bytes += self.capacity - self.allocated
                 return False
         remaining = block.size - size
         split = remaining >= K_MIN_BLOCK if pool.is_small else remaining > K_SMALL_SIZE
@@ -770,6 +778,7 @@ class CachingModel(Replayed):
             block.size = size
             pool.insert(rest)
         block.allocated = True
+        self.allocated += block.size
         self._live[a.aid][tid] = block
         self.ledger.handed(block.addr, block.size, a.aid)
         return True
@@ -777,6 +786,7 @@ class CachingModel(Replayed):
     def _free_block(self, block: _Block, a: Attempt) -> None:
         self.ledger.freed(block.addr, block.size, a.aid)
         block.allocated = False
+        self.allocated -= block.size
         pool = block.pool
         for nb in (block.prev, block.next):  # try_merge_blocks
             if nb is None or nb.allocated:
@@ -843,6 +853,7 @@ class CachingModel(Replayed):
             out["private_segment_allocs"] = self.segment_allocs
             out["private_segment_frees"] = self.segment_frees
         out["sync_calls"] = self.sync_calls
+        out["oom_free_bytes"] = self.oom_free_bytes
         out["sources"] = None
         out.update(ledger.counts())
         return out
@@ -961,6 +972,54 @@ def replay(
     out.update(alloc.metrics(ledger))
     alloc.close()
     return out
+
+
+def smallest_capacity(
+    trace: Trace,
+    allocator: str,
+    solo_peak_bytes: int,
+    *,
+    k: int,
+    trials: int,
+    phases: int,
+    resolution: float,
+    max_oom_retries: int = 2,
+    gpu_lag: int = 8,
+) -> float | None:
+    """The least capacity, in solo peaks, at which no replay of any phase runs out of memory.
+
+    Bisection over multiples of ``resolution`` in ``(0, trials + 1]``; it assumes that more
+    capacity never adds an OOM (not checked at every point). None: ``trials + 1`` solo peaks
+    do not suffice.
+    """
+
+    def fits(i: int) -> bool:
+        capacity = int(i * resolution * solo_peak_bytes)
+        return all(
+            replay(
+                trace,
+                allocator,
+                capacity_bytes=capacity,
+                trials=trials,
+                k=k,
+                max_oom_retries=max_oom_retries,
+                gpu_lag=gpu_lag,
+                spread=(j + 1) / phases,
+            )["oom_attempts"]
+            == 0
+            for j in range(phases)
+        )
+
+    lo, hi = 0, math.ceil((trials + 1) / resolution)
+    if not fits(hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi * resolution
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -1090,6 +1149,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     }
                     rows.append(row)
                     print(_row_line(row), flush=True)
+            if args.resolution > 0:
+                least = workloads[wl.name].setdefault("smallest_capacity", {})[f"K={k}"] = {}
+                for name in args.allocators:
+                    least[name] = smallest_capacity(
+                        trace,
+                        name,
+                        base,
+                        k=k,
+                        trials=args.trials,
+                        phases=args.phases,
+                        resolution=args.resolution,
+                        max_oom_retries=args.max_oom_retries,
+                        gpu_lag=args.gpu_lag,
+                    )
+                print(f"  {wl.name} K={k}: least capacity without an OOM (solo peaks): {least}")
     meta["load_end"] = _load()
     return {"meta": meta, "workloads": workloads, "rows": rows}
 
@@ -1109,6 +1183,7 @@ _SUMMED = (
     "flow_bytes",
     "flow_live_bytes",
     "flow_cross_slot_bytes",
+    "oom_free_bytes",
 )
 
 
@@ -1116,6 +1191,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row's replays (one per phase) summed; peaks are the highest; completed per phase."""
     out: dict[str, Any] = {key: sum(int(r[key]) for r in runs) for key in _SUMMED}
     out["completed_by_phase"] = [r["completed"] for r in runs]
+    ooms = out["oom_attempts"]
+    out["oom_free_bytes_mean"] = out.pop("oom_free_bytes") // ooms if ooms else None
     out["peak_reserved_bytes"] = max(int(r["peak_reserved_bytes"]) for r in runs)
     calls = [r["sync_calls"] for r in runs]
     out["sync_calls"] = None if None in calls else sum(calls)
@@ -1152,10 +1229,30 @@ def table(results: dict[str, Any]) -> str:
             )
             + ").",
             "",
-            "| K | capacity (solo peaks) | allocator | completed | failed | OOM attempts | "
-            "flow from other slots MiB | of it live MiB | device syncs (segments freed) | "
-            "peak reserved MiB | segments from device | rounds |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        least = w.get("smallest_capacity")
+        if least:
+            names = list(next(iter(least.values())))
+            lines += [
+                "Least capacity at which no attempt runs out of memory, in solo peaks (bisection, "
+                f"every phase; {results['meta']['args']['resolution']} resolution; '>' : more "
+                f"than trials + 1):",
+                "",
+                "| K | " + " | ".join(names) + " |",
+                "|---|" + "---|" * len(names),
+            ]
+            for k_label, by in least.items():
+                cells = [
+                    f">{results['meta']['args']['trials'] + 1}" if v is None else f"{v:g}"
+                    for v in by.values()
+                ]
+                lines.append(f"| {k_label[2:]} | " + " | ".join(cells) + " |")
+            lines.append("")
+        lines += [
+            "| K | capacity (solo peaks) | allocator | completed (by phase) | failed | "
+            "OOM attempts | free at an OOM MiB | flow from other slots MiB | of it live MiB | "
+            "device syncs (segments freed) | peak reserved MiB | segments from device | rounds |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results["rows"]:
             if r["workload"] != name:
@@ -1164,7 +1261,8 @@ def table(results: dict[str, Any]) -> str:
                 f"| {r['k']} | {r['capacity']} = {_mib(r['capacity_bytes'])} MiB | "
                 f"{r['allocator']} | {r['completed']}/{r['trials']} "
                 f"({', '.join(map(str, r['completed_by_phase']))}) | {r['failed']} | "
-                f"{r['oom_attempts']} | {_mib(r['flow_cross_slot_bytes'])} | "
+                f"{r['oom_attempts']} | {_mib(r['oom_free_bytes_mean'])} | "
+                f"{_mib(r['flow_cross_slot_bytes'])} | "
                 f"{_mib(r['flow_live_bytes'])} | "
                 f"{r['device_syncs']} ({r['segment_frees']}) | {_mib(r['peak_reserved_bytes'])} | "
                 f"{r['segment_allocs']} | {r['rounds']} |"
@@ -1190,13 +1288,17 @@ def readme(results: dict[str, Any]) -> str:
         f"- Versions: Python {m['python']}, torch {m['torch']}, Optuna {m['optuna']}, "
         f"waterwave-hpo {m['waterwave_hpo']} at {m['git_commit']}.\n"
         f"- Command: `{m['command']}`\n\n"
-        "Columns: *flow from other slots*: bytes handed to a trial's attempt that an attempt on "
-        "another slot freed last (`results.json` also has `flow_bytes`, which counts the slot's "
-        "own earlier trials too); *live*: of those, bytes freed by an attempt still running "
-        "(memory moving between co-hosted trials); *device syncs*: release passes that gave "
-        "segments back to the driver "
-        "(`cudaFree`/`cuMemFree` synchronise the device), with the segments freed; *rounds*: the "
-        "replay's length in rounds of one event per running slot (not time).\n" + table(results)
+        f"Each row sums {m['args']['phases']} replays of {m['args']['trials']} trials (the "
+        "slots' starts spread over 1/P, 2/P, ..., 1 of a step). Columns: *free at an OOM*: the "
+        "capacity not in live blocks when an allocation failed, averaged (large: fragmentation "
+        "or cached blocks out of reach; small: the trials' live bytes did not fit); *flow from "
+        "other slots*: bytes handed to a trial's attempt that an attempt on another slot freed "
+        "last (`results.json` also has `flow_bytes`, which counts the slot's own earlier trials "
+        "too); *live*: of those, bytes freed by an attempt still running (memory moving between "
+        "co-hosted trials); *device syncs*: release passes that gave segments back to the "
+        "driver (`cudaFree`/`cuMemFree` synchronise the device), with the segments freed; "
+        "*rounds*: the replays' length in rounds of one event per running slot (not time).\n"
+        + table(results)
     )
 
 
@@ -1205,7 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, README.md")
     p.add_argument("--workloads", nargs="+", default=["small-cnn", "resnet"])
-    p.add_argument("--steps", type=int, default=10, help="SGD steps a trial trains")
+    p.add_argument("--steps", type=int, default=20, help="SGD steps a trial trains")
     p.add_argument("--trials", type=int, default=16)
     p.add_argument("--ks", type=int, nargs="+", default=[4, 8])
     p.add_argument(
@@ -1217,6 +1319,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=ALLOCATORS)
     p.add_argument("--max-oom-retries", type=int, default=2)
     p.add_argument("--gpu-lag", type=int, default=8, help="events a stream's GPU work lags")
+    p.add_argument(
+        "--resolution",
+        type=float,
+        default=0.25,
+        help="grid (solo peaks) of the search for the least capacity without an OOM; 0: none",
+    )
     p.add_argument(
         "--phases",
         type=int,

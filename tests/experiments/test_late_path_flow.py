@@ -138,14 +138,47 @@ def test_pytorchs_sizes_follow_its_source(lpf: ModuleType) -> None:
     assert lpf.torch_allocation_size(10 * MIB + 512) == 12 * MIB  # rounded up to 2 MiB
 
 
+def test_the_least_capacity_without_an_oom_is_the_edge_between_oom_and_none(
+    lpf: ModuleType, trace: Any, solo_peak: int
+) -> None:
+    least = lpf.smallest_capacity(
+        trace, "torch", solo_peak, k=2, trials=4, phases=1, resolution=0.5
+    )
+    assert least is not None
+
+    def ooms(factor: float) -> int:
+        capacity = int(factor * solo_peak)
+        return int(
+            lpf.replay(trace, "torch", capacity_bytes=capacity, trials=4, k=2)["oom_attempts"]
+        )
+
+    assert ooms(least) == 0
+    assert ooms(least - 0.5) > 0
+
+
 def test_the_script_writes_its_results_and_readme(lpf: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "flow"
-    assert lpf.main(["--toy", "--factors", "2.5", "light", "--out", str(out)]) == 0
+    argv = ["--toy", "--factors", "2.5", "light", "--phases", "2", "--resolution", "1"]
+    assert lpf.main([*argv, "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     rows = results["rows"]
     assert {(r["capacity"], r["allocator"]) for r in rows} == {
         (c, a) for c in ("2.5", "light (3)") for a in ("pool", "torch", "routed", "routed-slot")
     }
+    assert all(r["trials"] == 12 and len(r["completed_by_phase"]) == 2 for r in rows)
+    assert set(results["workloads"]["small-cnn"]["smallest_capacity"]["K=2"]) == {
+        "pool",
+        "torch",
+        "routed",
+        "routed-slot",
+    }
     assert results["meta"]["torch"] and results["meta"]["load_start"]
     readme = (out / "README.md").read_text()
-    assert "| K | capacity" in readme and "routed-slot" in readme
+    assert "| K | capacity" in readme and "Least capacity" in readme
+
+
+def test_a_capacity_that_is_not_a_factor_is_refused_naming_the_fix(lpf: ModuleType) -> None:
+    assert lpf.capacity_factor("0.75K", 8) == ("0.75K (6)", 6.0)
+    assert lpf.capacity_factor("light", 4) == ("light (5)", 5.0)
+    with pytest.raises(ValueError, match=r"'half' is neither 'light'.*0.75K"):
+        lpf.capacity_factor("half", 4)
