@@ -389,7 +389,8 @@ def _late_path(device: torch.device, mode: MemoryPoolMode) -> None:
     while any stream is routed to one, PyTorch's caching allocator skips its out-of-memory
     recovery and defers every ``record_stream`` free, and a ``MemPool`` destroyed while another
     is routed aborts the process (``~MemPool`` -> ``emptyCache`` asserts no capture is
-    underway); measured on the CPU, see ``experiments/results/*-late-path-flow``.
+    underway). Replayed on the CPU, PyTorch's allocator completes the most trials of what the
+    late path can have (``experiments/results/2026-11-28-late-path-flow/``).
     """
     message = (
         f"Trials on {device} use PyTorch's own CUDA allocator, not the stream-aware pool: "
