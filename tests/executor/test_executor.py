@@ -314,6 +314,63 @@ def test_out_of_memory_with_neighbours_is_retried_with_fewer_neighbours(
     assert concurrency_at_start[3] <= 2
 
 
+def test_an_out_of_memory_re_run_keeps_fewer_neighbours_while_it_runs(
+    storage: optuna.storages.BaseStorage,
+) -> None:
+    # Fresh trials wait behind the re-run, and once it runs they may not fill the slots it
+    # needed free: it failed beside two neighbours, so until it ends at most one runs beside it.
+    inside = threading.Barrier(3, timeout=20)
+    lock = threading.Lock()
+    running: set[int] = set()
+    first_x: list[float] = []
+    rerun: list[int] = []  # the re-run's trial number (it has trial 0's parameters)
+    beside_rerun: list[int] = []  # neighbours seen while the re-run ran
+    fresh_done_during_rerun = threading.Semaphore(0)
+    pair = threading.Barrier(2, timeout=1.0)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        x = trial.suggest_float("x", 0, 1)
+        with lock:
+            if trial.number == 0:
+                first_x.append(x)
+            elif first_x and x == first_x[0]:
+                rerun.append(trial.number)
+            running.add(trial.number)
+            if rerun and rerun[0] in running:
+                beside_rerun.append(len(running) - 1)
+        try:
+            if trial.number < 3:
+                inside.wait()
+            if trial.number == 0:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+            if trial.number < 3:  # trial 0's neighbours until it was told FAIL
+                deadline = time.monotonic() + 30
+                while study.trials[0].state is TrialState.RUNNING:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            if rerun and trial.number == rerun[0]:  # runs until two fresh trials ended beside it
+                for _ in range(2):
+                    assert fresh_done_during_rerun.acquire(timeout=30)
+            elif rerun and trial.number > rerun[0] and rerun[0] in running:
+                try:  # two fresh trials beside the re-run meet here; one alone goes on after 1 s
+                    pair.wait()
+                except threading.BrokenBarrierError:
+                    pass
+            return x
+        finally:
+            with lock:
+                running.discard(trial.number)
+                if rerun and trial.number > rerun[0] and rerun[0] in running:
+                    fresh_done_during_rerun.release()
+
+    study = optuna.create_study(storage=storage)
+    _cpu(3).optimize(study, objective, n_trials=8)
+    assert len(rerun) == 1
+    assert study.trials[rerun[0]].system_attrs["waterwave:retry_of"] == 0
+    assert _states(study).count(TrialState.COMPLETE) == 8
+    assert beside_rerun and max(beside_rerun) <= 1, beside_rerun
+
+
 def test_out_of_memory_alone_is_not_retried(storage: optuna.storages.BaseStorage) -> None:
     def objective(trial: optuna.trial.Trial) -> float:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory.")

@@ -95,6 +95,10 @@ class OptimizeRun:
         self.hosts = executor._make_hosts(settings)
         self.n_started = 0  # new trials started (not counting OOM re-runs)
         self.retries: deque[_RetryRequest] = deque()
+        # Running OOM re-runs -> the most trials their host may run while they do (the
+        # re-run and the neighbours it may have): fresh trials must not fill the slots it
+        # needed free once it started.
+        self.rerun_limits: dict[int, int] = {}
         self.error: BaseException | None = None  # first fatal error, re-raised at the end
         self.stopping = False
         self.progress = _optuna_compat.progress_bar(show_progress_bar, n_trials, timeout_s)
@@ -279,6 +283,8 @@ class OptimizeRun:
             for request in list(self.retries):
                 if (request.retry_of, request.attempt) == (retry_of, attempt):
                     self.retries.remove(request)
+                    if request.max_running is not None:
+                        self.rerun_limits[trial.number] = request.max_running + 1
         retry_number = None if retry_of is None else int(retry_of)  # type: ignore[call-overload]
         return TrialJob(trial, attempt, retry_number, planning)
 
@@ -310,18 +316,30 @@ class OptimizeRun:
         return False
 
     def _host_for(self, max_running: int | None) -> HostHandle[Any] | None:
-        # The host with the most room: fewest running trials among those with an idle slot.
+        # The host with the most room: fewest running trials among those with an idle slot,
+        # and below the limit of any OOM re-run it runs.
         candidates = [
             host
             for host in self.hosts
             if host.idle_slot() is not None
             and (max_running is None or host.n_running <= max_running)
+            and host.n_running < self._rerun_limit(host)
         ]
         if not candidates:
             return None
         return min(candidates, key=lambda host: host.n_running)
 
+    def _rerun_limit(self, host: HostHandle[Any]) -> float:
+        """The most trials ``host`` may run while its OOM re-runs run (inf without any)."""
+        limits = [
+            self.rerun_limits[slot.job.trial.number]
+            for slot in host.slots
+            if slot.job is not None and slot.job.trial.number in self.rerun_limits
+        ]
+        return min(limits, default=float("inf"))
+
     def _handle(self, outcome: TrialOutcome) -> None:
+        self.rerun_limits.pop(outcome.job.trial.number, None)
         for host in self.hosts:
             for slot in host.slots:
                 if slot.job is outcome.job:
