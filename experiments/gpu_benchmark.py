@@ -1366,6 +1366,7 @@ def _versions() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        MODE_B_ENV: os.environ.get(MODE_B_ENV),
         "CUDA_MPS_PIPE_DIRECTORY": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
 

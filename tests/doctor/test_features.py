@@ -145,3 +145,10 @@ def test_the_worker_crash_check_fails_when_the_reason_names_no_signal() -> None:
     result = _features.check_worker_crash(CPU, crash="exit")
     assert result.status is CheckStatus.FAIL, result.detail
     assert "SIGSEGV" not in result.detail.split("pass:")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_k4_study_after_cuda_was_touched_first_completes() -> None:
+    result = _features.late_path_result("cuda:0", k=4, n_trials=8)
+    assert result.status is CheckStatus.PASS, result.detail
