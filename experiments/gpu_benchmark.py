@@ -11,27 +11,58 @@ ratio to one trial at a time (temporal sharing) measured in the same run:
   process), on PyTorch's caching allocator (``memory_pool="off"``) and on PyTorch's
   ``backend:cudaMallocAsync`` (the driver's stream-ordered pool; ``memory_pool="off"``); each
   with NodeGroup gates off and on (``ww.pipeline`` on the model: ``+gates``);
+* ``ww-torch+modeB``: ``ww-torch`` at K = ``--ks[0]``, light demand, in a process of its own with
+  ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` (torch reads it once, at the process's first cuDNN
+  convolution): cuDNN's heuristic mode B alone, on PyTorch's allocator, beside ``ww-torch`` (the
+  pool's rows once ran with it and cost 11-67% against PyTorch's);
+* ``ww-late``: the executor with ``memory_pool="auto"`` at K = ``--ks[0]``, light demand, in a
+  process whose CUDA a tensor initialised first (the late path, as a script that moved its data
+  to the GPU before building the executor): whatever the executor then does, the row records
+  that it completed, how fast, on what allocator and what the executor said;
 * ``fused``: the executor with ``fuse=K`` (HFTA's horizontal fusion, ``waterwave_hpo.fusion``);
-* ``processes``: the executor with ``isolation="process"`` (a worker process per slot).
+* ``processes``: the executor with ``isolation="process"`` (a worker process per slot, each on
+  PyTorch's caching allocator: spatial sharing).
 
 for K = 4 and 8, on two workloads (a small CNN, batch 128, and the bench's ResNet-style CNN,
 batch 64, both on 32x32 inputs, 16 trials x 100 SGD steps), at light demand and at high demand:
-the capacity is ``--high-factor`` (2.5) times one trial's measured peak, so K trials' summed
-peaks do not fit. The baselines are bounded the same way: PyTorch's allocators by
-``torch.cuda.set_per_process_memory_fraction(capacity / total)``, the executor by
-``memory_budget_bytes=capacity`` (and, on PyTorch's allocators, the same fraction). Per row:
-trials completed, out-of-memory attempts and failed trials, wall seconds, and, where the pool
-runs, the pool's counters (allocations, new segments, segments held, stream waits). The
-physical anchors come first, on the same GPU: a matmul's TFLOP/s and a pinned host-to-device
-copy's GB/s.
+the cap is ``--high-factor`` (2.5) times one trial's measured peak (reserved bytes), so K
+trials' summed peaks do not fit. At high demand every method is capped at the same bytes, the
+bytes of the segments its allocator took from the device (reserved, cached ones included),
+above what the process still held once its caches were released (``held_bytes``, outside the
+cap): PyTorch's caching allocator by ``torch.cuda.set_per_process_memory_fraction((held + cap) /
+total)`` (its limit counts reserved bytes); the pool by its capacity,
+``StreamAwarePool.set_capacity(held + cap)`` (its capacity counts the segments it holds);
+``processes`` by the executor's leases (``memory_budget_bytes=cap``: each worker's allocator
+bounded by the fraction of its lease, ``cap / K``); the executor also gets
+``memory_budget_bytes=cap`` (its scheduler's budget). ``cudaMallocAsync`` is the exception, and
+its rows say so: there the fraction limits the bytes PyTorch's live tensors hold (allocated),
+not what the driver's pool reserves. Per row: trials completed, out-of-memory attempts and
+failed trials, wall seconds, ``cap_bytes`` (null at light demand), ``peak_bytes`` (the most
+device bytes the row's trials held at once, reserved, above ``held_bytes``: PyTorch's
+``max_memory_reserved``, the pool's ``peak_reserved_bytes``; for ``processes`` the sum of each
+worker's own peak, an upper bound; ``peak_source`` names which), and, where the pool runs, the
+pool's counters and its ``driver_stats()`` over the row. The physical anchors come first, on the
+same GPU: a matmul's TFLOP/s and a pinned host-to-device copy's GB/s. The pool's torch shim is
+built before the first group starts, so its compile time never lands in a row.
 
-Each configuration that needs its own allocator or a fresh CUDA context runs in its own
-process (a *group*: anchors, torch, pool, async, processes); a row that fails records its error
-and the next row runs; a group that dies or overruns is recorded and the next group runs. Every
-row has a share of the time budget (``--budget-s``, default 450 s, so that the whole run,
-start-up included, ends within 8 minutes); a row that reaches the end of its share stops
-starting trials, its running trials stop at their next step, and the row says ``cut``. The ratio
-of a row is its completed trials per second over temporal's, so a cut row still compares.
+Each configuration that needs its own allocator, environment or a fresh CUDA context runs in
+its own process (a *group*: anchors, torch, pool, modeb, late, async, processes); a row that
+fails records its error and the next row runs; a group that dies (a native abort included) or
+overruns is recorded and the next group runs. Every row has a share of the time budget
+(``--budget-s``, default 450 s, so that the whole run, start-up included, ends within 8
+minutes); a row that reaches the end of its share stops starting trials, its running trials
+stop at their next step, and the row says ``cut``. The ratio of a row is its completed trials
+per second over temporal's, so a cut row still compares.
+
+On the CPU (``--device cpu``) the pool's rows run too: a simulated device stands in for the GPU
+(``StreamAwarePool(backend="sim")``, capped like the GPU's pool): every tensor an op makes in a
+trial is allocated from it on the trial's own virtual stream and freed with the tensor (the
+data stays in host memory), so the pool group's code runs end to end with its cap, counters,
+``driver_stats`` and ``peak_bytes``; the row's ``stand_in`` says so, and none of its figures is
+a GPU figure. The anchors' solo peaks come from that simulated device too; the other rows'
+``peak_bytes`` is the process's peak resident memory growth over the row (Linux ``VmHWM``,
+reset through ``/proc/self/clear_refs``). The CUDA-only rows (``ww-async``, ``+modeB``,
+``ww-late``) are skipped there, saying why; their ``cap_bytes`` is still set.
 
 Run on a GPU (one command):
     python experiments/gpu_benchmark.py --out results-gpu/
@@ -39,19 +70,23 @@ On the CPU at toy scale (what CI runs; tiny models, a few steps, K=2):
     python experiments/gpu_benchmark.py --device cpu --toy --out /tmp/gpubench/
 
 Writes into ``--out`` (created; an existing folder is refused unless it is empty or this script
-made it): ``results.json`` (machine, versions, arguments, anchors, capacities, every row),
-``results.csv`` (one line per row), ``table.md`` (the printed table) and ``group-<name>.log``
-(each group process's output). Needs torch and Optuna and the installed package; not Ray.
+made it): ``results.json`` (machine, versions, arguments, anchors, capacities, the shim's build,
+every row), ``results.csv`` (one line per row), ``table.md`` (the printed table) and
+``group-<name>.log`` (each group process's output). Needs torch and Optuna and the installed
+package; not Ray.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
+import gc
 import importlib
 import json
+import logging
 import os
 from pathlib import Path
 import platform
@@ -59,14 +94,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
+import warnings
+import weakref
 
 _T0 = time.time()  # the run's start: torch's import below counts against the budget
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
 
 MARKER = ".gpu_benchmark"
 ASYNC_CONF = "backend:cudaMallocAsync"
@@ -74,6 +114,13 @@ _OOM_ATTR = "gpubench:oom"
 _CUT_ATTR = "gpubench:cut"
 _STEPS_ATTR = "gpubench:steps"
 _START_ATTR = "gpubench:start"
+_PEAK_ATTR = "gpubench:peak_bytes"
+_PID_ATTR = "gpubench:pid"
+#: The executor's record of why a trial failed (``record_trial_attrs=True``); Optuna's own key
+#: for ``study.optimize(catch=...)`` is ``fail_reason``.
+_FAIL_REASON = "waterwave:fail_reason"
+#: Read by torch once per process, at its first cuDNN convolution (ATen/native/ConvUtils.h).
+MODE_B_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
 
 
 # -- the plan: workloads, rows, groups ------------------------------------------------------------
@@ -103,13 +150,15 @@ class Row:
     """One configuration at one workload and one demand, and what it measured.
 
     Attributes:
-        key: Unique name, ``<workload>/<setting>/<label>``.
-        group: The process it runs in (``torch``, ``pool``, ``async``, ``processes``).
+        key: Unique name, ``<workload>/<setting>/<label>[+gates][+modeB][ K=k]``.
+        group: The process it runs in (``torch``, ``pool``, ``modeb``, ``late``, ``async``,
+            ``processes``).
         workload: The workload's name.
         setting: ``light`` or ``high``.
         label: The configuration (``temporal``, ``optuna-nj``, ``ww-pool``, ...).
         k: Trials at once.
         gates: NodeGroup gates on the model (``ww.pipeline``).
+        mode_b: Run in a process with ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1``.
         share_s: Seconds of the budget this row may take (set by its group at run time).
         status: ``ok``, ``cut`` (stopped at the end of its share), ``error``, ``skipped`` (not
             for this device, or not selected) or ``pending`` (not run yet).
@@ -126,9 +175,25 @@ class Row:
         x_temporal: ``steps_per_s`` over temporal's at the same workload and demand (for a row
             that was not cut: its completed trials per second over temporal's).
         allocator: The allocator the trials ran on.
-        bound: How the row's memory was bounded at high demand.
+        bound: How the row's memory was bounded (the cap, and what counts against it).
+        cap_bytes: High demand: the bytes every method of this workload is capped at (reserved,
+            above ``held_bytes``); the same for every row of the workload at high demand, also
+            on rows not run. ``None`` at light demand.
+        held_bytes: Device bytes the process still held at the row's start, once its caches
+            were released (outside the cap; the stand-in's on the CPU); ``None`` where not
+            measured.
+        peak_bytes: The most device bytes the row's trials held at once, reserved, above
+            ``held_bytes``; ``peak_source`` says how it was measured. ``None`` when the row did
+            not run.
+        peak_source: Where ``peak_bytes`` comes from (PyTorch's ``max_memory_reserved``, the
+            pool's ``peak_reserved_bytes``, the workers' own peaks summed, the simulated device,
+            or the process's peak resident memory growth on the CPU).
+        cudnn_mode_b: Whether ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` was set in the row's
+            process at its end (``None`` on the CPU, where cuDNN does not run).
+        stand_in: What stood in for the GPU (the simulated device on the CPU), else ``""``.
         note: Anything the reader must know (the error, why not run, what was cut).
         pool: The pool's counters over the row (where the pool runs), else ``{}``.
+        driver: The pool's ``driver_stats()`` over the row (where the pool runs), else ``{}``.
     """
 
     key: str
@@ -138,6 +203,7 @@ class Row:
     label: str
     k: int
     gates: bool = False
+    mode_b: bool = False
     share_s: float = 0.0
     status: str = "pending"
     wall_s: float | None = None
@@ -150,14 +216,44 @@ class Row:
     x_temporal: float | None = None
     allocator: str = ""
     bound: str = ""
+    cap_bytes: int | None = None
+    held_bytes: int | None = None
+    peak_bytes: int | None = None
+    peak_source: str = ""
+    cudnn_mode_b: bool | None = None
+    stand_in: str = ""
     note: str = ""
     pool: dict[str, Any] = dataclasses.field(default_factory=dict)
+    driver: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 #: The configurations a row can be.
-LABELS = ("temporal", "optuna-nj", "ww-torch", "ww-pool", "ww-async", "fused", "processes")
+LABELS = (
+    "temporal",
+    "optuna-nj",
+    "ww-torch",
+    "ww-pool",
+    "ww-async",
+    "ww-late",
+    "fused",
+    "processes",
+)
 #: Group order: ``torch`` first (its process measures the anchors, which size the high demand).
-GROUPS = ("torch", "pool", "async", "processes")
+GROUPS = ("torch", "pool", "modeb", "late", "async", "processes")
+#: Groups whose rows need CUDA, and why (said on their rows on the CPU).
+CUDA_ONLY = {
+    "async": "CUDA only: cudaMallocAsync serves CUDA memory",
+    "modeb": "CUDA only: cuDNN's heuristic mode B applies to cuDNN's convolutions",
+    "late": "CUDA only: the late path is a CUDA context initialised before the executor",
+}
+#: The environment each group's process adds to the driver's.
+GROUP_ENV = {"async": {"PYTORCH_CUDA_ALLOC_CONF": ASYNC_CONF}, "modeb": {MODE_B_ENV: "1"}}
+#: What stands in for the GPU in the pool group on the CPU (said on its rows).
+SIM_STAND_IN = (
+    "no GPU: a simulated device (StreamAwarePool(backend='sim'), capped like the GPU's pool) "
+    "stood in: every tensor an op made in a trial was allocated from it on the trial's virtual "
+    "stream and freed with the tensor; the data stayed in host memory. Not a GPU figure"
+)
 #: Expected cost of a row relative to temporal at the same workload (sizes the time shares).
 _WEIGHT = {"temporal": 1.0, "processes": 1.6}
 _WEIGHT_CO_HOSTED = 0.6
@@ -187,12 +283,15 @@ def plan_rows(device_type: str, ks: list[int], settings: list[str], toy: bool) -
                 label: str,
                 k: int,
                 gates: bool = False,
+                mode_b: bool = False,
                 wl: WorkloadDef = wl,
                 setting: str = setting,
             ) -> None:
-                name = f"{label}{'+gates' if gates else ''}" + (f" K={k}" if k > 1 else "")
+                name = f"{label}{'+gates' if gates else ''}{'+modeB' if mode_b else ''}" + (
+                    f" K={k}" if k > 1 else ""
+                )
                 key = f"{wl.name}/{setting}/{name}"
-                rows.append(Row(key, group, wl.name, setting, label, k, gates))
+                rows.append(Row(key, group, wl.name, setting, label, k, gates, mode_b))
 
             add("torch", "temporal", 1)
             for k in ks:
@@ -205,15 +304,18 @@ def plan_rows(device_type: str, ks: list[int], settings: list[str], toy: bool) -
             for k in ks:
                 for gates in (False, True):
                     add("pool", "ww-pool", k, gates)
+            if setting == "light" and (not toy or wl.name == "small-cnn"):
+                add("modeb", "ww-torch", ks[0], mode_b=True)
+                add("late", "ww-late", ks[0])
             for k in ks:
                 add("async", "ww-async", k)
             if not toy or (wl.name == "small-cnn" and setting == settings[0]):
                 add("processes", "processes", ks[0])
-    if not cuda:
-        for row in rows:
-            if row.group in ("pool", "async"):
-                row.status = "skipped"
-                row.note = "CUDA only: the pool and cudaMallocAsync serve CUDA memory"
+    for row in rows:
+        if not cuda and row.group in CUDA_ONLY:
+            row.status, row.note = "skipped", CUDA_ONLY[row.group]
+        if not cuda and row.group == "pool":
+            row.stand_in = SIM_STAND_IN
     return rows
 
 
@@ -282,42 +384,61 @@ def is_oom(error: BaseException) -> bool:
         return isinstance(error, torch.cuda.OutOfMemoryError)
 
 
-def train_trial(trial: Any, wl: WorkloadDef, steps: int, deadline: float, gates: bool) -> float:
+def train_trial(
+    trial: Any,
+    wl: WorkloadDef,
+    steps: int,
+    deadline: float,
+    gates: bool,
+    worker_peak: bool = False,
+) -> float:
     """Train one trial for ``steps`` SGD steps on its device; return the last loss.
 
     The device is the executor's (``ww.current()``) inside the executor, else the one set by
-    the row (``_DEVICE``). Raises :class:`RowCut` at the first step past ``deadline``; an
-    out-of-memory error is marked on the trial (``gpubench:oom``) and raised.
+    the row (``_DEVICE``). On the CPU, where a simulated device stands in for the GPU
+    (``_STAND_IN``), every tensor the trial makes is allocated from it on the trial's virtual
+    stream (:class:`SimDeviceMemory`). Raises :class:`RowCut` at the first step past
+    ``deadline``; an out-of-memory error is marked on the trial (``gpubench:oom``) and raised.
+    ``worker_peak``: record the process's own peak (``gpubench:peak_bytes``, with its pid:
+    a worker process runs one trial at a time).
     """
     import waterwave_hpo as ww
 
     trial.set_user_attr(_START_ATTR, time.time())
     ctx = ww.current_or_none()
     device = ctx.device if ctx is not None else torch.device(_DEVICE[0])
+    stand_in = _STAND_IN[0] if device.type == "cpu" else None
+    stream = (ctx.slot if ctx is not None else 0) + 1  # a virtual stream per slot
+    peak = ProcessPeak(device) if worker_peak else None
     hp = suggest(trial)
     try:
-        torch.manual_seed(trial.number)
-        model = build_model(wl).to(device)
-        if gates:
-            model = ww.pipeline(model)
-        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"])
-        batches = make_batches(wl, device, seed=trial.number)
-        loss = torch.zeros(())
-        for step in range(steps):
-            if time.time() > deadline:
-                trial.set_user_attr(_CUT_ATTR, True)
-                trial.set_user_attr(_STEPS_ATTR, step)
-                raise RowCut(f"the row's time share ended at step {step} of {steps}")
-            x, y = batches[step % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-        return float(loss.detach().item())
+        with SimDeviceMemory(stand_in, stream) if stand_in is not None else _no_scope():
+            torch.manual_seed(trial.number)
+            model = build_model(wl).to(device)
+            if gates:
+                model = ww.pipeline(model)
+            opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"])
+            batches = make_batches(wl, device, seed=trial.number)
+            loss = torch.zeros(())
+            for step in range(steps):
+                if time.time() > deadline:
+                    trial.set_user_attr(_CUT_ATTR, True)
+                    trial.set_user_attr(_STEPS_ATTR, step)
+                    raise RowCut(f"the row's time share ended at step {step} of {steps}")
+                x, y = batches[step % len(batches)]
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+            return float(loss.detach().item())
     except Exception as error:
         if is_oom(error):
             trial.set_user_attr(_OOM_ATTR, True)
         raise
+    finally:
+        if peak is not None:
+            trial.set_user_attr(_PEAK_ATTR, peak.read())
+            trial.set_user_attr(_PID_ATTR, os.getpid())
 
 
 def train_fused(trials: list[Any], wl: WorkloadDef, steps: int, deadline: float) -> list[Any]:
@@ -366,6 +487,159 @@ def train_fused(trials: list[Any], wl: WorkloadDef, steps: int, deadline: float)
 
 
 _DEVICE = ["cpu"]
+#: The simulated device standing in for the GPU in the pool group on the CPU, else ``None``.
+_STAND_IN: list[Any] = [None]
+#: Capacity of the stand-in at light demand: a simulated 4 GiB device.
+SIM_DEVICE_BYTES = 4 << 30
+#: A tensor moved to the device first thing in the ``late`` group (the user's data), kept.
+_TOUCHED: list[Any] = []
+#: What the executor said in this process (warnings, its log), for the ``late`` rows.
+_SAID: list[str] = []
+
+
+# -- device memory: the CPU's stand-in for the GPU, peaks, caps ---------------------------------
+
+
+@contextlib.contextmanager
+def _no_scope() -> Any:
+    yield
+
+
+def _storage_address(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr()) if t.layout is torch.strided else None
+    except (RuntimeError, NotImplementedError):  # a tensor without storage
+        return None
+
+
+def _release_block(pool: Any, charged: dict[int, int], lock: Any, address: int, block: int) -> None:
+    with lock:
+        if charged.get(address) == block:
+            del charged[address]
+    try:
+        pool.free(block)
+    except Exception:  # the pool closed first (the process is ending)
+        pass
+
+
+class SimDeviceMemory(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
+    """Every tensor an op makes in this scope is allocated from a simulated device too.
+
+    The CPU's stand-in for the GPU's pool: each new storage an op returns (not a view of one
+    of its inputs) gets a block of its size from ``pool`` (a ``sim``
+    :class:`~waterwave_hpo.memory.StreamAwarePool`) on ``stream``, freed (in ``stream``'s order)
+    when the storage dies; each op is one simulated kernel on ``stream``, complete when the op
+    returns (the CPU ran it by then). So the pool's
+    rules (its capacity, cross-stream reuse, counters, driver calls) see the trial's real
+    allocation sizes and lifetimes, while the data stays in host memory. When the pool is out
+    of memory the op's output is dropped and ``torch.OutOfMemoryError`` raised, as PyTorch
+    raises for a device. Thread-local, as every dispatch mode (one per trial thread); the
+    trial's backward, which runs in its own thread on the CPU, is in scope too.
+
+    Args:
+        pool: A ``sim`` pool.
+        stream: The trial's virtual stream (any nonzero int).
+    """
+
+    def __init__(self, pool: Any, stream: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call,unused-ignore]
+        self.pool = pool
+        self.stream = stream
+        # A live host storage's address -> its block; per scope, so that no lock is a module
+        # global (the processes rows pickle this script's functions to their workers).
+        self._charged: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            _storage_address(t)
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                address = _storage_address(t)
+                if address is not None and address not in seen:
+                    seen.add(address)
+                    self._charge(t, address)
+        # One simulated kernel, done when the op returns (a CPU op has run by then), so frees
+        # on one stream are seen complete by the others, as a GPU's short kernels soon are.
+        self.pool.sim.submit(self.stream)
+        self.pool.sim.finish(self.stream)
+        return out
+
+    def _charge(self, t: torch.Tensor, address: int) -> None:
+        from waterwave_hpo.memory import PoolOutOfMemoryError
+
+        storage = t.untyped_storage()
+        nbytes = int(storage.nbytes())
+        with self._lock:
+            if nbytes == 0 or address in self._charged:
+                return
+        try:
+            block = self.pool.allocate(nbytes, self.stream)
+        except PoolOutOfMemoryError as error:
+            raise torch.OutOfMemoryError(
+                f"the simulated device standing in for the GPU is out of memory: {error}"
+            ) from error
+        with self._lock:
+            self._charged[address] = block
+        weakref.finalize(
+            storage, _release_block, self.pool, self._charged, self._lock, address, block
+        )
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (``None`` off Linux)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+class ProcessPeak:
+    """This process's peak device bytes from now on: reserved on CUDA, resident on the CPU.
+
+    On CUDA: PyTorch's peak reserved bytes (its peaks reset now). On the CPU: the growth of the
+    process's peak resident memory (Linux ``VmHWM``, reset now through ``/proc/self/clear_refs``;
+    where it cannot be reset, ``ru_maxrss``, which grows only past the process's earlier peak).
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.start = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.source = "torch.cuda.max_memory_reserved"
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self.resettable = _proc_status_bytes("VmHWM") is not None
+        except OSError:
+            self.resettable = False
+        if self.resettable:
+            self.start = _proc_status_bytes("VmRSS") or 0
+            self.source = "the process's peak resident memory growth (VmHWM), host memory"
+        else:
+            import resource
+
+            self.start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self.source = "the process's ru_maxrss growth (only past its earlier peak)"
+
+    def read(self) -> int:
+        """Bytes: the peak since this object was made (above the start on the CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device))
+        if self.resettable:
+            return max((_proc_status_bytes("VmHWM") or 0) - self.start, 0)
+        import resource
+
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start, 0)
 
 
 # -- the group process: runs its rows, one JSON line each ---------------------------------------
@@ -376,7 +650,8 @@ def _release_cached(device: Any) -> int:
 
     cuBLAS keeps a workspace per (handle, stream) allocated through PyTorch's allocator, outside
     ``empty_cache``; earlier rows' threads and streams would otherwise count against the next
-    row's bound.
+    row's bound. Under the pool, ``empty_cache`` gives its wholly free segments back (no trial
+    runs between rows) and the bytes reserved are the pool's.
     """
     torch.cuda.synchronize(device)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -389,15 +664,12 @@ def _release_cached(device: Any) -> int:
         return 0
 
 
-def _memory_fraction(device: Any, capacity: int | None) -> str:
-    """Bound PyTorch's allocator to ``capacity`` bytes above what it holds now; say how.
+def _memory_fraction(device: Any, capacity: int | None, held: int) -> str:
+    """Bound PyTorch's allocator to ``capacity`` bytes above ``held``; say how.
 
-    ``None``: unbound (fraction 1). The fraction is ``(held + capacity) / total``, ``held`` the
-    bytes still reserved once the caches are released (none, unless something is still alive).
+    ``None``: unbound (fraction 1). The fraction is ``(held + capacity) / total``: PyTorch's
+    caching allocator refuses a new segment once its reserved bytes would pass it.
     """
-    if device.type != "cuda":
-        return "not bounded (CPU)" if capacity else ""
-    held = _release_cached(device)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = 1.0 if capacity is None else min(1.0, (held + capacity) / total)
     try:
@@ -409,22 +681,72 @@ def _memory_fraction(device: Any, capacity: int | None) -> str:
     return f"set_per_process_memory_fraction({fraction:.6f}): {capacity} B above {held} B held"
 
 
-def _pool_counters(device: Any) -> dict[str, Any] | None:
-    """The stream-aware pool's counters on ``device``, or ``None`` when no pool serves it."""
+def _serving_pool(device: Any) -> Any:
+    """The stream-aware pool serving this process's trials on ``device``, or ``None``.
+
+    On CUDA the pool installed as PyTorch's allocator (or its pass-through pool), else one the
+    executor put under the trials' streams; on the CPU the simulated device standing in.
+    """
+    if device.type != "cuda":
+        return _STAND_IN[0]
     try:
         from waterwave_hpo import memory
 
         index = device.index or 0
-        # The pool the executor installed, else one that serves PyTorch some other way.
-        pool = memory.installed_pool(index) or getattr(memory, "device_pool", lambda i: None)(index)
-        if pool is None:
-            return None
-        out = {k: v for k, v in dataclasses.asdict(pool.stats()).items()}
+        for name in ("installed_pool", "device_pool", "routed_pool"):
+            lookup = getattr(memory, name, None)  # the pool's API is changing: look, not assume
+            pool = lookup(index) if lookup is not None else None
+            if pool is not None:
+                return pool
+    except Exception:  # its counters are a bonus, never a failure
+        return None
+    return None
+
+
+def _install_pool(device: Any) -> str:
+    """Install a stream-aware pool as PyTorch's allocator on ``device``; ``""`` or why not.
+
+    What the executor's ``memory_pool="auto"`` does at its first ``optimize`` (and the
+    executor then reuses the installed pool), done here so that the row's cap is on the pool
+    before its first trial.
+    """
+    try:
+        from waterwave_hpo import memory
+
+        memory.use_pool(memory.StreamAwarePool(backend="cuda", device=device.index or 0))
+    except Exception as error:  # the row runs on, and says the pool was not installed
+        return f"{type(error).__name__}: {error}"[:300]
+    return ""
+
+
+def _allocator_swapped() -> bool:
+    try:
+        from waterwave_hpo import memory
+
+        return bool(memory.allocator_swapped())
+    except Exception:
+        return False
+
+
+def _pool_counters(pool: Any) -> dict[str, Any] | None:
+    """The pool's counters (and its mutex's), or ``None`` without a pool."""
+    if pool is None:
+        return None
+    try:
+        out = dict(dataclasses.asdict(pool.stats()))
         lock_stats = getattr(pool, "lock_stats", None)
         if lock_stats is not None:
             out.update({f"lock_{k}": v for k, v in dataclasses.asdict(lock_stats()).items()})
         return out
     except Exception:  # the pool's API is changing: its counters are a bonus, never a failure
+        return None
+
+
+def _driver_counters(pool: Any) -> dict[str, Any] | None:
+    """The pool's ``driver_stats()``, or ``None`` without a pool (or without the method)."""
+    try:
+        return dict(dataclasses.asdict(pool.driver_stats())) if pool is not None else None
+    except Exception:
         return None
 
 
@@ -444,16 +766,133 @@ def _pool_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> 
     return out
 
 
-def _allocator_name(device: Any, group: str) -> str:
+def _allocator_name(device: Any, row: Row) -> str:
+    if row.label == "processes":
+        return "workers' own" + (" (PyTorch's caching allocator)" if device.type == "cuda" else "")
     if device.type != "cuda":
-        return "cpu"
-    if _pool_counters(device) is not None:
+        return "sim pool (stand-in)" if _STAND_IN[0] is not None else "cpu"
+    if _allocator_swapped():
         return "waterwave-pool"
+    if _serving_pool(device) is not None:
+        return "pytorch-caching, waterwave-pool under the trials' streams"
     try:
         backend = torch.cuda.get_allocator_backend()
     except (AttributeError, RuntimeError):
         backend = "native"
     return "cudaMallocAsync" if backend == "cudaMallocAsync" else "pytorch-caching"
+
+
+class RowMemory:
+    """A row's device memory: what was held at its start, its cap, its peak and the pool's work.
+
+    Made just before the row's trials start: releases the caches, measures what the process
+    still holds (``held``), caps the row's allocator at ``cap`` bytes above it (see the module
+    docstring: the fraction for PyTorch's allocators, the capacity for the pool, leases for
+    processes) and resets the peaks. :meth:`finish` fills the row's memory fields.
+    """
+
+    def __init__(self, device: Any, row: Row, cap: int | None) -> None:
+        self.device = device
+        self.row = row
+        self.cap = cap
+        self.cuda = device.type == "cuda"
+        self.install_error = ""
+        if row.group == "pool" and self.cuda and not _allocator_swapped():
+            self.install_error = _install_pool(device)  # the warm-up did not: the cap needs it
+        pool: Any = None if row.label == "processes" else _serving_pool(device)
+        self.pool = pool
+        # The pool serves every tensor (PyTorch's allocator on CUDA, the stand-in on the CPU).
+        self.pool_serves = self.pool is not None and (not self.cuda or _allocator_swapped())
+        self.held: int | None = None
+        self.process_peak: ProcessPeak | None = None
+        bounds = []
+        gc.collect()  # an earlier row's trials in reference cycles: freed, not counted as held
+        if row.label == "processes":
+            if cap is not None:
+                bounds.append(
+                    f"memory_budget_bytes={cap}: a lease of {cap // row.k} B per worker, its "
+                    "PyTorch allocator bounded by set_per_process_memory_fraction(lease / total)"
+                    " (reserved bytes, the worker's context outside)"
+                )
+        elif self.cuda:
+            self.held = _release_cached(device)
+            if self.pool_serves:
+                pool.set_capacity(None if cap is None else self.held + cap)
+                if cap is not None:
+                    bounds.append(
+                        f"pool.set_capacity({self.held + cap}): {cap} B of segments above "
+                        f"{self.held} B held"
+                    )
+                pool.reset_peaks()
+            else:
+                # PyTorch's own allocators (the pool group's too, if its pool is not installed)
+                if row.group in ("torch", "pool", "async", "modeb"):
+                    bound = _memory_fraction(device, cap, self.held)
+                    if bound and row.group == "async":
+                        bound += (
+                            " (cudaMallocAsync: the limit counts the bytes PyTorch's live "
+                            "tensors hold, not what the driver's pool reserves)"
+                        )
+                    if bound:
+                        bounds.append(bound)
+                torch.cuda.reset_peak_memory_stats(device)
+        elif self.pool_serves:  # the CPU's stand-in
+            pool.release_cached()
+            self.held = int(pool.stats().reserved_bytes)
+            pool.set_capacity(SIM_DEVICE_BYTES if cap is None else self.held + cap)
+            pool.reset_peaks()
+            if cap is not None:
+                bounds.append(
+                    f"stand-in pool.set_capacity({self.held + cap}): {cap} B above "
+                    f"{self.held} B held"
+                )
+        else:
+            self.process_peak = ProcessPeak(device)
+            if cap is not None:
+                bounds.append("not bounded (CPU: no device memory to cap)")
+        self.bound = "; ".join(bounds)
+        self.counters = _pool_counters(self.pool)
+        self.driver = _driver_counters(self.pool)
+
+    def finish(self, study: Any) -> None:
+        """Fill the row's ``cap_bytes``, ``held_bytes``, ``peak_bytes``, ``pool``, ``driver``."""
+        row = self.row
+        row.cap_bytes = self.cap
+        row.held_bytes = self.held
+        if row.label == "processes":
+            per_worker: dict[Any, int] = {}
+            for t in study.trials:
+                if _PEAK_ATTR in t.user_attrs:
+                    pid = t.user_attrs.get(_PID_ATTR)
+                    per_worker[pid] = max(per_worker.get(pid, 0), int(t.user_attrs[_PEAK_ATTR]))
+            if per_worker:
+                row.peak_bytes = sum(per_worker.values())
+                what = "max_memory_reserved" if self.cuda else "peak resident memory growth"
+                row.peak_source = (
+                    f"each worker's own {what} over its trials, summed over {len(per_worker)} "
+                    "workers (an upper bound of what they held at once)"
+                )
+        elif self.pool_serves:
+            held = self.held or 0
+            row.peak_bytes = int(self.pool.stats().peak_reserved_bytes) - held
+            row.peak_source = (
+                "the pool's peak_reserved_bytes"
+                if self.cuda
+                else "the simulated device's peak_reserved_bytes (the CPU's stand-in)"
+            )
+        elif self.cuda:
+            row.peak_bytes = int(torch.cuda.max_memory_reserved(self.device)) - (self.held or 0)
+            row.peak_source = "torch.cuda.max_memory_reserved" + (
+                " (cudaMallocAsync: the driver pool's reserved high-water mark)"
+                if row.group == "async"
+                else ""
+            )
+        elif self.process_peak is not None:
+            row.peak_bytes = self.process_peak.read()
+            row.peak_source = self.process_peak.source
+        if self.pool is not None:
+            row.pool = _pool_delta(self.counters, _pool_counters(self.pool))
+            row.driver = _pool_delta(self.driver, _driver_counters(self.pool))
 
 
 def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
@@ -472,22 +911,19 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
     capacity = plan["capacity_bytes"].get(row.workload) if high else None
     if high and capacity is None:
         raise RuntimeError("no capacity for the high demand: the anchors group did not size it")
-    bounds = []
-    if row.group in ("torch", "async"):  # PyTorch's own allocators: bounded by the fraction
-        bound = _memory_fraction(device, capacity)
-        if bound:
-            bounds.append(bound)
+    memory = RowMemory(device, row, capacity)
+    bounds = [memory.bound] if memory.bound else []
     executor_kwargs: dict[str, Any] = {}
     if row.label.startswith("ww-") or row.label in ("fused", "processes"):
-        executor_kwargs["memory_pool"] = "auto" if row.label in ("ww-pool", "processes") else "off"
+        executor_kwargs["memory_pool"] = "auto" if row.label in ("ww-pool", "ww-late") else "off"
         if capacity is not None:
             executor_kwargs["memory_budget_bytes"] = int(capacity)
-            bounds.append(f"memory_budget_bytes={capacity}")
+            if row.label != "processes":
+                bounds.append(f"memory_budget_bytes={capacity}")
     row.bound = "; ".join(bounds)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=plan["seed"]))
     timeout = max(deadline - time.time(), 0.001)
-    before = _pool_counters(device) if device.type == "cuda" else None
     start = time.time()
     if row.label in ("temporal", "optuna-nj"):
         _DEVICE[0] = str(device)
@@ -502,16 +938,21 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
             return train_fused(trials, wl, steps, deadline)
 
         executor = ww.WaterwaveExecutor(
-            devices=str(device), trials_per_device=1, fuse=row.k, **executor_kwargs
+            devices=str(device),
+            trials_per_device=1,
+            fuse=row.k,
+            record_trial_attrs=True,
+            **executor_kwargs,
         )
         executor.optimize(
             study, ww.batched(fused_objective), n_trials=n, timeout=timeout, catch=(Exception,)
         )
     else:
         gates = row.gates
+        worker_peak = row.label == "processes"
 
         def ww_objective(trial: Any) -> float:
-            return train_trial(trial, wl, steps, deadline, gates)
+            return train_trial(trial, wl, steps, deadline, gates, worker_peak)
 
         if row.label == "processes":
             executor_kwargs["isolation"] = "process"
@@ -523,7 +964,7 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
                     else "MPS not running: the workers time-slice the GPU"
                 )
         executor = ww.WaterwaveExecutor(
-            devices=str(device), trials_per_device=row.k, **executor_kwargs
+            devices=str(device), trials_per_device=row.k, record_trial_attrs=True, **executor_kwargs
         )
         executor.optimize(study, ww_objective, n_trials=n, timeout=timeout, catch=(Exception,))
     if device.type == "cuda" and row.label != "processes":
@@ -544,13 +985,19 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
     if row.wall_s > 0:
         row.trials_per_s = row.completed / row.wall_s
         row.steps_per_s = steps_done / row.wall_s
-    row.allocator = (
-        "workers' own" if row.label == "processes" else _allocator_name(device, row.group)
-    )
-    if device.type == "cuda" and row.label != "processes":
-        row.pool = _pool_delta(before, _pool_counters(device))
-    if row.label == "ww-pool" and row.allocator != "waterwave-pool":
-        row.note = "the pool was not installed (the executor fell back to PyTorch's allocator)"
+    row.allocator = _allocator_name(device, row)
+    memory.finish(study)
+    row.cudnn_mode_b = os.environ.get(MODE_B_ENV) == "1" if device.type == "cuda" else None
+    if row.label == "ww-pool" and not memory.pool_serves:
+        row.note = "the pool was not installed (the executor fell back to PyTorch's allocator)" + (
+            f": {memory.install_error}" if memory.install_error else ""
+        )
+    if row.label == "ww-late":
+        said = "; ".join(dict.fromkeys(_SAID))[:300]  # once per process: the warm-up's too
+        first = f"CUDA touched first ({_TOUCHED[0].device})" if _TOUCHED else "CUDA not touched"
+        row.note = f"{first}; the trials ran on {row.allocator}" + (
+            f"; the executor said: {said}" if said else "; the executor said nothing"
+        )
     if cut and time.time() >= deadline:
         row.status = "cut"
         row.note = (
@@ -561,7 +1008,7 @@ def run_row(row: Row, plan: dict[str, Any], deadline: float) -> None:
         row.status = "ok"
         if row.completed < n:
             reasons = {
-                str(getattr(t, "system_attrs", {}).get("fail_reason", ""))[:120]
+                str(t.system_attrs.get(_FAIL_REASON, t.system_attrs.get("fail_reason", "")))[:120]
                 for t in study.trials
                 if t.state == optuna.trial.TrialState.FAIL
             } - {""}
@@ -575,7 +1022,9 @@ def warm_up(plan: dict[str, Any], group: str) -> None:
     """First use of cuDNN/cuBLAS and each model's kernels, before any row is timed.
 
     In the pool group the warm-up runs inside the executor (``memory_pool="auto"``), so the pool
-    is installed before anything touches CUDA, as a user's first ``optimize`` would.
+    is installed before anything touches CUDA, as a user's first ``optimize`` would. In the
+    late group it also runs inside the executor with ``memory_pool="auto"``, after CUDA was
+    touched: it is the process's first meeting with the late path.
     """
     import optuna
 
@@ -591,13 +1040,32 @@ def warm_up(plan: dict[str, Any], group: str) -> None:
         executor = ww.WaterwaveExecutor(
             devices=plan["device"],
             trials_per_device=2,
-            memory_pool="auto" if group == "pool" else "off",
+            memory_pool="auto" if group in ("pool", "late") else "off",
         )
 
         def objective(trial: Any, wl: WorkloadDef = wl) -> float:
             return train_trial(trial, wl, 3, far, trial.number % 2 == 1)
 
         executor.optimize(study, objective, n_trials=2)
+
+
+def _listen_to_the_executor() -> None:
+    """Keep what the executor warns and logs in this process (``_SAID``), for the late rows."""
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if "Experimental" not in category.__name__:  # the CUDA paths' standing notice
+            _SAID.append(f"{category.__name__}: {message}")
+        shown(message, category, *args, **kwargs)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            _SAID.append(f"{record.levelname}: {record.getMessage()}")
+
+    warnings.showwarning = show
+    logger = logging.getLogger("waterwave_hpo")
+    logger.addHandler(Keep(logging.INFO))
+    logger.setLevel(logging.INFO)
 
 
 def group_main(plan_path: str, group: str, out_path: str) -> int:
@@ -611,6 +1079,16 @@ def group_main(plan_path: str, group: str, out_path: str) -> int:
         with out.open("a") as f:
             f.write(json.dumps(obj) + "\n")
 
+    if group == "late" and plan["device"].startswith("cuda"):
+        # CUDA touched first, before anything of waterwave_hpo is imported: a script that moved
+        # its data to the GPU before it built the executor.
+        _TOUCHED.append(torch.ones(1 << 18, device=plan["device"]))
+    if group == "late":
+        _listen_to_the_executor()
+    if group == "pool" and plan["device"] == "cpu":
+        from waterwave_hpo.memory import StreamAwarePool
+
+        _STAND_IN[0] = StreamAwarePool(SIM_DEVICE_BYTES, backend="sim")
     if plan["device"].startswith("cuda") and group != "processes":
         _DEVICE[0] = plan["device"]
     if plan["device"] == "cpu":
@@ -673,7 +1151,8 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
     """Matmul TFLOP/s, host-to-device GB/s, and each workload's solo peak bytes and step time.
 
     Runs on PyTorch's caching allocator (the ``torch`` group's process, before its rows), so
-    the peaks are what one trial alone reserves there.
+    the peaks are what one trial alone reserves there; on the CPU, what it reserves on the
+    simulated device standing in for the GPU (:func:`sim_solo_peak_bytes`).
     """
     device = torch.device(plan["device"])
     cuda = device.type == "cuda"
@@ -742,10 +1221,9 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
             # trial's model, batches, activations, cuDNN and cuBLAS workspaces.
             entry["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
             entry["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device)) - held
-        else:  # no allocator counts CPU tensors: parameters, gradients, momentum, one batch
-            params = sum(p.numel() * p.element_size() for p in model.parameters())
-            x = batches[0][0]
-            entry["peak_reserved_bytes"] = 3 * params + 8 * x.numel() * x.element_size()
+        else:  # no allocator counts CPU tensors: the simulated device the pool rows run on
+            entry["peak_reserved_bytes"] = sim_solo_peak_bytes(wl)
+            entry["peak_source"] = "the simulated device's peak_reserved_bytes (the CPU's stand-in)"
         peaks[wl.name] = entry
         del model, opt, batches
     result["workloads"] = peaks
@@ -753,6 +1231,30 @@ def measure_anchors(plan: dict[str, Any]) -> dict[str, Any]:
         _release_cached(device)
         torch.cuda.reset_peak_memory_stats(device)
     return result
+
+
+def sim_solo_peak_bytes(wl: WorkloadDef, steps: int = 2) -> int:
+    """One trial's peak reserved bytes alone on the simulated device (the CPU's stand-in).
+
+    What the pool rows on the CPU are capped against: a fresh model, its batches and ``steps``
+    SGD steps (momentum 0.9), every tensor allocated from a ``sim`` pool of its own.
+    """
+    from waterwave_hpo.memory import StreamAwarePool
+
+    pool = StreamAwarePool(SIM_DEVICE_BYTES, backend="sim")
+    with SimDeviceMemory(pool, 1):
+        torch.manual_seed(0)
+        model = build_model(wl)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batches = make_batches(wl, "cpu", seed=0)
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        peak = int(pool.stats().peak_reserved_bytes)
+        del model, opt, batches, x, y
+    return peak
 
 
 def apply_anchors(plan: dict[str, Any], anchors: dict[str, Any]) -> None:
@@ -803,8 +1305,33 @@ def _child(args: list[str], env_extra: dict[str, str], timeout_s: float, log: Pa
             return f"the group process ran past its window of {timeout_s:.0f} s and was killed"
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-3:]
-        return f"the group process exited with code {proc.returncode}: {' | '.join(tail)}"[:400]
+        how = f"exited with code {proc.returncode}"
+        if proc.returncode < 0:  # a signal: a native abort (SIGABRT) or crash took it down
+            try:
+                how = f"was killed by {signal.Signals(-proc.returncode).name}"
+            except ValueError:
+                how = f"was killed by signal {-proc.returncode}"
+        return f"the group process {how}: {' | '.join(tail)}"[:400]
     return ""
+
+
+def prebuild_shim() -> dict[str, Any]:
+    """Build the pool's torch shim now, before any group, so that no row pays its compile.
+
+    The shim is built once per torch version into a per-user cache that every later process
+    finds; importing torch here does not initialise CUDA.
+
+    Returns:
+        ``{"seconds": ..., "path": ...}``, or ``{"seconds": ..., "error": ...}`` (the pool group
+        then runs without it, or fails, and says so).
+    """
+    t0 = time.perf_counter()
+    try:
+        from waterwave_hpo.memory._internal import build_shim
+
+        return {"seconds": time.perf_counter() - t0, "path": str(build_shim())}
+    except Exception as error:  # recorded; the groups meet the same error and say so
+        return {"seconds": time.perf_counter() - t0, "error": f"{type(error).__name__}: {error}"}
 
 
 def _read_anchors(path: Path, why: str, plan: dict[str, Any]) -> dict[str, Any]:
@@ -839,19 +1366,26 @@ def _versions() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        MODE_B_ENV: os.environ.get(MODE_B_ENV),
         "CUDA_MPS_PIPE_DIRECTORY": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
 
 
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / (1 << 20):.{1 if nbytes >= 1 << 20 else 3}f}"
+
+
 def format_table(rows: list[Row], n: int, anchors: dict[str, Any], device_label: str) -> str:
-    """The one table: each row's ratio to temporal, trials completed, OOMs, fails, status."""
+    """The one table: each row's ratio to temporal, trials, OOMs, fails, peak and cap, status."""
     lines = [
         f"GPU benchmark on {device_label}: {n} trials per row; x = SGD steps per second over "
-        "one at a time's (same workload and demand, same run; completed and cut trials' steps)",
+        "one at a time's (same workload and demand, same run; completed and cut trials' steps); "
+        "peak: the most bytes the row's trials held, reserved (results.json: peak_source); "
+        "cap: the bytes every method is capped at, at high demand",
         "",
         "| workload | demand | configuration | allocator | x temporal | completed | OOM | FAIL "
-        "| pool: allocs / new segments / stream waits | status | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak / cap MiB | pool: allocs / new segments / stream waits | status | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r.key.split("/", 2)[2]
@@ -864,9 +1398,10 @@ def format_table(rows: list[Row], n: int, anchors: dict[str, Any], device_label:
                 str(r.pool.get(k, "?"))
                 for k in ("num_allocs", "new_segment", "stream_waits_issued")
             )
+        memory = f"{_mib(r.peak_bytes)} / {_mib(r.cap_bytes)}"
         lines.append(
             f"| {r.workload} | {r.setting} | {name} | {r.allocator or '-'} | {x} | {done} "
-            f"| {r.oom} | {r.failed} | {pool} | {r.status} | {note} |"
+            f"| {r.oom} | {r.failed} | {memory} | {pool} | {r.status} | {note} |"
         )
     walls = [
         f"{r.workload} {r.setting} {r.wall_s:.2f} s"
@@ -974,6 +1509,14 @@ def main(argv: list[str] | None = None) -> int:
             out / "group-anchors.log",
         )
         anchors = _read_anchors(anchors_path, why, plan)
+    # The pool's torch shim, compiled (once per torch) before any timed group starts.
+    shim: dict[str, Any] = {"skipped": "no CUDA: the simulated device stands in for the pool"}
+    if device_type == "cuda" and any(
+        r.group in ("pool", "late") and r.status == "pending" for r in rows
+    ):
+        print("building the pool's torch shim ...", flush=True)
+        shim = prebuild_shim()
+        print(f"torch shim: {shim}", flush=True)
     # 2. the groups, each in a fresh process, each given a window of the remaining budget in
     # proportion to its rows' expected cost.
     run_groups = [g for g in GROUPS if any(r.group == g and r.status == "pending" for r in rows)]
@@ -995,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
         plan["rows"] = [dataclasses.asdict(r) for r in rows]
         plan_path.write_text(json.dumps(plan))
         result = tmp / f"{group}.jsonl"
-        env = {"PYTORCH_CUDA_ALLOC_CONF": ASYNC_CONF} if group == "async" else {}
+        env = GROUP_ENV.get(group, {})
         print(f"group {group}: window {window:.0f} s ...", flush=True)
         why = _child(
             ["--_group", group, "--_plan", str(plan_path), "--_result", str(result)],
@@ -1018,6 +1561,8 @@ def main(argv: list[str] | None = None) -> int:
                 mine.status = "error"
                 mine.note = why or "the group process ended before this row"
     rows = [by_key[r.key] for r in rows]
+    for r in rows:  # every method of a workload capped alike at high demand, run or not
+        r.cap_bytes = plan["capacity_bytes"].get(r.workload) if r.setting == "high" else None
     # 3. ratios to temporal, the table, the files.
     for r in rows:
         base_row = by_key.get(f"{r.workload}/{r.setting}/temporal")
@@ -1040,6 +1585,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
         "anchors": anchors,
         "capacity_bytes": plan["capacity_bytes"],
+        "torch_shim": shim,
         "trials": n,
         "steps": steps,
         "ks": ks,
@@ -1048,13 +1594,15 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [dataclasses.asdict(r) for r in rows],
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    fields = [f.name for f in dataclasses.fields(Row) if f.name != "pool"] + ["pool"]
+    nested = ("pool", "driver")
+    fields = [f.name for f in dataclasses.fields(Row) if f.name not in nested] + list(nested)
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in rows:
             d = dataclasses.asdict(r)
-            d["pool"] = json.dumps(d["pool"]) if d["pool"] else ""
+            for name in nested:
+                d[name] = json.dumps(d[name]) if d[name] else ""
             writer.writerow(d)
     return 0
 

@@ -167,6 +167,9 @@ WW_API int ww_pool_allocate(void* pool, uint64_t nbytes, uint64_t stream, uint64
 WW_API int ww_pool_free(void* pool, uint64_t ptr, uint64_t stream, int has_stream);
 WW_API int ww_pool_record_stream(void* pool, uint64_t ptr, uint64_t stream);
 WW_API uint64_t ww_pool_release_cached(void* pool);
+/* The most bytes of segments the pool may hold from now on (UINT64_MAX: no limit). Segments it
+ * already holds are kept; while they exceed the new capacity no new segment is taken. */
+WW_API void ww_pool_set_capacity(void* pool, uint64_t capacity_bytes);
 WW_API void ww_pool_stats(void* pool, ww_counters* out);
 WW_API void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out);
 WW_API void ww_pool_reset_peaks(void* pool);

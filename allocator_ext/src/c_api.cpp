@@ -132,6 +132,10 @@ int ww_pool_record_stream(void* pool, uint64_t ptr, uint64_t stream) {
 
 uint64_t ww_pool_release_cached(void* pool) { return as_pool(pool)->release_cached(); }
 
+void ww_pool_set_capacity(void* pool, uint64_t capacity_bytes) {
+  as_pool(pool)->set_capacity(capacity_bytes);
+}
+
 void ww_pool_stats(void* pool, ww_counters* out) { as_pool(pool)->stats(out); }
 
 void ww_pool_stream_stats(void* pool, uint64_t stream, ww_counters* out) {

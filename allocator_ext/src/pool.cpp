@@ -677,6 +677,12 @@ void Pool::release_segments_unlocked(std::unique_lock<TimedMutex>& lk,
   segs.clear();
 }
 
+void Pool::set_capacity(std::uint64_t capacity) {
+  std::unique_lock<TimedMutex> lk = acquire();
+  capacity_ = capacity;
+  total_.c.capacity_bytes = capacity;
+}
+
 std::uint64_t Pool::release_cached() {
   std::unique_lock<TimedMutex> lk = acquire();
   if (!deferred_.empty()) process_deferred_locked();

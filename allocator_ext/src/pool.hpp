@@ -153,6 +153,8 @@ class Pool {
   int free_nonblocking(std::uintptr_t ptr, Stream stream);
   int record_stream(std::uintptr_t ptr, Stream stream);
   std::uint64_t release_cached();
+  // Segments already held are kept; a new one is taken only within the new capacity.
+  void set_capacity(std::uint64_t capacity);
 
   void stats(ww_counters* out);
   void stream_stats(Stream s, ww_counters* out);

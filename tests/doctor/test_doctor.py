@@ -33,6 +33,7 @@ CHECKS = [
     "laysa_bf16",
     "fused_batch",
     "every_gpu",
+    "late_path",
     "worker_crash",
 ]
 
@@ -145,3 +146,33 @@ def test_on_a_gpu_nothing_initialises_cuda_before_the_pool_is_installed(
     assert report.gpu_found and report.device == "cuda:0"
     assert order == ["clean"]  # versions and device lookup did not initialise CUDA
     assert report.machine["gpu"] == "fake GPU"
+
+
+def test_the_conv_comparison_fails_a_gradient_one_percent_off() -> None:
+    # The input gradient of square().mean() is ~2e-5 per element: an absolute tolerance of
+    # 1e-4 passed it whatever its values; the comparison is relative to its norm.
+    _, grad = _checks._conv_step(torch.device("cpu"))
+    assert float(grad.abs().max()) < 1e-3
+    assert _checks.conv_matches(grad.clone(), grad)
+    assert not _checks.conv_matches(grad * 1.01, grad)
+    assert not _checks.conv_matches(grad[:2], grad)  # a shape mismatch never matches
+    assert _checks.relative_error(grad * 1.01, grad) == pytest.approx(0.01, rel=1e-6)
+
+
+def test_the_cudnn_check_fails_when_a_gradient_is_one_percent_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_step = _checks._conv_step
+    calls: list[torch.device] = []
+
+    def gradient_off(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        out, grad = real_step(device)
+        calls.append(device)
+        return (out, grad) if len(calls) == 1 else (out, grad * 1.01)  # the reference is right
+
+    assert _checks.check_cudnn(torch.device("cpu")).status is CheckStatus.PASS
+    monkeypatch.setattr(_checks, "_conv_step", gradient_off)
+    result = _checks.check_cudnn(torch.device("cpu"))
+    assert result.status is CheckStatus.FAIL, result.detail
+    assert "DIFFERS FROM the CPU" in result.detail
+    assert result.figure == pytest.approx(0.01, rel=1e-3)

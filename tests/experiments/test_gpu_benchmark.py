@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_benchmark.py"
 
@@ -69,15 +70,26 @@ def test_the_gpu_plan_has_every_configuration_at_both_demands(gb: ModuleType) ->
                 "processes K=4",
             ):
                 assert f"{workload}/{setting}/{name}" in names
+        # cuDNN's heuristic mode B alone, and the late path: each in a process of its own.
+        assert f"{workload}/light/ww-torch+modeB K=4" in names
+        assert f"{workload}/light/ww-late K=4" in names
     assert all(r.status == "pending" for r in rows)
     assert {r.group for r in rows if r.label == "ww-async"} == {"async"}
     assert {r.group for r in rows if r.label == "ww-pool"} == {"pool"}
+    assert {r.group for r in rows if r.mode_b} == {"modeb"}
+    assert {r.group for r in rows if r.label == "ww-late"} == {"late"}
+    assert gb.GROUP_ENV["modeb"] == {"TORCH_CUDNN_USE_HEURISTIC_MODE_B": "1"}
 
 
-def test_on_the_cpu_the_cuda_only_rows_say_why_they_do_not_run(gb: ModuleType) -> None:
+def test_on_the_cpu_the_pool_rows_run_on_a_stand_in_and_cuda_only_rows_say_why(
+    gb: ModuleType,
+) -> None:
     rows = gb.plan_rows("cpu", [2], ["light", "high"], toy=True)
-    skipped = [r for r in rows if r.group in ("pool", "async")]
-    assert skipped and all(r.status == "skipped" and "CUDA only" in r.note for r in skipped)
+    skipped = [r for r in rows if r.group in ("async", "modeb", "late")]
+    assert {r.group for r in skipped} == {"async", "modeb", "late"}
+    assert all(r.status == "skipped" and "CUDA only" in r.note for r in skipped)
+    pool = [r for r in rows if r.group == "pool"]
+    assert pool and all(r.status == "pending" and "simulated device" in r.stand_in for r in pool)
 
 
 def test_a_failing_row_records_its_error_and_the_next_row_runs(
@@ -146,7 +158,7 @@ def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (out / "table.md").read_text()
     assert table in proc.stdout
-    assert "| small-cnn | light | temporal | cpu | 1.00x | 4/4 | 0 | 0 | - | ok |" in table
+    assert "| small-cnn | light | temporal | cpu | 1.00x | 4/4 | 0 | 0 |" in table
     assert "| resnet | high | optuna-nj K=2 |" in table
     assert "anchors: matmul" in table
     results = json.loads((out / "results.json").read_text())
@@ -160,10 +172,29 @@ def test_the_toy_run_prints_one_table_and_writes_its_folder(tmp_path: Path) -> N
         assert r["status"] in ("ok", "cut", "skipped"), (key, r["note"])
         if r["status"] == "ok":
             assert r["x_temporal"] is not None and r["x_temporal"] > 0, key
+        if r["status"] in ("ok", "cut"):  # every row that ran says what its trials held
+            assert r["peak_bytes"] is not None and r["peak_bytes"] >= 0, key
+            assert r["peak_source"], key
+        # At high demand every method of a workload is capped at the same bytes, run or not.
+        want = results["capacity_bytes"][r["workload"]] if r["setting"] == "high" else None
+        assert r["cap_bytes"] == want, key
+    assert all(v > 0 for v in results["capacity_bytes"].values())
     for key in ("small-cnn/light/temporal", "resnet/high/temporal"):
         assert by_label[key]["status"] == "ok" and by_label[key]["completed"] == 4
     assert by_label["small-cnn/light/processes K=2"]["status"] in ("ok", "cut")
-    assert (out / "group-torch.log").exists() and (out / "group-processes.log").exists()
+    # The pool group's rows ran, on the simulated device standing in for the GPU, capped.
+    pool_rows = [r for r in rows if r["group"] == "pool"]
+    assert len(pool_rows) == 8
+    for r in pool_rows:
+        assert r["status"] == "ok" and r["completed"] == 4, (r["key"], r["note"])
+        assert "simulated device" in r["stand_in"], r["key"]
+        assert r["pool"]["num_allocs"] > 0 and r["driver"]["allocs"] > 0, r["key"]
+        if r["setting"] == "high":
+            assert f"pool.set_capacity({r['held_bytes'] + r['cap_bytes']})" in r["bound"]
+            assert r["peak_bytes"] <= r["cap_bytes"], r["key"]
+    assert "skipped" in results["torch_shim"]  # no CUDA: no shim to build
+    for name in ("torch", "pool", "processes"):
+        assert (out / f"group-{name}.log").exists()
 
 
 def test_a_group_past_its_window_is_killed_and_says_so(gb: ModuleType, tmp_path: Path) -> None:
@@ -182,7 +213,9 @@ def test_the_pool_rows_run_their_cuda_paths_and_read_the_pools_counters(
 ) -> None:
     from fakes import cuda_topology
 
-    cuda_topology.install(monkeypatch)  # a fake CUDA device; a simulated pool as the allocator
+    # A fake CUDA device; a simulated pool as the allocator (the row installs it, as the
+    # pool group's warm-up would).
+    topology = cuda_topology.install(monkeypatch)
     try:
         plan = {**_plan(gb, [], time.time() + 600), "device": "cuda:0"}
         rows = [
@@ -196,7 +229,16 @@ def test_the_pool_rows_run_their_cuda_paths_and_read_the_pools_counters(
             assert row.allocator == "waterwave-pool"
             for counter in ("num_allocs", "new_segment", "num_segments", "stream_waits_issued"):
                 assert counter in row.pool
-        assert rows[1].bound == "memory_budget_bytes=1073741824"
+        # At high demand the installed pool itself is capped, above what it held.
+        high = rows[1]
+        assert high.cap_bytes == 1 << 30 and high.held_bytes is not None
+        assert high.bound.startswith(f"pool.set_capacity({high.held_bytes + (1 << 30)}): ")
+        assert topology.pools[0].capacity_bytes == high.held_bytes + (1 << 30)
+        assert rows[0].cap_bytes is None and "set_capacity" not in rows[0].bound
+        for row in rows:  # (the fake's tensors stay in host memory: the pool's peak is small)
+            assert row.peak_bytes is not None and row.peak_bytes >= 0
+            assert row.peak_source == "the pool's peak_reserved_bytes"
+            assert "allocs" in row.driver and "segment_allocs" in row.driver
     finally:
         cuda_topology.uninstall()
 
@@ -209,10 +251,15 @@ def test_the_table_gives_ratios_and_the_pools_counters(gb: ModuleType) -> None:
     pool.status, pool.allocator, pool.completed, pool.oom, pool.failed = "ok", "p", 16, 2, 2
     pool.x_temporal = 1.5
     pool.pool = {"num_allocs": 120, "new_segment": 3, "stream_waits_issued": 7}
+    pool.peak_bytes, pool.cap_bytes = 3 << 20, 5 << 20
+    temporal.cap_bytes = 5 << 20
     anchors = {"matmul_tflops": 700.0, "matmul": "m", "h2d_gb_per_s": 50.0}
     table = gb.format_table([temporal, pool], 16, anchors, "GPU")
-    assert "| resnet | high | temporal | a | 1.00x | 16/16 | 0 | 0 | - | ok |" in table
-    assert "| resnet | high | ww-pool K=4 | p | 1.50x | 16/16 | 2 | 2 | 120 / 3 / 7 | ok |" in table
+    assert "| resnet | high | temporal | a | 1.00x | 16/16 | 0 | 0 | - / 5.0 | - | ok |" in table
+    assert (
+        "| resnet | high | ww-pool K=4 | p | 1.50x | 16/16 | 2 | 2 | 3.0 / 5.0 | 120 / 3 / 7 | ok |"
+        in table
+    )
     assert "one at a time, wall: resnet high 8.00 s" in table
     assert "matmul 700 TFLOP/s" in table and "copy 50 GB/s" in table
 
@@ -241,3 +288,63 @@ def test_the_script_builds_the_bench_models_without_pandas(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "small-cnn (2, 10) 0" in proc.stdout
     assert "resnet (2, 10) 2" in proc.stdout  # one block per stage, two stages (toy)
+
+
+def test_the_stand_in_device_serves_each_tensor_and_runs_out_as_torch_does(
+    gb: ModuleType,
+) -> None:
+    from waterwave_hpo.memory import StreamAwarePool
+
+    pool = StreamAwarePool(4 << 20, backend="sim")
+    with gb.SimDeviceMemory(pool, 1):
+        x = torch.ones(1 << 18)  # 1 MiB
+        y = x * 2  # another
+        view = y[: 1 << 10]  # a view: no new storage
+        assert pool.stats().allocated_bytes == 2 << 20
+        with pytest.raises(torch.OutOfMemoryError, match="simulated device"):
+            torch.empty(3 << 20, dtype=torch.uint8)  # 2 + 3 MiB > 4 MiB
+    del x, y, view
+    assert pool.stats().allocated_bytes == 0  # freed with the tensors, in their stream's order
+    assert pool.stats().ooms == 1
+
+
+def test_a_pool_row_capped_below_one_trial_runs_out_of_memory_on_the_stand_in(
+    gb: ModuleType,
+) -> None:
+    from waterwave_hpo.memory import StreamAwarePool
+
+    wl = gb.workloads(True)[0]
+    cap = 64 << 10  # a toy trial holds some 400 KiB at once: not one fits
+    plan = {**_plan(gb, [], time.time() + 600), "trials": 2}
+    plan["capacity_bytes"] = {w.name: cap for w in gb.workloads(True)}
+    gb._STAND_IN[0] = StreamAwarePool(gb.SIM_DEVICE_BYTES, backend="sim")
+    try:
+        row = gb.Row(f"{wl.name}/high/ww-pool K=2", "pool", wl.name, "high", "ww-pool", 2)
+        gb.run_row(row, plan, deadline=time.time() + 300)
+    finally:
+        gb._STAND_IN[0] = None
+    assert row.status == "ok" and row.completed == 0 and row.oom >= 2, row.note
+    assert row.cap_bytes == cap
+    assert row.peak_bytes is not None and row.peak_bytes <= row.cap_bytes
+    assert row.pool["ooms"] >= 2 and row.driver["allocs"] > 0
+
+
+def test_a_late_row_records_what_the_executor_did(gb: ModuleType) -> None:
+    plan = {**_plan(gb, [], time.time() + 600), "trials": 2}
+    row = gb.Row("small-cnn/light/ww-late K=2", "late", "small-cnn", "light", "ww-late", 2)
+    gb.run_row(row, plan, deadline=time.time() + 300)
+    assert row.status == "ok" and row.completed == 2, row.note
+    assert row.note.startswith("CUDA not touched; the trials ran on cpu")
+    assert row.peak_bytes is not None and row.cap_bytes is None
+
+
+def test_a_group_killed_by_a_signal_is_named(
+    gb: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A native abort (a C++ exception in a destructor is std::terminate) ends the group's
+    # process with SIGABRT: its rows must say so, and the run go on.
+    aborts = tmp_path / "aborts.py"
+    aborts.write_text("import os\nprint('terminate called', flush=True)\nos.abort()\n")
+    monkeypatch.setattr(gb, "__file__", str(aborts))
+    why = gb._child([], {}, 60.0, tmp_path / "group.log")
+    assert why.startswith("the group process was killed by SIGABRT: terminate called"), why

@@ -227,6 +227,33 @@ def test_pool_oom_is_torch_out_of_memory_error_without_translation(tmp_path: Pat
     assert out == {"kind": ["OutOfMemoryError", True], "typed": True, "err": ""}
 
 
+def test_a_new_capacity_bounds_the_pool_installed_as_pytorchs_allocator(tmp_path: Path) -> None:
+    # What the GPU benchmark caps its pool rows with: the installed pool, capped afresh.
+    out = run_script(
+        tmp_path,
+        """
+        pool = wm.StreamAwarePool(backend="cuda")
+        wm.use_pool(pool)
+        train(2)
+        torch.cuda.empty_cache()
+        held = pool.stats().reserved_bytes
+        pool.set_capacity(held + (64 << 20))
+        kinds = []
+        for nbytes in (32 << 20, 128 << 20):
+            try:
+                x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                kinds.append("ok")
+                del x
+            except torch.OutOfMemoryError:
+                kinds.append("OutOfMemoryError")
+        pool.set_capacity(None)
+        x = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        print(json.dumps({'kinds': kinds, 'after': int(x.numel())}))
+        """,
+    )
+    assert out == {"kinds": ["ok", "OutOfMemoryError"], "after": 128 << 20}
+
+
 def test_tensor_record_stream_reaches_the_pool(tmp_path: Path) -> None:
     # A block a busy stream still reads is not handed to a third stream while that read is
     # pending; if it were, without a stream wait, the third stream's write would show in the

@@ -180,6 +180,42 @@ def test_oom_releases_cached_segments_then_retries() -> None:
     check(pool)
 
 
+def test_a_new_capacity_bounds_new_segments_and_takes_nothing_held() -> None:
+    pool = make_pool(capacity_bytes=64 * MiB)
+    held = pool.allocate(12 * MiB, A)  # a segment of exactly 12 MiB
+    pool.set_capacity(8 * MiB)  # below what is held
+    assert pool.capacity_bytes == 8 * MiB and pool.stats().capacity_bytes == 8 * MiB
+    with pytest.raises(PoolOutOfMemoryError) as info:
+        pool.allocate(MiB, B)  # would need a new segment: none while 12 MiB > 8 MiB are held
+    assert info.value.reason is OOMReason.CAPACITY
+    assert pool.stats().allocated_bytes == 12 * MiB  # the held block stays valid
+    pool.sim.submit(A)
+    pool.free(held, A)
+    pool.sim.finish(A)
+    assert pool.release_cached() == 12 * MiB
+    small = pool.allocate(6 * MiB, B)  # within the new capacity
+    with pytest.raises(PoolOutOfMemoryError):
+        pool.allocate(4 * MiB, C)  # 6 + 4 > 8
+    pool.set_capacity(16 * MiB)  # raised again: the same request fits
+    pool.free(pool.allocate(4 * MiB, C), C)
+    pool.free(small, B)
+    pool.set_capacity(None)  # as at construction with None: the simulated 1 GiB device
+    assert pool.capacity_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-5, ValueError), (2.0, TypeError), ("8GiB", TypeError)]
+)
+def test_a_bad_new_capacity_names_the_argument(bad: object, error: type[Exception]) -> None:
+    pool = make_pool()
+    with pytest.raises(error, match=f"capacity_bytes={bad!r}: "):
+        pool.set_capacity(bad)  # type: ignore[arg-type]
+    assert pool.capacity_bytes == 64 * MiB
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.set_capacity(MiB)
+
+
 def test_accounting_exact_per_stream_and_account() -> None:
     pool = make_pool()
     trial = pool.open_account("trial-0", streams=(A,))

@@ -97,15 +97,56 @@ def _plain_peak_bytes(device: torch.device) -> int:
     return int(plan.prediction.peak_bytes)
 
 
+#: Most relative error (:func:`~waterwave_hpo.doctor._checks.relative_error`) between a
+#: planned model's output or gradients and the same model's without a plan. A plan promises
+#: the same numbers: a swap copies activations exactly, a recompute replays its forward's
+#: random draws; a recompute that drew new dropout masks is off by far more.
+PLAN_REL_TOL = 1e-5
+
+
+def _planned_against_plain(
+    planned: nn.Module, plain: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """The largest relative error of ``planned``'s output and gradients against ``plain``'s.
+
+    One forward and backward of each from the same seed (dropout draws the same masks), on the
+    same batch; call it while no other thread draws from torch's generator.
+    """
+    from waterwave_hpo.doctor._checks import relative_error
+
+    results = []
+    for model in (planned, plain):
+        torch.manual_seed(1234)
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        nn.functional.cross_entropy(out, y).backward()  # type: ignore[no-untyped-call]
+        grads = [p.grad.detach().cpu() for p in model.parameters() if p.grad is not None]
+        results.append((out.detach().cpu(), grads))
+        model.zero_grad(set_to_none=True)
+    (out_a, grads_a), (out_b, grads_b) = results
+    if len(grads_a) != len(grads_b):
+        return float("inf")
+    errors = [relative_error(out_a, out_b)]
+    errors += [relative_error(a, b) for a, b in zip(grads_a, grads_b, strict=True)]
+    return max(errors)
+
+
 def check_home_plans(device: torch.device) -> CheckResult:
     """A co-hosted study in which a trial that does not fit beside its neighbour gets a plan.
 
     Two trials of a 4-block MLP with dropout, registered with ``fit_trial_memory``, under
-    ``memory_plan="home"`` and a budget of 1.5 plain footprints: the second must run with a
-    HOME plan that swaps at least one unit (recompute may join it) while the first holds its
-    footprint, and both must complete. The figure is the number of units the plan swaps or
+    ``memory_plan="home"`` and a budget of 1.5 plain footprints. What a plan promises is
+    checked, not which kind of unit it chose (on a fast GPU recompute rightly beats swap): the
+    second trial runs with a HOME plan that moves at least one unit (swap or recompute) while
+    the first holds its footprint; the plan's predicted peak fits the memory it was made for,
+    what the first left (less than the budget: the neighbour's footprint is counted); one step
+    of the planned model gives the same output and gradients as the same model without a plan
+    (relative error at most :data:`PLAN_REL_TOL`, dropout from one seed, the neighbour waiting
+    meanwhile); and both complete. The figure is the number of units the plan swaps or
     recomputes.
     """
+    import copy
+
     import optuna
 
     import waterwave_hpo as ww
@@ -114,18 +155,36 @@ def check_home_plans(device: torch.device) -> CheckResult:
     plain = _plain_peak_bytes(device)
     budget = plain + plain // 2
     registered = threading.Event()
+    compared = threading.Event()
     both = threading.Barrier(2, timeout=120)
+    seen: dict[str, float] = {}
 
     def objective(trial: optuna.trial.Trial) -> float:
         dev = ww.current().device
         torch.manual_seed(trial.number)
         x, y = _data(dev)
-        if trial.number == 1:
-            registered.wait(timeout=120)
-        model = ww.fit_trial_memory(_mlp(dropout=0.1).to(dev), example_input=x)
-        if trial.number == 0:
+        try:
+            if trial.number == 1:
+                registered.wait(timeout=120)
+            model = _mlp(dropout=0.1).to(dev)
+            reference = copy.deepcopy(model) if trial.number == 1 else None
+            model = ww.fit_trial_memory(model, example_input=x)
+            if trial.number == 0:
+                registered.set()
+            both.wait()  # both hold their footprints at once
+            if reference is not None:
+                # The neighbour waits: nothing else draws from torch's generator meanwhile.
+                seen["error"] = _planned_against_plain(model, reference, x, y)
+                del reference
+            elif trial.number == 0:
+                compared.wait(timeout=120)
+        except BaseException:
+            both.abort()  # the neighbour fails at once rather than at the barrier's timeout
+            raise
+        finally:
             registered.set()
-        both.wait()  # both hold their footprints at once
+            if trial.number == 1:
+                compared.set()
         return _train(model, x, y, 3)
 
     study = optuna.create_study()
@@ -133,21 +192,26 @@ def check_home_plans(device: torch.device) -> CheckResult:
         study, objective, n_trials=2
     )
     states = [t.state.name for t in study.trials]
-    plans = [trial_memory_plan(t) for t in study.trials]
-    choices = [c for p in plans if p is not None for c in p.choices.values()]
+    plan = trial_memory_plan(study.trials[1]) if len(study.trials) > 1 else None
+    choices = list(plan.choices.values()) if plan is not None else []
     moved = sum(c != "keep" for c in choices)
-    # The GPU-specific part of a plan is the swap (copies on a side stream, awaited before
-    # backward); a recompute-only plan would pass without exercising it.
-    ok = states == ["COMPLETE", "COMPLETE"] and choices.count("swap") > 0
+    room = 0 if plan is None else plan.budget_bytes  # what the neighbour left it
+    fits = plan is not None and plan.predicted_peak_bytes <= room < budget
+    error = seen.get("error", float("inf"))
+    ok = states == ["COMPLETE", "COMPLETE"] and moved > 0 and fits and error <= PLAN_REL_TOL
+    peak = "-" if plan is None else f"{plan.predicted_peak_bytes / MIB:.2f} MiB"
     return CheckResult(
         "home_plans",
         _passed(ok),
         float(moved),
         "units swapped or recomputed",
         f"2 co-hosted trials on {device}, budget {budget / MIB:.1f} MiB (1.5 plain footprints): "
-        f"states {states}; plan units: {choices.count('swap')} swap, "
-        f"{choices.count('recompute')} recompute, {choices.count('keep')} keep; pass: both "
-        "complete and the trial beside its neighbour ran with a plan that swaps",
+        f"states {states}; the second trial's plan: {choices.count('swap')} swap, "
+        f"{choices.count('recompute')} recompute, {choices.count('keep')} keep, predicted "
+        f"peak {peak} for the {room / MIB:.2f} MiB its neighbour left; its output and "
+        f"gradients against the same model without a plan: relative error {error:.1e}; pass: "
+        f"both complete, a plan that moves a unit, fits the room, and gives the same numbers "
+        f"(<= {PLAN_REL_TOL})",
     )
 
 
@@ -521,6 +585,152 @@ def _every_sim_device(n: int) -> CheckResult:
     )
 
 
+# -- the late path: CUDA initialised before the executor ----------------------------------------
+
+#: Slots and trials of the late-path check's study, and how long its process may take.
+LATE_K = 2
+LATE_TRIALS = 4
+LATE_TIMEOUT_S = 300.0
+#: The late-path check's process: CUDA (a tensor on the device) before anything of
+#: waterwave_hpo is imported, as a script that moved its data to the GPU first; then the study.
+_LATE_CHILD = """
+import json, sys
+import torch
+touched = torch.ones(1 << 18, device=sys.argv[1])
+from waterwave_hpo.doctor._features import late_path_study
+print(json.dumps(late_path_study(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))), flush=True)
+"""
+
+
+def late_path_study(device: str, k: int, n_trials: int) -> dict[str, Any]:
+    """A ``k``-slot study of ``n_trials`` small CNNs through the executor (``memory_pool="auto"``).
+
+    Run by the late-path check in a process whose CUDA a tensor initialised first. The first
+    ``k`` trials start together and end one after another while the others still run (each
+    trains a few more steps than the one before): the moment a trial's memory goes back while
+    its neighbours' is in use. Returns the trials' states, how PyTorch's allocator ended up
+    (swapped to the pool or not, its backend) and what the executor warned.
+    """
+    import warnings
+
+    import optuna
+
+    import waterwave_hpo as ww
+    from waterwave_hpo.memory import allocator_swapped
+
+    together = threading.Barrier(k, timeout=120)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        dev = ww.current().device
+        torch.manual_seed(trial.number)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10)
+        ).to(dev)
+        gen = torch.Generator().manual_seed(trial.number)
+        x = torch.randn(32, 3, 16, 16, generator=gen).to(dev)
+        y = torch.randint(0, 10, (32,), generator=gen).to(dev)
+        if trial.number < k:
+            together.wait()
+        return _train(model, x, y, 3 + 6 * (trial.number % k))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        study = optuna.create_study()
+        _executor(torch.device(device), k).optimize(study, objective, n_trials=n_trials)
+    cuda = device.startswith("cuda")
+    return {
+        "states": [t.state.name for t in study.trials],
+        "swapped": allocator_swapped(),
+        "backend": torch.cuda.get_allocator_backend() if cuda else "cpu",
+        "warnings": sorted(
+            {
+                f"{type(w.message).__name__}: {w.message}"[:300]
+                for w in caught
+                if "Experimental" not in type(w.message).__name__
+            }
+        ),
+    }
+
+
+def late_path_result(device: str, k: int = LATE_K, n_trials: int = LATE_TRIALS) -> CheckResult:
+    """Run :func:`late_path_study` in a fresh process whose CUDA was initialised first; judge it.
+
+    A fresh process, since this one installed the pool before CUDA started (the doctor's
+    first check); a native abort there (a C++ exception thrown in a destructor is
+    ``std::terminate``) is a FAIL naming the signal, never the doctor's own end.
+    """
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    why = ""
+    outcome: dict[str, Any] = {}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _LATE_CHILD, device, str(k), str(n_trials)],
+            capture_output=True,
+            text=True,
+            timeout=LATE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        why = f"the study's process did not end within {LATE_TIMEOUT_S:.0f} s"
+    else:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]
+        if done.returncode < 0:
+            try:
+                name = signal.Signals(-done.returncode).name
+            except ValueError:
+                name = f"signal {-done.returncode}"
+            why = f"the study's process was killed by {name}: {tail}"
+        elif done.returncode != 0:
+            why = f"the study's process exited with code {done.returncode}: {tail}"
+        else:
+            try:
+                outcome = json.loads(done.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                why = f"the study's process printed no result: {tail}"
+    states = outcome.get("states", [])
+    ok = not why and states == ["COMPLETE"] * n_trials
+    if outcome:
+        ran = (
+            f"states {states}; PyTorch's allocator swapped to the pool: {outcome['swapped']}, "
+            f"backend {outcome['backend']!r}; the executor warned: "
+            f"{'; '.join(outcome['warnings']) or 'nothing'}"
+        )
+    else:
+        ran = why
+    return CheckResult(
+        "late_path",
+        _passed(ok),
+        float(states.count("COMPLETE")),
+        "trials complete",
+        f"a {k}-slot study of {n_trials} trials on {device} in a process that put a tensor "
+        f"there before it imported waterwave_hpo: {ran}; pass: the process ends and every "
+        "trial is COMPLETE",
+    )
+
+
+def check_late_path(device: torch.device) -> CheckResult:
+    """A study after the user's script touched CUDA first completes (the late path).
+
+    On a GPU: :func:`late_path_result` (a fresh process: a tensor moved to the device, then a
+    ``LATE_K``-slot study through the executor with ``memory_pool="auto"``). Without a GPU it
+    is a SKIP: the late path is a CUDA context made before the executor set the device up, and
+    on the CPU the executor has no pool to install, so no study there can take it.
+    """
+    if device.type != "cuda":
+        return CheckResult(
+            "late_path",
+            CheckStatus.SKIP,
+            None,
+            "",
+            "no GPU: the late path is a CUDA context made before the executor sets the device "
+            "up; on the CPU the executor installs no pool, so no study here can take it",
+        )
+    return late_path_result(str(device))
+
+
 # -- a worker process that crashes -------------------------------------------------------------
 
 _CRASHING_TRIAL = 1
@@ -644,5 +854,6 @@ FEATURE_CHECKS = (
     ("laysa_bf16", check_laysa_bf16),
     ("fused_batch", check_fused_batch),
     ("every_gpu", check_every_gpu),
+    ("late_path", check_late_path),
     ("worker_crash", check_worker_crash),
 )

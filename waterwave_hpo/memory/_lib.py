@@ -131,6 +131,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ww_pool_free": (_INT, [_P, _U64, _U64, _INT]),
     "ww_pool_record_stream": (_INT, [_P, _U64, _U64]),
     "ww_pool_release_cached": (_U64, [_P]),
+    "ww_pool_set_capacity": (None, [_P, _U64]),
     "ww_pool_stats": (None, [_P, ctypes.POINTER(Counters)]),
     "ww_pool_stream_stats": (None, [_P, _U64, ctypes.POINTER(Counters)]),
     "ww_pool_reset_peaks": (None, [_P]),

@@ -335,6 +335,45 @@ class StreamAwarePool:
         """Most bytes of segments the pool may hold; None when only the device limits it."""
         return None if self._capacity == _UNLIMITED else self._capacity
 
+    def set_capacity(self, capacity_bytes: int | None) -> None:
+        """Sets the most bytes of segments the pool may hold from now on.
+
+        What ``capacity_bytes=`` set at construction, changed in place, so that a pool already
+        installed as PyTorch's allocator (:func:`~waterwave_hpo.memory.use_pool`) can be bounded
+        afresh, e.g. per benchmark row, where ``torch.cuda.set_per_process_memory_fraction``
+        bounds PyTorch's own allocator: both count the bytes of the segments taken from the
+        device (reserved bytes, cached ones included). Nothing held is taken away: segments
+        beyond a lowered capacity stay until freed, and meanwhile no new segment is taken
+        (:meth:`release_cached` gives back the wholly free ones first). Thread-safe.
+
+        A ``sim`` pool's simulated device keeps the address space it was made with (16 times
+        its first capacity, at least 1 GiB): beyond it, a new segment fails as the device
+        refusing it (``OOMReason.UPSTREAM``).
+
+        Args:
+            capacity_bytes: The new capacity in bytes (> 0). None: as at construction, no limit
+                beyond the device's for ``cuda``/``cupy``, :data:`SIM_DEFAULT_CAPACITY_BYTES`
+                for ``sim``.
+
+        Raises:
+            TypeError: ``capacity_bytes`` is neither an int nor None.
+            ValueError: ``capacity_bytes`` is not positive.
+            RuntimeError: The pool is closed.
+        """
+        _checks.check_optional_int(
+            "capacity_bytes",
+            capacity_bytes,
+            minimum=1,
+            fix="pass a positive number of bytes, or None for the device's memory",
+        )
+        if capacity_bytes is None:
+            sim = self._backend is Backend.SIM
+            capacity = SIM_DEFAULT_CAPACITY_BYTES if sim else _UNLIMITED
+        else:
+            capacity = capacity_bytes
+        self._lib.ww_pool_set_capacity(self._handle(), capacity)
+        self._capacity = capacity
+
     @property
     def sim(self) -> SimDevice:
         """The simulated device of a ``sim`` pool: ``submit``, ``finish``, ``trace``.
