@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -222,3 +225,15 @@ def test_a_refused_example_input_leaves_no_profiler_hooks_on_the_thread() -> Non
         node_groups(model)  # no half-profiled pipeline is left on the model
     x = torch.randn(3, 4, requires_grad=True)
     torch.func.vjp(lambda t: model(t).square().sum(), x)  # raises under leftover hooks
+
+
+def test_a_gated_model_is_freed_once_its_trial_drops_it() -> None:
+    # A trial's model (on a GPU: its parameters in device memory) must not outlive the trial
+    # because ww.pipeline registered it: the registry keeps models weakly.
+    model = pipeline(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    for _ in range(2):  # the first step profiles, the second runs through the gates
+        model(torch.randn(4, 8)).sum().backward()
+    alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    del model
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)

@@ -86,7 +86,37 @@ class _Pipeline:
             self.gates.root_post(module, args, kwargs, output)
 
 
-_PIPELINES: weakref.WeakKeyDictionary[nn.Module, _Pipeline] = weakref.WeakKeyDictionary()
+class _Registry:
+    """Each gated model's pipeline, weakly both ways.
+
+    A pipeline holds its model (its profiler's records and its gates name the model's
+    modules), so a registry that held pipelines strongly would keep every trial's model, on a
+    GPU its parameters, for the life of the process. The model's own root hooks keep its
+    pipeline alive; the model and its pipeline are then one cycle the garbage collector frees
+    once the trial drops the model.
+    """
+
+    def __init__(self) -> None:
+        self._refs: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Pipeline]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def get(self, model: nn.Module) -> _Pipeline | None:
+        ref = self._refs.get(model)
+        return None if ref is None else ref()
+
+    def pop(self, model: nn.Module, default: None = None) -> _Pipeline | None:
+        ref = self._refs.pop(model, None)
+        return None if ref is None else ref()
+
+    def __setitem__(self, model: nn.Module, pipe: _Pipeline) -> None:
+        self._refs[model] = weakref.ref(pipe)
+
+    def __contains__(self, model: object) -> bool:
+        return isinstance(model, nn.Module) and self.get(model) is not None
+
+
+_PIPELINES = _Registry()
 
 
 def _choose_k(profiler: Profiler, groups: int | str, budget_bytes: int | None) -> int:
