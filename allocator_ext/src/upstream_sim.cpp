@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "upstream.hpp"
@@ -140,7 +141,7 @@ class SimUpstream final : public Upstream {
     std::lock_guard<std::mutex> g(mu_);
     auto it = events_.find(ev);
     if (it == events_.end() || !it->second.recorded) return true;  // like cuEventQuery
-    return complete_locked(it->second.stream, it->second.seq, 0);
+    return complete_locked(it->second.stream, it->second.seq);
   }
 
   bool stream_wait_event(Stream waiter, Event ev) override {
@@ -278,25 +279,47 @@ class SimUpstream final : public Upstream {
   // Whether `stream`'s first `seq` units have completed, including the stream waits enqueued
   // before the point `seq` (as on CUDA, an event recorded after cuStreamWaitEvent completes only
   // once the waited-on event has).
-  bool complete_locked(Stream stream, std::uint64_t seq, int depth) {
-    StreamState& s = streams_[stream];
-    if (s.completed < seq) return false;
-    if (depth > 64) return false;  // bounds the C++ stack; pending on doubt
-    for (const SimWait& w : s.waits) {
-      if (w.position <= seq && !complete_locked(w.target, w.seq, depth + 1)) return false;
+  // Whether `stream`'s work up to `seq` has completed, and with it everything that work waited
+  // on (the waits enqueued up to `seq`, and theirs, transitively). A search over the wait
+  // records that visits each stream once per bound it is asked for with: the waits of two
+  // streams handing blocks back and forth form a web whose paths are exponential in number.
+  bool complete_locked(Stream stream, std::uint64_t seq) {
+    std::unordered_map<Stream, std::uint64_t> seen;  // stream -> highest seq already checked
+    std::vector<std::pair<Stream, std::uint64_t>> todo{{stream, seq}};
+    while (!todo.empty()) {
+      const auto [s, n] = todo.back();
+      todo.pop_back();
+      const auto f = seen.find(s);
+      if (f != seen.end() && f->second >= n) continue;
+      seen[s] = n;
+      const StreamState& st = streams_[s];
+      if (st.completed < n) return false;
+      for (const SimWait& w : st.waits) {
+        if (w.position <= n) todo.emplace_back(w.target, w.seq);
+      }
     }
     return true;
   }
 
   // Whether `waiter`'s work from now on is ordered after `target`'s first `seq` units: a stream
   // wait on it, directly or through the waits of a stream it waited on, enqueued up to `upto`.
-  bool waited_locked(Stream waiter, Stream target, std::uint64_t seq, std::uint64_t upto = ~0ull,
-                     int depth = 0) {
-    if (depth > 64) return false;
-    for (const SimWait& w : streams_[waiter].waits) {
-      if (w.position > upto) continue;
-      if (w.target == target && w.seq >= seq) return true;
-      if (w.target != waiter && waited_locked(w.target, target, seq, w.seq, depth + 1)) return true;
+  // The same search as above: a stream is searched again only with a larger bound (its waits
+  // up to a larger position), so each wait record is looked at a bounded number of times.
+  bool waited_locked(Stream waiter, Stream target, std::uint64_t seq,
+                     std::uint64_t upto = ~0ull) {
+    std::unordered_map<Stream, std::uint64_t> seen;  // stream -> largest bound searched
+    std::vector<std::pair<Stream, std::uint64_t>> todo{{waiter, upto}};
+    while (!todo.empty()) {
+      const auto [s, bound] = todo.back();
+      todo.pop_back();
+      const auto f = seen.find(s);
+      if (f != seen.end() && f->second >= bound) continue;
+      seen[s] = bound;
+      for (const SimWait& w : streams_[s].waits) {
+        if (w.position > bound) continue;
+        if (w.target == target && w.seq >= seq) return true;
+        if (w.target != s) todo.emplace_back(w.target, w.seq);
+      }
     }
     return false;
   }

@@ -8,7 +8,10 @@ breaking stream order, and pass the pool's own handouts, cross-stream use includ
 
 from __future__ import annotations
 
+from pathlib import Path
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -182,3 +185,45 @@ def test_a_recorded_block_freed_while_its_reader_runs_never_reaches_a_third_stre
     # Once B's read completed, x's memory is free for any stream.
     assert all(not b.event_pending for b in pool.snapshot() if b.ptr <= x < b.ptr + b.size_bytes)
     assert pool.sim.hazards() == []
+
+
+_PING_PONG = """
+import sys
+from waterwave_hpo.memory import AllocationSource, StreamAwarePool
+MiB = 1 << 20
+pool = StreamAwarePool(4 * MiB, backend="sim")
+A, B, D = 1, 2, 4
+p = pool.allocate(2 * MiB, A)
+pool.sim.submit(A)
+pool.free(p, A)
+waits = 0
+for i in range(64):  # one block handed back and forth, neither stream's work completing
+    s = (A, B)[(i + 1) % 2]
+    p, src = pool.allocate_with_source(2 * MiB, s)
+    waits += src is AllocationSource.STREAM_WAIT
+    pool.sim.submit(s)
+    pool.free(p, s)
+q = pool.allocate(2 * MiB, A)
+pool.sim.submit(D)
+pool.sim.use(q, 2 * MiB, D)  # a kernel on D reads q; the pool was not told
+pool.free(q, A)
+assert pool.allocate(2 * MiB, A) == q  # has A waited for D? a search through A's waits
+print(waits, len(pool.sim.hazards()))
+"""
+
+
+def test_the_hazard_check_searches_a_web_of_stream_waits_in_polynomial_time(
+    tmp_path: Path,
+) -> None:
+    # Two streams handing one block back and forth make a wait record per handout, each
+    # pointing at the other stream: a search that followed every path took 64^64 steps (the
+    # pool's mutex held meanwhile), so a sim pool under many pending cross-stream waits hung.
+    script = tmp_path / "ping_pong.py"
+    script.write_text(_PING_PONG)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    waits, hazards = map(int, done.stdout.split())
+    assert waits == 64  # every handout waited on the other stream
+    assert hazards == 1  # D's use, which no wait covers, is found
