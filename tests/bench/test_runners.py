@@ -75,6 +75,16 @@ def test_call_in_child_returns_the_value_or_the_error() -> None:
         call_in_child(math.factorial, -1)
 
 
+def test_call_in_child_says_so_when_the_child_dies_instead_of_waiting_forever() -> None:
+    import os
+
+    from waterwave_hpo.bench._runners import call_in_child
+
+    # A native crash or the OOM killer: the child never answers.
+    with pytest.raises(RuntimeError, match="_exit failed in a child process: the process died"):
+        call_in_child(os._exit, 3)
+
+
 def test_waterwave_reruns_an_evicted_trial_with_the_same_parameters() -> None:
     # fifo with 4 trials of the same model at a budget that fits 2 peaks but not 3 in step:
     # a deadlock evicts a trial; the executor re-runs it, and the re-run trains the same

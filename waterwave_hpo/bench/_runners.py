@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from dataclasses import field
 import enum
@@ -335,24 +337,21 @@ def call_in_child(fn: Any, *args: Any) -> Any:
     parent never holds device memory or a context while the methods are measured).
 
     Raises:
-        RuntimeError: If the child failed; the message carries its error.
+        RuntimeError: If the child failed (the message carries its error, which is the
+            cause) or died before returning (a native crash, the OOM killer: its exit).
     """
-    ctx = multiprocessing.get_context("spawn")
-    results: Any = ctx.Queue()
-    child = ctx.Process(target=_child_call, args=(fn, args, results))
-    child.start()
-    ok, value = results.get()
-    child.join()
-    if not ok:
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in a child process: {value}")
-    return value
-
-
-def _child_call(fn: Any, args: tuple[Any, ...], results: Any) -> None:
-    try:
-        results.put((True, fn(*args)))
-    except BaseException as error:
-        results.put((False, repr(error)))
+    name = getattr(fn, "__name__", fn)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+        future = child.submit(fn, *args)
+        try:
+            return future.result()
+        except BrokenProcessPool as error:
+            raise RuntimeError(
+                f"{name} failed in a child process: the process died before returning ({error})"
+            ) from error
+        except Exception as error:
+            raise RuntimeError(f"{name} failed in a child process: {error!r}") from error
 
 
 def _study(params: list[dict[str, Any]]) -> optuna.Study:
