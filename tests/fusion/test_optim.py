@@ -1,10 +1,10 @@
 """fusion.optimizer: model k of a fused optimizer trains as the stock optimizer trains it alone.
 
 Tolerance: parameters agree to rtol=1e-4, atol=1e-6 after N steps (float32), not bit for bit.
-The stock optimizer multiplies by Python floats inside fused kernels (``add_(g, alpha=-lr)``,
-``addcdiv_(..., value=-step_size)``); the fused one multiplies by (K,) tensors broadcast over
-the parameter, in a slightly different order, so results differ in the last bits and the
-difference is carried through the steps.
+The fused step runs torch's foreach rules on each model's slices, but where a value differs
+between the models (the learning rate here) it multiplies and then adds, where the stock
+optimizer adds with ``alpha=value`` in one kernel (``add_(g, alpha=-lr)``): results differ in
+the last bits and the difference is carried through the steps.
 """
 
 from __future__ import annotations

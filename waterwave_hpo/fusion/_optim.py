@@ -3,17 +3,17 @@
 The idea is HFTA's fused optimizers (Wang et al., "Horizontally Fused Training Array: An Effective
 Hardware Utilization Squeezer for Training Novel Deep Learning Models", MLSys 2021,
 arXiv:2102.02344; its library's ``hfta.optim``): when K models of one structure are trained as
-one, every parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning
-rate, momentum, weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each
-parameter's trailing dims, so the whole array updates with the same few kernels one model
-would need.
+one, every parameter is stacked to shape ``(K, *shape)`` and every hyperparameter (learning
+rate, momentum, weight decay, betas, ...) is held per model, a ``(K,)`` tensor, so the whole
+array updates with the few kernels one model's optimizer needs.
 
 Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
-for (``torch.optim.SGD``, ``Adam`` or ``AdamW``, as of torch 2.13's single-tensor path), with its
-own hyperparameters. The results agree with the stock optimizer to float tolerance, not bit for
-bit: the stock code multiplies by Python floats (``alpha=``/``value=`` arguments, fused into one
-kernel) where this one multiplies by broadcast tensors in a slightly different order, and torch
-may pick its foreach or fused kernels for the stock optimizer on a GPU.
+for (``torch.optim.SGD``, ``Adam`` or ``AdamW``), with its own hyperparameters: a step runs
+torch's foreach rules over every model's slice of every parameter (``_update.py``), model k's
+values as Python numbers at its slices. The results agree with the stock optimizer to float
+tolerance, not always bit for bit: where a value differs between the models (the learning rate,
+say), ``x + value * y`` is a multiply and an add where the stock code adds with ``alpha=value``
+in one kernel, and torch may pick its fused kernels for the stock optimizer on a GPU.
 """
 
 from __future__ import annotations
@@ -847,8 +847,9 @@ def optimizer(
     """A fused optimizer for K models: model k is updated as ``cls`` with ``hparams[k]`` would.
 
     Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
-    are). Each hyperparameter is held per model as a ``(K,)`` tensor broadcast over each
-    parameter's trailing dims (HFTA's fused optimizers, arXiv:2102.02344).
+    are). Each hyperparameter is held per model as a ``(K,)`` tensor (HFTA's fused optimizers,
+    arXiv:2102.02344); a step is a fixed few foreach operations over every model's slice of
+    every parameter, whatever the number of parameters and K (:class:`FusedOptimizer`).
 
     Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,

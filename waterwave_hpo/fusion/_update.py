@@ -17,8 +17,10 @@ each slice; values are per model (``values[k]``). Nothing here reads a device te
 host: every number comes from the host.
 
 On a GPU one foreach operation over tensors of one dtype and device launches a kernel per
-group of tensors (``multi_tensor_apply``: up to 36-110 tensors per launch, by the number of
-lists), not one per tensor.
+group of tensors (``multi_tensor_apply``: tens of tensors or more per launch, by the number
+of lists and the CUDA version), not one per tensor; over the K*N slices of N parameters that
+is a few launches, where the stacked parameters' own updates took one launch per parameter
+and operation.
 """
 
 from __future__ import annotations
