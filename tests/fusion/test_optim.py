@@ -459,6 +459,7 @@ def test_a_step_runs_the_same_kernels_whatever_the_number_of_parameters(
 ) -> None:
     """A fused step is a fixed few foreach operations over every model's slice of every
     parameter, not a sequence of operations per parameter (each a kernel launch on a GPU)."""
+
     def kernels_per_step(num_params: int) -> int:
         gen = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(2, 3, 4, generator=gen)) for _ in range(num_params)]
