@@ -92,10 +92,11 @@ def _step_counts(
 
 
 def _kernels(count: OpCount) -> int:
-    """Operations that launch a kernel on a GPU: not views, not a read of a CPU scalar.
+    """Operations that launch kernels on a GPU: not views, not a read of a CPU scalar.
 
     torch's foreach Adam reads each parameter's step count, a CPU tensor, on the host
-    (``_local_scalar_dense``, one per parameter): no kernel on a GPU either.
+    (``_local_scalar_dense``, one per parameter): no kernel on a GPU either. A foreach
+    operation counts once (on a GPU it launches a kernel per group of tensors).
     """
     return count.compute - count.by_op.get("aten._local_scalar_dense.default", 0)
 
