@@ -700,14 +700,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 entry = self._started.get(id(p))
                 if entry is None or entry[0] is not buf:  # loaded: the stock buffer exists
                     entry = self._started[id(p)] = (buf, [True] * k)
-                buffers += slices(buf)
+                buffers.append(buf)
                 started += entry[1]
         update.sgd(
-            [s for p in params for s in slices(p)],
-            [g for p in params for g in _grad(p).unbind(0)],
-            buffers,
+            update.Operand(k, params, slicer=slices),
+            update.Operand(k, [_grad(p) for p in params]),
+            None if buffers is None else update.Operand(k, buffers, slicer=slices),
             started,
-            list(range(k)) * len(params),
             values,
         )
         if buffers is not None:
@@ -737,7 +736,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         step_tensors, steps = [], []
         exp_avgs: list[torch.Tensor] = []
         exp_avg_sqs: list[torch.Tensor] = []
-        maxima: list[torch.Tensor] | None = [] if amsgrad else None
+        maxima: list[torch.Tensor] = []
         for p in params:
             state = self.state[p]
             if not state:
@@ -754,19 +753,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             counts[:] = [c + 1 for c in counts]
             steps += counts
             step_tensors.append(state["step"])
-            exp_avgs += slices(state["exp_avg"])
-            exp_avg_sqs += slices(state["exp_avg_sq"])
-            if maxima is not None:
-                maxima += slices(state["max_exp_avg_sq"])
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if amsgrad:
+                maxima.append(state["max_exp_avg_sq"])
         torch._foreach_add_(step_tensors, 1.0)
         update.adam(
-            [s for p in params for s in slices(p)],
-            [g for p in params for g in _grad(p).unbind(0)],
-            exp_avgs,
-            exp_avg_sqs,
-            maxima,
+            update.Operand(k, params, slicer=slices),
+            update.Operand(k, [_grad(p) for p in params]),
+            update.Operand(k, exp_avgs, slicer=slices),
+            update.Operand(k, exp_avg_sqs, slicer=slices),
+            update.Operand(k, maxima, slicer=slices) if amsgrad else None,
             steps,
-            list(range(k)) * len(params),
             values,
             decoupled=decoupled,
         )
