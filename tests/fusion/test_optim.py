@@ -1,7 +1,7 @@
 """fusion.optimizer: model k of a fused optimizer trains as the stock optimizer trains it alone.
 
 Tolerance: parameters agree to rtol=1e-4, atol=1e-6 after N steps (float32), not bit for bit.
-The fused step runs torch's foreach rules on each model's slices, but where a value differs
+The fused step runs torch's foreach rules, per model, but where a value differs
 between the models (the learning rate here) it multiplies and then adds, where the stock
 optimizer adds with ``alpha=value`` in one kernel (``add_(g, alpha=-lr)``): results differ in
 the last bits and the difference is carried through the steps.
@@ -457,8 +457,9 @@ def test_hparams_follow_a_group_value_replaced_by_hand() -> None:
 def test_a_step_runs_the_same_kernels_whatever_the_number_of_parameters(
     cls: type[torch.optim.Optimizer], hparams: list[dict[str, Any]]
 ) -> None:
-    """A fused step is a fixed few foreach operations over every model's slice of every
-    parameter, not a sequence of operations per parameter (each a kernel launch on a GPU)."""
+    """A fused step is a fixed few foreach operations over all the parameters (or the models'
+    slices of them), not a sequence of operations per parameter (each a kernel launch on a
+    GPU)."""
 
     def kernels_per_step(num_params: int) -> int:
         gen = torch.Generator().manual_seed(0)

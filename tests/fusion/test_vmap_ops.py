@@ -118,7 +118,7 @@ def test_a_fused_bert_search_step_with_per_model_values_runs_about_one_models_op
 ) -> None:
     # Before: the fused optimizer stepped each stacked parameter on its own, with the K
     # values broadcast: 1.5x (SGD) and 3.3x (AdamW) one model's operations, growing with the
-    # number of parameters. Now a fixed few foreach operations over every model's slices.
+    # number of parameters. Now a fixed few foreach operations over all the parameters.
     one, fused_2 = _step_counts(2, cls, per_model=True)
     _, fused_4 = _step_counts(4, cls, per_model=True)
     assert fused_2.total == fused_4.total

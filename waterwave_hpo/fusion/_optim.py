@@ -9,8 +9,9 @@ array updates with the few kernels one model's optimizer needs.
 
 Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
 for (``torch.optim.SGD``, ``Adam`` or ``AdamW``), with its own hyperparameters: a step runs
-torch's foreach rules over every model's slice of every parameter (``_update.py``), model k's
-values as Python numbers at its slices. The results agree with the stock optimizer to float
+torch's foreach rules (``_update.py``) over the stacked parameters where the models share a
+value and over every model's slice of them where they differ, model k's values as Python
+numbers at its slices. The results agree with the stock optimizer to float
 tolerance, not always bit for bit: where a value differs between the models (the learning rate,
 say), ``x + value * y`` is a multiply and an add where the stock code adds with ``alpha=value``
 in one kernel, and torch may pick its fused kernels for the stock optimizer on a GPU.
@@ -365,7 +366,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     round-trip.
 
     A step runs torch's foreach update (``_multi_tensor_sgd``, ``_multi_tensor_adam``) over
-    every model's slice of every parameter, each model's values given as Python numbers from
+    the stacked parameters where the models share a value and over every model's slice of
+    every parameter where they differ, each model's values given as Python numbers from
     the host copies of the hyperparameters: a fixed number of operations per step (about 4 for
     SGD with momentum, 9 for Adam), whatever the number of parameters and K, and no read of a
     device tensor on the host. Hyperparameters are read from the host copies that
@@ -779,7 +781,8 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
 class _Slices:
     """Each model's view ``t[k]`` of a stacked tensor that lives across steps, made once.
 
-    A step's foreach operations take every model's slice of every parameter and state buffer;
+    A step's foreach operations take every model's slice of every parameter and state buffer
+    where the models' values differ;
     these views stay valid while the tensor keeps its storage (updates are in place), so they
     are made again only when the tensor was replaced (``keep_models``, ``swap_tensors``, a
     ``.data`` assignment, a load): the held views keep the old storage alive, so a new one
@@ -846,8 +849,9 @@ def optimizer(
 
     Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
     are). Each hyperparameter is held per model as a ``(K,)`` tensor (HFTA's fused optimizers,
-    arXiv:2102.02344); a step is a fixed few foreach operations over every model's slice of
-    every parameter, whatever the number of parameters and K (:class:`FusedOptimizer`).
+    arXiv:2102.02344); a step is a fixed few foreach operations over the stacked parameters (or,
+    where the models' values differ, their slices), whatever the number of parameters and K
+    (:class:`FusedOptimizer`).
 
     Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,
