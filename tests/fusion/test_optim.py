@@ -506,3 +506,25 @@ def test_a_model_whose_momentum_starts_later_starts_its_buffer_as_stock_does() -
             nn.functional.cross_entropy(model(xs[k]), ys[k]).backward()
             o.step()
     _assert_models_equal(stacked, stock)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_values_the_models_share_run_over_the_stacked_parameters_not_their_slices(
+    cls: type[torch.optim.Optimizer],
+) -> None:
+    """An operation whose value every model shares runs once over the N stacked tensors
+    (about one kernel launch on a GPU, as for one model's foreach step), not over the K*N
+    slices (a few launches); only values that differ take the slices."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4, 5, generator=gen)) for _ in range(4)]
+    hparams = [{"lr": 1e-2, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-3}] * 3
+    opt = fusion.optimizer(cls, params, hparams)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()  # the first step creates the state
+    shared = count_ops(opt.step).by_op
+    assert "aten.unbind.int" not in shared, shared  # no slices made
+    assert not any("ScalarList" in op for op in shared), shared  # one value per operation
+    opt.set_hparam("lr", [1e-2, 2e-2, 3e-2])
+    per_model = count_ops(opt.step).by_op
+    assert any("ScalarList" in op for op in per_model), per_model  # the learning rates
