@@ -13,13 +13,20 @@ counts, with a TorchDispatchMode (waterwave_hpo/bench/_opcount.py), the operatio
 * ``fused``: ``fusion.fuse(models)``, one step: forward, one flat cross-entropy over the K*B
   rows (times K: the sum of the K mean losses), backward, one SGD step over the stacked
   parameters;
-* ``fused_pml``: the same with ``fusion.per_model_loss`` (a loop over the K losses).
+* ``fused_pml``: the same with ``fusion.per_model_loss`` (a loop over the K losses);
+* ``fused_opt``: the fused step with ``fusion.optimizer`` (each model its own learning rate,
+  as the K separate optimizers have): what a search's fused trials run.
+
+``--optimizer adamw`` uses ``torch.optim.AdamW`` (``foreach=True``) for every method instead of
+SGD. The ratio quoted in the docs is fused ops / one model's (separate ops / K), with views
+(which launch no kernel) and without them (``*_compute_ops``).
 
 It also times the separate and the fused step (CPU wall-clock, median of ``--reps``, the ratio
 separate/fused: how many times faster K models train fused), with the load average. Run::
 
     python experiments/fusion_op_counts.py --reps 3
     python experiments/fusion_op_counts.py --models bert --ks 1 4 8
+    python experiments/fusion_op_counts.py --models bert --ks 1 4 8 --optimizer adamw
 
 Writes results.json and README.md to ``--out``
 (default ``experiments/results/<date>-fusion-op-counts/``).
@@ -122,12 +129,21 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 GROUPED = {"resnet18_grouped"}
 
 
-def steps(name: str, k: int) -> dict[str, Callable[[], None]]:
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def steps(name: str, k: int, optimizer: str = "sgd") -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     models = [MODELS[name]().train() for _ in range(k)]
     x = inputs(name)
     y = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(1))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01, foreach=True) for m in models]
+    cls = OPTIMIZERS[optimizer]
+    base_lr = 0.01 if optimizer == "sgd" else 1e-3
+    lrs = [base_lr * (1 + i / 10) for i in range(k)]  # a search: each model its own
+    opts = [cls(m.parameters(), lr=lr, foreach=True) for m, lr in zip(models, lrs, strict=True)]
 
     def separate() -> None:
         for model, opt in zip(models, opts, strict=True):
@@ -140,7 +156,8 @@ def steps(name: str, k: int) -> dict[str, Callable[[], None]]:
         for module in fused.modules():
             if isinstance(module, fusion.FusedConv):
                 module.autotune = False
-    fused_opt = torch.optim.SGD(fused.parameters(), lr=0.01, foreach=True)
+    fused_opt = cls(fused.parameters(), lr=base_lr, foreach=True)
+    per_model_opt = fusion.optimizer(cls, fused, [{"lr": lr} for lr in lrs])
     flat_y = y.repeat(k)
 
     def fused_step() -> None:
@@ -154,7 +171,18 @@ def steps(name: str, k: int) -> dict[str, Callable[[], None]]:
         fusion.per_model_loss(F.cross_entropy, fused(x), y).sum().backward()
         fused_opt.step()
 
-    return {"separate": separate, "fused": fused_step, "fused_pml": fused_pml}
+    def fused_per_model_opt() -> None:
+        per_model_opt.zero_grad(set_to_none=True)
+        out = fused(x)
+        (F.cross_entropy(out.flatten(0, 1), flat_y) * k).backward()
+        per_model_opt.step()
+
+    return {
+        "separate": separate,
+        "fused": fused_step,
+        "fused_pml": fused_pml,
+        "fused_opt": fused_per_model_opt,
+    }
 
 
 def median_time(step: Callable[[], None], reps: int) -> float:
@@ -173,6 +201,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ks", type=int, nargs="*", default=list(KS))
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path("experiments/results") / f"{dt.date.today()}-fusion-op-counts"
@@ -182,7 +211,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         for k in args.ks:
-            work = steps(name, k)
+            work = steps(name, k, args.optimizer)
             for run in work.values():
                 run()  # warm-up: lazy state (optimizer buffers, caches) before counting
             counts = {method: count_ops(run) for method, run in work.items()}
@@ -194,18 +223,22 @@ def main() -> None:
                 "k": k,
                 **{f"{m}_ops": c.total for m, c in counts.items()},
                 **{f"{m}_compute_ops": c.compute for m, c in counts.items()},
+                **{f"{m}_by_op": dict(sorted(c.by_op.items())) for m, c in counts.items()},
                 "separate_s": sep_s,
                 "fused_s": fused_s,
                 "speedup": sep_s / fused_s,
                 "loadavg_1min": load,
             }
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(
+                json.dumps({n: v for n, v in row.items() if not n.endswith("_by_op")}), flush=True
+            )
     machine = {
         "machine": f"{platform.machine()} VM, {os.cpu_count()} cores, CPU only",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": args.threads,
+        "optimizer": args.optimizer,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -215,26 +248,38 @@ def main() -> None:
 
 
 def render(machine: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    def ratio(row: dict[str, Any], method: str, kind: str = "") -> str:
+        one = row[f"separate{kind}_ops"] / row["k"]
+        return f"{row[f'{method}{kind}_ops'] / one:.2f}x"
+
     lines = [
         "# ATen operations of one training step: fused vs K separate",
         "",
         f"Machine: {machine['machine']}; Python {machine['python']}, torch {machine['torch']}, "
-        f"{machine['threads']} torch thread(s). Command: `python experiments/"
+        f"{machine['threads']} torch thread(s), optimizer {machine.get('optimizer', 'sgd')} "
+        f"(`foreach=True`). Command: `python experiments/"
         f"{machine['command']}`, {machine['date_utc']}. Counts are exact (a TorchDispatchMode, "
-        "backward and optimizer included; views included, they launch no kernel: the "
-        "results.json has the counts without them); times are CPU wall-clock medians on a "
-        "shared, loaded machine (load average per row), not GPU figures.",
+        'backward and optimizer included); "ops" counts views too, which launch no kernel, '
+        '"compute" leaves them out. "/ one" is the fused step\'s count over one model\'s '
+        "(separate / K). `fused`: a stock optimizer over the stacked parameters (one learning "
+        "rate); `fused_opt`: `fusion.optimizer`, each model its own (what a search runs); "
+        "`fused_pml`: `fusion.per_model_loss`. Times are CPU wall-clock medians on a shared, "
+        "loaded machine (load average per row), not GPU figures.",
         "",
-        "| model | K | separate ops | fused ops | fused ops (per_model_loss) | "
-        "separate/fused ops | CPU separate s | CPU fused s | CPU speed-up | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | K | separate ops (compute) | fused ops (compute) | fused / one: ops, compute "
+        "| fused_opt ops (compute) | fused_opt / one: ops, compute | fused_pml ops "
+        "| CPU separate s | CPU fused s | CPU speed-up | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['k']} | {r['separate_ops']} | {r['fused_ops']} | "
-            f"{r['fused_pml_ops']} | {r['separate_ops'] / r['fused_ops']:.1f}x | "
-            f"{r['separate_s']:.4f} | {r['fused_s']:.4f} | {r['speedup']:.2f}x | "
-            f"{r['loadavg_1min']:.1f} |"
+            f"| {r['model']} | {r['k']} | {r['separate_ops']} ({r['separate_compute_ops']}) | "
+            f"{r['fused_ops']} ({r['fused_compute_ops']}) | "
+            f"{ratio(r, 'fused')}, {ratio(r, 'fused', '_compute')} | "
+            f"{r['fused_opt_ops']} ({r['fused_opt_compute_ops']}) | "
+            f"{ratio(r, 'fused_opt')}, {ratio(r, 'fused_opt', '_compute')} | "
+            f"{r['fused_pml_ops']} | {r['separate_s']:.4f} | {r['fused_s']:.4f} | "
+            f"{r['speedup']:.2f}x | {r['loadavg_1min']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

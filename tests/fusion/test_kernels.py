@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from waterwave_hpo import fusion
+from waterwave_hpo.bench import count_ops
 
 K = 3
 TOL = {"rtol": 1e-9, "atol": 1e-9}
@@ -221,3 +222,36 @@ def test_fused_layers_outside_vmap_are_the_stock_layers(
     torch.testing.assert_close(out, ref, **TOL)
     for got, want in zip(grads, [x.grad, *(p.grad for p in stock.parameters())], strict=True):
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_a_fused_linear_hands_its_weight_gradient_over_without_a_copy(
+    wrap: bool, stacked: bool
+) -> None:
+    """The weight's gradient comes out in the parameter's ``(K, out, in)`` layout, so autograd
+    keeps it as it is: no allocation and copy into that layout (two kernels per layer on a GPU,
+    each step)."""
+    torch.manual_seed(0)
+    models = [(Wrap(nn.Linear(6, 5)) if wrap else nn.Sequential(nn.Linear(6, 5))) for _ in range(K)]
+    fused = fusion.fuse(models)
+    x = torch.randn(*((K, 4, 2, 6) if stacked else (4, 2, 6)))
+
+    def step() -> None:
+        fused.zero_grad(set_to_none=True)
+        fused(x, stacked=stacked).square().sum().backward()
+
+    step()
+    counts = count_ops(step).by_op
+    assert "aten.copy_.default" not in counts, counts
+    assert "aten.new_empty_strided.default" not in counts, counts
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["sequential", "under_vmap"])
+def test_a_fused_linear_is_twice_differentiable(wrap: bool) -> None:
+    """Its backward is itself differentiable (a gradient penalty, double backward)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 2).double() for _ in range(K)]
+    fused = fusion.fuse([Wrap(layer) if wrap else nn.Sequential(layer) for layer in layers])
+    x = torch.randn(K, 4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: fused(x, stacked=True).tanh(), (x,))

@@ -1,10 +1,10 @@
 """fusion.optimizer: model k of a fused optimizer trains as the stock optimizer trains it alone.
 
 Tolerance: parameters agree to rtol=1e-4, atol=1e-6 after N steps (float32), not bit for bit.
-The stock optimizer multiplies by Python floats inside fused kernels (``add_(g, alpha=-lr)``,
-``addcdiv_(..., value=-step_size)``); the fused one multiplies by (K,) tensors broadcast over
-the parameter, in a slightly different order, so results differ in the last bits and the
-difference is carried through the steps.
+The fused step runs torch's foreach rules, per model, but where a value differs
+between the models (the learning rate here) it multiplies and then adds, where the stock
+optimizer adds with ``alpha=value`` in one kernel (``add_(g, alpha=-lr)``): results differ in
+the last bits and the difference is carried through the steps.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fusion._stacked import batches
 from fusion._stacked import fused_loss
 from fusion._stacked import make_models
 from waterwave_hpo import fusion
+from waterwave_hpo.bench import count_ops
 
 RTOL = 1e-4
 ATOL = 1e-6
@@ -440,3 +441,90 @@ def test_hparams_follow_a_group_value_replaced_by_hand() -> None:
     assert opt.hparams(1)["weight_decay"] == 0.5
     opt.set_hparam("momentum", [0.9, 0.0])
     assert opt.hparams(0)["momentum"] == 0.9
+
+
+# ---- operations per step -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "hparams"),
+    [
+        (torch.optim.SGD, [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.2, "momentum": 0.5}]),
+        (torch.optim.AdamW, [{"lr": 1e-3, "amsgrad": True}, {"lr": 1e-2, "weight_decay": 0.1}]),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_a_step_runs_the_same_kernels_whatever_the_number_of_parameters(
+    cls: type[torch.optim.Optimizer], hparams: list[dict[str, Any]]
+) -> None:
+    """A fused step is a fixed few foreach operations over all the parameters (or the models'
+    slices of them), not a sequence of operations per parameter (each a kernel launch on a
+    GPU)."""
+
+    def kernels_per_step(num_params: int) -> int:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(2, 3, 4, generator=gen)) for _ in range(num_params)]
+        opt = fusion.optimizer(cls, params, hparams)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()  # the first step creates the state
+        return count_ops(opt.step).compute  # views (a gradient's K slices) launch no kernel
+
+    few, many = kernels_per_step(2), kernels_per_step(12)
+    assert few == many, (few, many)
+
+
+def test_a_value_written_in_place_by_hand_is_used_at_the_next_step() -> None:
+    # The step reads the values from their host copies; a write by hand into the group's
+    # tensor is seen (read back once), as when the step read the tensor itself.
+    weight = nn.Parameter(torch.ones(2, 3))
+    opt = fusion.optimizer(torch.optim.SGD, [weight], [{"lr": 1.0}, {"lr": 1.0}])
+    opt.param_groups[0]["lr"].mul_(0.5)
+    weight.grad = torch.ones(2, 3)
+    opt.step()
+    torch.testing.assert_close(weight.detach(), torch.full((2, 3), 0.5))
+    assert opt.hparams(1)["lr"] == 0.5
+
+
+def test_a_model_whose_momentum_starts_later_starts_its_buffer_as_stock_does() -> None:
+    # Stock SGD makes a parameter's momentum buffer at the first step with momentum != 0 (a
+    # copy of that step's gradient); a model that had momentum 0 until then must too, even
+    # though the fused buffer already exists for the others.
+    stock = make_models(2, seed=3)
+    stacked = Stacked(stock)
+    hparams: list[dict[str, Any]] = [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.1, "momentum": 0.0}]
+    opt = fusion.optimizer(torch.optim.SGD, stacked, hparams)
+    opts = [torch.optim.SGD(m.parameters(), **hp) for m, hp in zip(stock, hparams, strict=True)]
+    for step in range(6):
+        if step == 3:
+            opt.set_hparam("momentum", [0.9, 0.8])
+            opts[1].param_groups[0]["momentum"] = 0.8
+        _train_fused(stacked, opt, None, range(step, step + 1))
+        xs, ys = batches(2, step)
+        for k, (model, o) in enumerate(zip(stock, opts, strict=True)):
+            o.zero_grad()
+            nn.functional.cross_entropy(model(xs[k]), ys[k]).backward()
+            o.step()
+    _assert_models_equal(stacked, stock)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_values_the_models_share_run_over_the_stacked_parameters_not_their_slices(
+    cls: type[torch.optim.Optimizer],
+) -> None:
+    """An operation whose value every model shares runs once over the N stacked tensors
+    (about one kernel launch on a GPU, as for one model's foreach step), not over the K*N
+    slices (a few launches); only values that differ take the slices."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4, 5, generator=gen)) for _ in range(4)]
+    hparams = [{"lr": 1e-2, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-3}] * 3
+    opt = fusion.optimizer(cls, params, hparams)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()  # the first step creates the state
+    shared = count_ops(opt.step).by_op
+    assert "aten.unbind.int" not in shared, shared  # no slices made
+    assert not any("ScalarList" in op for op in shared), shared  # one value per operation
+    opt.set_hparam("lr", [1e-2, 2e-2, 3e-2])
+    per_model = count_ops(opt.step).by_op
+    assert any("ScalarList" in op for op in per_model), per_model  # the learning rates

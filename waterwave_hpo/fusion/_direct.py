@@ -30,6 +30,7 @@ from waterwave_hpo.fusion._conv_forms import fused_conv2d
 from waterwave_hpo.fusion._dropout import PerModelDropout
 from waterwave_hpo.fusion._kernels import FusedConv
 from waterwave_hpo.fusion._kernels import FusedLinear
+from waterwave_hpo.fusion._kernels import batched_linear
 
 
 class Layout(enum.Enum):
@@ -109,15 +110,13 @@ def linear(layer: FusedLinear, x: torch.Tensor, layout: Layout, k: int) -> Resul
             return y, Layout.CHANNELS
         y = y.view(-1, k, out_features).transpose(0, 1)
         return y.reshape(k, *x.shape[:-1], out_features), Layout.STACKED
-    wt = w.transpose(1, 2)
     if layout is Layout.CHANNELS and x.dim() == 2:
         # (N, K*in) viewed (K, N, in): HFTA's layout after a flatten, read without a copy.
         x3 = x.view(x.shape[0], k, in_features).transpose(0, 1)
-        y = torch.bmm(x3, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x3, wt)
-        return y, Layout.STACKED
+        return batched_linear(x3, w, b), Layout.STACKED
     xs = stacked(x, layout, k)
     x3 = xs if xs.dim() == 3 else xs.reshape(k, -1, in_features)
-    y = torch.bmm(x3, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x3, wt)
+    y = batched_linear(x3, w, b)
     if xs.dim() == 3:
         return y, Layout.STACKED
     return y.view(k, *xs.shape[1:-1], out_features), Layout.STACKED

@@ -58,6 +58,60 @@ def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x if dim == 0 else x.movedim(dim, 0)
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """``x @ w^T + b`` of K models at once: ``(K, N, in)``, ``(K, out, in)``, ``(K, out)``.
+
+    One ``torch.baddbmm`` forward, as ``baddbmm(b, x, w.transpose(1, 2))`` would run; the
+    backward differs in layout only. ``baddbmm``'s own backward computes the weight's gradient
+    as ``x^T @ grad``, ``(K, in, out)``, and hands back its transpose; the parameter is
+    ``(K, out, in)`` contiguous, so autograd's AccumulateGrad copies the gradient into the
+    parameter's layout: two more operations (an allocation and a copy, each a kernel on a GPU)
+    per layer and step. Here the gradient is computed in the parameter's layout,
+    ``grad^T @ x``, as ``mm``'s backward does for one model's ``F.linear``.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        wt = weight.transpose(1, 2)
+        if bias is None:
+            return torch.bmm(x, wt)
+        return torch.baddbmm(bias.unsqueeze(1), x, wt)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        needs_x, needs_w, needs_b = ctx.needs_input_grad
+        grad_x = torch.bmm(grad, weight) if needs_x else None
+        grad_w = torch.bmm(grad.transpose(1, 2), x) if needs_w else None
+        grad_b = grad.sum(1) if ctx.has_bias and needs_b else None
+        return grad_x, grad_w, grad_b
+
+
+def batched_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """K linear layers as one batched matmul: ``(K, N, in) -> (K, N, out)``.
+
+    Args:
+        x: ``(K, N, in)``, one batch per model (an expanded shared batch is fine).
+        weight: ``(K, out, in)``.
+        bias: ``(K, out)`` or None.
+
+    Returns:
+        ``(K, N, out)``; the weight's gradient comes back in its own layout (no copy).
+    """
+    out: torch.Tensor = _BatchedLinear.apply(  # type: ignore[no-untyped-call,unused-ignore]
+        x, weight, bias
+    )
+    return out
+
+
 class _LinearFn(torch.autograd.Function):
     """``F.linear`` whose vmap rule is one ``torch.baddbmm`` over the K models."""
 
@@ -93,10 +147,7 @@ class _LinearFn(torch.autograd.Function):
             xk = _front(x, x_dim)
             lead = xk.shape[1:-1]
             x3 = xk.reshape(k, -1, xk.shape[-1])
-        if b is None:
-            out = torch.bmm(x3, w.transpose(1, 2))
-        else:
-            out = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
+        out = batched_linear(x3, w, b)
         return out.reshape(k, *lead, w.shape[1]), 0
 
 

@@ -3,17 +3,18 @@
 The idea is HFTA's fused optimizers (Wang et al., "Horizontally Fused Training Array: An Effective
 Hardware Utilization Squeezer for Training Novel Deep Learning Models", MLSys 2021,
 arXiv:2102.02344; its library's ``hfta.optim``): when K models of one structure are trained as
-one, every parameter is stacked to shape ``(K, *shape)``, and every hyperparameter (learning
-rate, momentum, weight decay, betas, ...) becomes a ``(K,)`` tensor broadcast over each
-parameter's trailing dims, so the whole array updates with the same few kernels one model
-would need.
+one, every parameter is stacked to shape ``(K, *shape)`` and every hyperparameter (learning
+rate, momentum, weight decay, betas, ...) is held per model, a ``(K,)`` tensor, so the whole
+array updates with the few kernels one model's optimizer needs.
 
 Model ``k`` of a :class:`FusedOptimizer` follows the update rule of the stock optimizer it stands
-for (``torch.optim.SGD``, ``Adam`` or ``AdamW``, as of torch 2.13's single-tensor path), with its
-own hyperparameters. The results agree with the stock optimizer to float tolerance, not bit for
-bit: the stock code multiplies by Python floats (``alpha=``/``value=`` arguments, fused into one
-kernel) where this one multiplies by broadcast tensors in a slightly different order, and torch
-may pick its foreach or fused kernels for the stock optimizer on a GPU.
+for (``torch.optim.SGD``, ``Adam`` or ``AdamW``), with its own hyperparameters: a step runs
+torch's foreach rules (``_update.py``) over the stacked parameters where the models share a
+value and over every model's slice of them where they differ, model k's values as Python
+numbers at its slices. The results agree with the stock optimizer to float
+tolerance, not always bit for bit: where a value differs between the models (the learning rate,
+say), ``x + value * y`` is a multiply and an add where the stock code adds with ``alpha=value``
+in one kernel, and torch may pick its fused kernels for the stock optimizer on a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 from waterwave_hpo._checks import message
 from waterwave_hpo._checks import type_error
 from waterwave_hpo._checks import value_error
+from waterwave_hpo.fusion import _update as update
 
 
 class OptimizerKind(enum.Enum):
@@ -352,77 +354,25 @@ def _stack_hparams(
     return stacked
 
 
-@dataclass
-class _Uses:
-    """Which optional parts of the update any model uses, known on the host.
-
-    Kept here so that a step never reads a device tensor back (a stream sync on CUDA); refreshed
-    only when the hyperparameters change (construction, scheduler, keep_models, load).
-    """
-
-    maximize: bool = False
-    weight_decay: bool = False
-    momentum: bool = False
-    plain_momentum_only: bool = False  # every model has momentum != 0 and no Nesterov
-    amsgrad: bool = False
-    nesterov: tuple[bool, ...] = ()  # SGD's flags (no scheduler changes them): a host copy
-
-    @classmethod
-    def of(cls, group: Mapping[str, Any]) -> _Uses:
-        """From the group's (K,) hyperparameters, host copies (see ``_host_hparams``)."""
-        uses = cls(
-            maximize=any(group["maximize"].tolist()),
-            weight_decay=any(v != 0 for v in group["weight_decay"].tolist()),
-            amsgrad="amsgrad" in group and any(group["amsgrad"].tolist()),
-        )
-        if "momentum" in group:
-            uses.set_momentum(group["momentum"].tolist(), group["nesterov"].tolist())
-        return uses
-
-    def set_momentum(self, momentum: list[float], nesterov: list[bool]) -> None:
-        """Update from SGD's momentum and nesterov values (host lists)."""
-        self.nesterov = tuple(nesterov)
-        self.momentum = any(m != 0 for m in momentum)
-        self.plain_momentum_only = all(m != 0 for m in momentum) and not any(nesterov)
-
-
-class _Broadcast:
-    """A group's hyperparameters for one step, cast to one parameter dtype, viewed ``(K, 1, ...)``.
-
-    Values computed from them (e.g. ``-lr * momentum``) are computed once per step and dtype.
-    """
-
-    def __init__(self, group: Mapping[str, Any], dtype: torch.dtype) -> None:
-        self._group = group
-        self._dtype = dtype
-        self._flat: dict[str, torch.Tensor] = {}
-
-    def __call__(
-        self, name: str, ndim: int, compute: Callable[[], torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """(K,) value ``name`` (the group's, or ``compute()``), viewed for a ``ndim``-dim tensor."""
-        flat = self._flat.get(name)
-        if flat is None:
-            source = self._group[name] if compute is None else compute()
-            flat = source if source.dtype == torch.bool else source.to(self._dtype)
-            self._flat[name] = flat
-        return self.view(flat, ndim)
-
-    def view(self, value: torch.Tensor, ndim: int) -> torch.Tensor:
-        """``value`` of shape (K,) cast and viewed to broadcast over a ``ndim``-dim tensor."""
-        cast = value if value.dtype in (torch.bool, self._dtype) else value.to(self._dtype)
-        return cast.reshape((cast.shape[0],) + (1,) * (ndim - 1))
-
-
 class FusedOptimizer(torch.optim.Optimizer):
     """Steps K fused models at once; model k follows the stock optimizer with its own values.
 
     Build it with :func:`optimizer`. Every parameter has shape ``(K, *shape)``; each
     hyperparameter is a ``(K,)`` tensor (``betas``: ``(K, 2)``, flags: ``(K,)`` bool) in
     ``param_groups[0]``, on the parameters' device, held in float64. The one parameter group holds
-    every parameter. State per parameter: ``step`` ``(K,)``, and the stock optimizer's buffers
-    (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` when a model uses
-    AMSGrad), each with the parameter's shape. ``state_dict``/``load_state_dict`` round-trip.
+    every parameter. State per parameter: the stock optimizer's buffers (``momentum_buffer``;
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` when a model uses AMSGrad), each with the
+    parameter's shape, and Adam's ``step`` ``(K,)``. ``state_dict``/``load_state_dict``
+    round-trip.
+
+    A step runs torch's foreach update (``_multi_tensor_sgd``, ``_multi_tensor_adam``) over
+    the stacked parameters where the models share a value and over every model's slice of
+    every parameter where they differ, each model's values given as Python numbers from
+    the host copies of the hyperparameters: a fixed number of operations per step (about 4 for
+    SGD with momentum, 9 for Adam), whatever the number of parameters and K, and no read of a
+    device tensor on the host. Hyperparameters are read from the host copies that
+    :meth:`set_hparam` keeps; a group tensor replaced or written in place by hand is read back
+    from the device once.
 
     Idea: HFTA's fused optimizers (Wang et al., MLSys 2021, arXiv:2102.02344).
 
@@ -450,8 +400,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Host copies of the (K,) hyperparameters, each with the device tensor it mirrors:
         # what the host needs (which parts of the update run, hparams(k) for a scheduler) is
         # read here, never back from the device (a stream sync on CUDA).
-        self._mirror: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mirror: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._set_mirror(_stack_hparams(kind, hparams, torch.device("cpu")))
+        # Per parameter: Adam's step counts per model on the host, with the ``step`` tensor
+        # they mirror (bias corrections are host numbers, as in the stock foreach code), and
+        # which models' momentum buffers hold a value (the stock buffer exists), with the
+        # buffer. A state tensor replaced by a load is read once (steps) or taken as started.
+        self._host_steps: dict[int, tuple[torch.Tensor, list[float]]] = {}
+        self._started: dict[int, tuple[torch.Tensor, list[bool]]] = {}
+        # Each model's view of the parameters and state buffers, made once (see ``_Slices``).
+        self._slices: dict[int, tuple[torch.Tensor, tuple[Any, ...], tuple[torch.Tensor, ...]]]
+        self._slices = {}
         # Counts changes of the hyperparameters; a scheduler that sees another writer's change
         # writes all its values again.
         self.hparam_version = 0
@@ -488,23 +447,23 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Record ``host`` (CPU tensors) as the values of the group's hyperparameters now."""
         group = self.param_groups[0]
         for name, values in host.items():
-            self._mirror[name] = (group[name], values)
-        self._uses = _Uses.of(self._host_hparams())
+            self._mirror[name] = (group[name], group[name]._version, values)
 
     def _host_hparams(self) -> dict[str, torch.Tensor]:
         """The group's hyperparameters on the host: the mirror, or a read where it is stale.
 
-        Stale only where the group's tensor was replaced by hand (not through
-        :meth:`set_hparam`); then the value is read back from the device once.
+        Stale only where the group's tensor was replaced or written in place by hand (not
+        through :meth:`set_hparam`); then the value is read back from the device once.
         """
         group = self.param_groups[0]
         host = {}
         for name in _SPECS[self._kind].hparams:
-            device_value, host_value = self._mirror.get(name, (None, None))
-            if device_value is not group[name] or host_value is None:
-                host_value = group[name].detach().to("cpu")
-                self._mirror[name] = (group[name], host_value)
-            host[name] = host_value
+            value: torch.Tensor = group[name]
+            entry = self._mirror.get(name)
+            if entry is None or entry[0] is not value or entry[1] != value._version:
+                entry = (value, value._version, value.detach().to("cpu"))
+                self._mirror[name] = entry
+            host[name] = entry[2]
         return host
 
     def hparams(self, k: int) -> dict[str, Any]:
@@ -560,15 +519,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         # a new tensor, not copy_(): a state_dict() taken earlier must keep the old values;
         # queued, not waited for: schedulers call this every step
-        self.param_groups[0][name] = host_to_device(new, target.device)
-        self._mirror[name] = (self.param_groups[0][name], new)
+        placed = host_to_device(new, target.device)
+        self.param_groups[0][name] = placed
+        self._mirror[name] = (placed, placed._version, new)
         self.hparam_version += 1
-        # read from the host copies (``new``, and the flags kept in ``_uses``): a scheduler
-        # cycling momentum (OneCycleLR, CyclicLR) calls this every step, so no device read here
-        if name == "momentum":
-            self._uses.set_momentum(new.tolist(), list(self._uses.nesterov))
-        if name == "weight_decay":
-            self._uses.weight_decay = any(v != 0 for v in new.tolist())
 
     def _follow(self, follower: _PerModel) -> None:
         """Register something per model (a scheduler) that :meth:`keep_models` must slice too."""
@@ -604,6 +558,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if value.shape[0] != self._num_models:
                         raise RuntimeError(f"optimizer state {key!r} has shape {value.shape}")
                     state[key] = value.index_select(0, index.to(value.device))
+            # The host records follow their tensors (no read back from the device).
+            steps = self._host_steps.get(id(p))
+            if steps is not None and "step" in state:
+                self._host_steps[id(p)] = (state["step"], [steps[1][i] for i in kept])
+            started = self._started.get(id(p))
+            if started is not None and "momentum_buffer" in state:
+                buf = state["momentum_buffer"]
+                self._started[id(p)] = (buf, [started[1][i] for i in kept])
         self._set_mirror(host)
         self.hparam_version += 1
         for follower in list(self._followers):
@@ -663,7 +625,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = state["step"].to(device=device, dtype=_HPARAM_DTYPE)
         self._mirror = {}
-        self._uses = _Uses.of(self._host_hparams())  # one read of the loaded values
+        self._host_hparams()  # one read of the loaded values
+        self._host_steps = {}
+        self._started = {}
+        self._slices = {}
         self.hparam_version += 1
         self._num_models = saved_k
 
@@ -686,7 +651,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
-        casts: dict[torch.dtype, _Broadcast] = {}
+        # One foreach update per dtype (torch's foreach kernels take one dtype per list).
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -698,95 +664,149 @@ class FusedOptimizer(torch.optim.Optimizer):
                     "has a sparse gradient, which fused optimizers do not support",
                     "use dense gradients (e.g. nn.Embedding(sparse=False))",
                 )
-            hp = casts.setdefault(p.dtype, _Broadcast(group, p.dtype))
+            by_dtype.setdefault(p.dtype, []).append(p)
+        if not by_dtype:
+            return loss
+        host = {name: value.tolist() for name, value in self._host_hparams().items()}
+        slices = _Slices(self._slices)
+        for params in by_dtype.values():
             if self._kind is OptimizerKind.SGD:
-                self._sgd(p, group, hp)
+                self._sgd(params, host, slices)
             else:
-                self._adam(p, group, hp, decoupled=self._kind is OptimizerKind.ADAMW)
+                self._adam(params, host, slices, decoupled=self._kind is OptimizerKind.ADAMW)
+        self._slices = slices.used
         return loss
 
-    def _grad(self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast) -> torch.Tensor:
-        """``p.grad``, negated for the models that maximize."""
-        assert p.grad is not None
-        grad = p.grad
-        if self._uses.maximize:
-            grad = torch.where(hp("maximize", p.dim()), -grad, grad)
-        return grad
-
-    def _sgd(self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast) -> None:
-        """``torch.optim.SGD``'s update (``_single_tensor_sgd``), per model.
-
-        With momentum, the update ``p -= lr * g`` uses ``g = a * grad + c * buf`` with per-model
-        coefficients: no momentum (a=1, c=0), Nesterov (a=1, c=momentum), plain momentum (a=0,
-        c=1); so models of every kind share the same few full-size passes.
-        """
-        ndim = p.dim()
-        grad = self._grad(p, group, hp)
-        state = self.state[p]
-        if self._uses.weight_decay:
-            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
-        if not self._uses.momentum:
-            p.addcmul_(grad, hp("lr", ndim), value=-1)
-            return
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = grad.detach().clone()
-            state["momentum_buffer"] = buf
-        else:
-            buf.mul_(hp("momentum", ndim)).addcmul_(
-                grad, hp("one_minus_dampening", ndim, lambda: 1 - group["dampening"])
-            )
-        if not self._uses.plain_momentum_only:
-            p.addcmul_(grad, hp("neg_lr_a", ndim, lambda: _sgd_coefficients(group)[0]))
-        p.addcmul_(buf, hp("neg_lr_c", ndim, lambda: _sgd_coefficients(group)[1]))
+    def _sgd(self, params: list[torch.Tensor], host: dict[str, Any], slices: _Slices) -> None:
+        """``torch.optim.SGD``'s step of every model (see ``_update.sgd``)."""
+        k = self._num_models
+        values = update.SGDValues(
+            lr=host["lr"],
+            momentum=host["momentum"],
+            dampening=host["dampening"],
+            weight_decay=host["weight_decay"],
+            nesterov=host["nesterov"],
+            maximize=host["maximize"],
+        )
+        buffers: list[torch.Tensor] | None = None
+        started: list[bool] = []
+        if any(m != 0 for m in values.momentum):
+            buffers = []
+            for p in params:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = buf
+                    self._started[id(p)] = (buf, [False] * k)
+                entry = self._started.get(id(p))
+                if entry is None or entry[0] is not buf:  # loaded: the stock buffer exists
+                    entry = self._started[id(p)] = (buf, [True] * k)
+                buffers.append(buf)
+                started += entry[1]
+        update.sgd(
+            update.Operand(k, params, slicer=slices),
+            update.Operand(k, [_grad(p) for p in params]),
+            None if buffers is None else update.Operand(k, buffers, slicer=slices),
+            started,
+            values,
+        )
+        if buffers is not None:
+            for i, p in enumerate(params):
+                self._started[id(p)][1][:] = started[i * k : (i + 1) * k]
 
     def _adam(
-        self, p: torch.Tensor, group: Mapping[str, Any], hp: _Broadcast, *, decoupled: bool
+        self,
+        params: list[torch.Tensor],
+        host: dict[str, Any],
+        slices: _Slices,
+        *,
+        decoupled: bool,
     ) -> None:
-        """``torch.optim.Adam``'s update (``_single_tensor_adam``), AdamW's if ``decoupled``."""
-        ndim = p.dim()
-        grad = self._grad(p, group, hp)
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros_like(group["lr"])
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if self._uses.amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step: torch.Tensor = state["step"]
-        step += 1
-        lr: torch.Tensor = group["lr"]
-        betas: torch.Tensor = group["betas"]
-        if self._uses.weight_decay and decoupled:
-            p.mul_(hp("decay", ndim, lambda: 1 - lr * group["weight_decay"]))
-        elif self._uses.weight_decay:
-            grad = torch.addcmul(grad, p, hp("weight_decay", ndim))
-        exp_avg: torch.Tensor = state["exp_avg"]
-        exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
-        exp_avg.lerp_(grad, hp("one_minus_beta1", ndim, lambda: 1 - betas[:, 0]))
-        exp_avg_sq.mul_(hp("beta2", ndim, lambda: betas[:, 1])).addcmul_(
-            grad.square(), hp("one_minus_beta2", ndim, lambda: 1 - betas[:, 1])
+        """``torch.optim.Adam``'s step of every model, AdamW's if ``decoupled``."""
+        k = self._num_models
+        values = update.AdamValues(
+            lr=host["lr"],
+            beta1=[b[0] for b in host["betas"]],
+            beta2=[b[1] for b in host["betas"]],
+            eps=host["eps"],
+            weight_decay=host["weight_decay"],
+            amsgrad=host["amsgrad"],
+            maximize=host["maximize"],
         )
-        # Per parameter (its step count), in float64 over (K,), as the stock code does in Python
-        # floats.
-        bias_correction2_sqrt = (1 - betas[:, 1] ** step) ** 0.5
-        neg_step_size = -lr / (1 - betas[:, 0] ** step)
-        second = exp_avg_sq
-        if "max_exp_avg_sq" in state:
-            max_exp_avg_sq: torch.Tensor = state["max_exp_avg_sq"]
-            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-            second = torch.where(hp("amsgrad", ndim), max_exp_avg_sq, exp_avg_sq)
-        denom = second.sqrt().div_(hp.view(bias_correction2_sqrt, ndim)).add_(hp("eps", ndim))
-        p.addcmul_(exp_avg.div(denom), hp.view(neg_step_size, ndim))
+        amsgrad = any(values.amsgrad)
+        step_tensors, steps = [], []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        maxima: list[torch.Tensor] = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros_like(self.param_groups[0]["lr"])
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._host_steps[id(p)] = (state["step"], [0.0] * k)
+            if amsgrad and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            entry = self._host_steps.get(id(p))
+            if entry is None or entry[0] is not state["step"]:  # loaded: read once
+                entry = self._host_steps[id(p)] = (state["step"], state["step"].tolist())
+            counts = entry[1]
+            counts[:] = [c + 1 for c in counts]
+            steps += counts
+            step_tensors.append(state["step"])
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if amsgrad:
+                maxima.append(state["max_exp_avg_sq"])
+        torch._foreach_add_(step_tensors, 1.0)
+        update.adam(
+            update.Operand(k, params, slicer=slices),
+            update.Operand(k, [_grad(p) for p in params]),
+            update.Operand(k, exp_avgs, slicer=slices),
+            update.Operand(k, exp_avg_sqs, slicer=slices),
+            update.Operand(k, maxima, slicer=slices) if amsgrad else None,
+            steps,
+            values,
+            decoupled=decoupled,
+        )
 
 
-def _sgd_coefficients(group: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGD's per-model ``(-lr * a, -lr * c)`` of ``p -= lr * (a * grad + c * buf)``, each (K,)."""
-    lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
-    no_momentum = momentum == 0
-    a = (no_momentum | nesterov).to(lr.dtype)
-    c = torch.where(no_momentum, 0.0, torch.where(nesterov, momentum, 1.0))
-    return -lr * a, -lr * c
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which the step checked is there."""
+    assert p.grad is not None
+    return p.grad
+
+
+class _Slices:
+    """Each model's view ``t[k]`` of a stacked tensor that lives across steps, made once.
+
+    A step's foreach operations take every model's slice of every parameter and state buffer
+    where the models' values differ;
+    these views stay valid while the tensor keeps its storage (updates are in place), so they
+    are made again only when the tensor was replaced (``keep_models``, ``swap_tensors``, a
+    ``.data`` assignment, a load): the held views keep the old storage alive, so a new one
+    cannot reuse its address. ``used`` holds this step's entries (the cache of the next), so
+    the views of a replaced tensor are dropped at the next step.
+    """
+
+    def __init__(
+        self, previous: dict[int, tuple[torch.Tensor, tuple[Any, ...], tuple[torch.Tensor, ...]]]
+    ) -> None:
+        self._previous = previous
+        self.used: dict[int, tuple[torch.Tensor, tuple[Any, ...], tuple[torch.Tensor, ...]]] = {}
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``t.unbind(0)``, from the cache where ``t`` still has the same storage and shape."""
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+        entry = self._previous.get(id(t))
+        if entry is None or entry[0] is not t or entry[1] != key:
+            # Views of a detached alias (same storage, its own TensorImpl): holding them
+            # does not count as a use of the parameter itself, which ``swap_tensors`` (the
+            # fused module's ``keep_models``) refuses while anything else holds it.
+            entry = (t, key, t.detach().unbind(0))
+        self.used[id(t)] = entry
+        return entry[2]
 
 
 def check_indices(indices: object, num_models: int) -> list[int]:
@@ -828,8 +848,10 @@ def optimizer(
     """A fused optimizer for K models: model k is updated as ``cls`` with ``hparams[k]`` would.
 
     Every parameter must be stacked over the models, shape ``(K, *shape)`` (a fused module's
-    are). Each hyperparameter is held per model as a ``(K,)`` tensor broadcast over each
-    parameter's trailing dims (HFTA's fused optimizers, arXiv:2102.02344).
+    are). Each hyperparameter is held per model as a ``(K,)`` tensor (HFTA's fused optimizers,
+    arXiv:2102.02344); a step is a fixed few foreach operations over the stacked parameters (or,
+    where the models' values differ, their slices), whatever the number of parameters and K
+    (:class:`FusedOptimizer`).
 
     Supported: ``torch.optim.SGD`` (``lr``, ``momentum``, ``dampening``, ``weight_decay``,
     ``nesterov``, ``maximize``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (``lr``,
