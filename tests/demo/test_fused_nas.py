@@ -14,7 +14,6 @@ from waterwave_hpo.demo import load_digits
 from waterwave_hpo.demo import make_fused_nas_objective
 from waterwave_hpo.demo import nas_pinning_sampler
 
-
 # Small leaders, so the test trains little; their followers are sampled (pinned by the sampler).
 LEADERS = [
     {"n_conv": 1, "channels_0": 8, "kernel_0": 3, "hidden": 32, "optimizer": "adam"},
@@ -49,7 +48,7 @@ def test_a_study_without_the_pinning_sampler_is_refused() -> None:
     study = optuna.create_study(direction="maximize", sampler=demo_sampler(0))
     objective = make_fused_nas_objective(load_digits(), epochs=1, seed=0, sampler=sampler)
     trials = [study.ask(), study.ask()]
-    with pytest.raises(ValueError, match="not the study's sampler.*create the study with"):
+    with pytest.raises(ValueError, match=r"not the study.s sampler.*create the study with"):
         objective(trials)
     for trial in trials:
         study.tell(trial, state=TrialState.FAIL)
