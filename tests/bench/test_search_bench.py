@@ -144,6 +144,30 @@ def test_the_command_line_runs_the_search_bench_with_its_defaults(
     assert config.command[:2] == ("waterwave-hpo", "bench") or config.command[0] == "waterwave-hpo"
 
 
+def test_a_method_that_cannot_start_here_is_recorded_as_skipped_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    config = SearchConfig(
+        out=tmp_path,
+        device="cpu",
+        k=1000,  # worker processes this machine has no memory for: refused up front
+        methods=(SearchMethod.EXECUTOR_PROCESS,),
+        seeds=1,
+        trials=1,
+        epochs=1,
+        budget_s=1.0,
+        isolate=False,
+    )
+    result = run_search_bench(config, log=lambda line: None)
+    (run,) = json.loads((tmp_path / "search.json").read_text())["runs"]
+    assert not run["available"] and "host memory" in run["skipped_reason"]
+    assert run["trials"] == [] and run["time_to_target_s"] is None
+    assert result.target.value is None
+    readme = (tmp_path / "README.md").read_text()
+    assert '| executor, isolation="process" | 0 of 1 | skipped: ValueError: ' in readme
+    assert (tmp_path / "search.png").exists()
+
+
 @pytest.mark.slow
 def test_a_search_runs_in_a_process_of_its_own() -> None:
     from waterwave_hpo.bench._search_children import search_processes

@@ -73,7 +73,10 @@ def plot_search(runs: list[SearchRun], target: Target, path: Path, title: str) -
     axes.set_xlabel("wall seconds since the search's first trial was asked")
     axes.set_ylabel("best validation accuracy so far")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="lower right")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=8, loc="lower left")
+    else:
+        axes.text(0.5, 0.5, "no search ran", transform=axes.transAxes, ha="center")
     axes.set_title(title, fontsize=9)
     figure.savefig(path, dpi=110)
     return path
