@@ -43,3 +43,14 @@ def test_start_sets_the_deadline_from_now_and_it_survives_pickling() -> None:
     assert before <= now <= time.time() and pruner.deadline_s == now + 12.5
     copy = pickle.loads(pickle.dumps(pruner))  # workers of isolation="process" ask a copy
     assert copy.deadline_s == pruner.deadline_s and isinstance(copy.base, _PruneOne)
+
+
+def test_past_the_deadline_the_callback_stops_the_study() -> None:
+    pruner = DeadlinePruner(_PruneOne())
+    pruner.start(3600.0)
+    study = optuna.create_study(pruner=pruner)
+    study.optimize(lambda t: 0.0, n_trials=2, callbacks=[pruner.stop_study])
+    assert len(study.trials) == 2  # before the deadline: nothing stopped
+    pruner.deadline_s = time.time() - 1.0
+    study.optimize(lambda t: 0.0, n_trials=5, callbacks=[pruner.stop_study])
+    assert len(study.trials) == 3  # the first trial past the deadline stopped the study

@@ -1,4 +1,4 @@
-"""A pruner that also stops every trial once the search's time budget is spent."""
+"""The search's time budget: a pruner that stops every trial, and the study, at its end."""
 
 from __future__ import annotations
 
@@ -45,3 +45,13 @@ class DeadlinePruner(BasePruner):
         if time.time() >= self.deadline_s:
             return True
         return bool(self.base.prune(study, trial))
+
+    def stop_study(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        """A callback for ``optimize``: past the deadline, ``study.stop()``, so no trial starts.
+
+        ``timeout`` alone may start trials after the deadline: the executor counts it from
+        when its hosts are ready (with worker processes, after they took the objective), not
+        from the ``optimize`` call.
+        """
+        if time.time() >= self.deadline_s:
+            study.stop()

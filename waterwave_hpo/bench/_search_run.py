@@ -88,7 +88,7 @@ def run_search(method: SearchMethod, seed: int, settings: SearchSettings) -> Sea
         study = optuna.create_study(direction="maximize", sampler=sampler, pruner=pruner)
         run.load_average_1min = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         clock = pruner.start(settings.budget_s)
-        _optimize(method, study, objective, executor, run.k, settings)
+        _optimize(method, study, objective, executor, run.k, settings, pruner.stop_study)
         run.wall_s = time.time() - clock
         run.trials = [_outcome(t, clock) for t in study.get_trials(deepcopy=False)]
     finally:
@@ -181,10 +181,11 @@ def _optimize(
     executor: Any,
     k: int,
     settings: SearchSettings,
+    stop: Callable[[optuna.Study, optuna.trial.FrozenTrial], None],
 ) -> None:
     # catch: a trial that raises fails alone, as the demo's would; the study goes on.
     options: dict[str, Any] = dict(
-        n_trials=settings.trials, timeout=settings.budget_s, catch=(Exception,)
+        n_trials=settings.trials, timeout=settings.budget_s, catch=(Exception,), callbacks=[stop]
     )
     if executor is None:
         study.optimize(objective, n_jobs=k, **options)
