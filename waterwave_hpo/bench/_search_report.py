@@ -78,6 +78,7 @@ def method_summaries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "skipped_reason": next(
                     (e["skipped_reason"] for e in mine if not e["available"]), ""
                 ),
+                "with_a_result": len(bests),
                 "reached_target": len(times),
                 "time_to_target_s_median": _median(times),
                 "time_to_target_s_min": min(times, default=None),
@@ -152,7 +153,7 @@ def readme(payload: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {row['ran']} of {row['seeds']} | {row['reached_target']} of "
             f"{row['ran']} | {_range(row, 'time_to_target_s', '.1f')} | "
-            f"{_range(row, 'best_value_at_budget', '.4f')} | "
+            f"{_range(row, 'best_value_at_budget', '.4f')}{_partial(row)} | "
             f"{_fmt(row['trials_completed_median'], '.0f')} | "
             f"{_fmt(row['startup_s_median'], '.1f')} |"
         )
@@ -187,6 +188,13 @@ def readme(payload: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _partial(row: dict[str, Any]) -> str:
+    """Which seeds the best-at-budget figures come from, when not all of them completed a trial."""
+    if row["with_a_result"] == row["ran"]:
+        return ""
+    return f", {row['with_a_result']} of {row['ran']} seeds completed a trial"
 
 
 def _load(load: list[float] | None) -> str:
