@@ -150,7 +150,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--out",
         default=None,
         metavar="DIR",
-        help="results folder (default experiments/results/<date>-<device>/)",
+        help="results folder (default experiments/results/<date>-<device>/; with --search "
+        "experiments/results/<date>-search-<device>/)",
     )
     bench.add_argument(
         "--device", default="auto", metavar="DEVICE", help="auto | cpu | cuda | cuda:N"
@@ -203,7 +204,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=int,
         default=None,
         metavar="STEPS",
-        help="training steps per trial (default: fitted to --budget-s)",
+        help="training steps per trial (default: fitted to --budget-s; not with --search)",
     )
     bench.add_argument(
         "--capacity-bytes",
@@ -211,7 +212,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         metavar="BYTES",
         help="device memory to size the settings against (default: the GPU's total; on the "
-        "CPU a virtual capacity derived from the trials' profiles)",
+        "CPU a virtual capacity derived from the trials' profiles; not with --search)",
     )
     bench.add_argument(
         "--seed",
@@ -221,7 +222,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="seed; with --search the first seed (default 0)",
     )
     bench.add_argument(
-        "--no-sim", action="store_true", help="do not print the simulator's predictions"
+        "--no-sim",
+        action="store_true",
+        help="do not print the simulator's predictions (not with --search)",
     )
     search = bench.add_argument_group(
         "--search: time to a good model",
