@@ -60,10 +60,10 @@ class SearchConfig:
             per search, an executor's worker processes) comes on top.
         target_fraction: The target is this fraction of the best validation accuracy any
             search found within its budget, in (0, 1].
-        isolate: Run each search in a fresh process (:func:`search_processes`: OpenMP's idle
-            threads sleep, as in the executor's workers), so no search inherits another's
-            caches, and on CUDA each method gets its own allocator. ``False``: all in this
-            process (for tests).
+        isolate: Run each search in a fresh process (forked from a server that imported
+            torch once; on CUDA spawned; OpenMP's idle threads sleep, as in the executor's
+            workers), so no search inherits another's caches, and on CUDA each method gets its
+            own allocator. ``False``: all in this process (for tests).
         command: The command line, recorded in the results.
     """
 
@@ -177,7 +177,7 @@ def run_search_bench(
         f"s or {config.trials} trials, K={config.k}, {config.epochs} epochs per trial"
     )
     runs: list[SearchRun] = []
-    with search_processes() if config.isolate else _here() as run_one:
+    with search_processes(device.type == "cuda") if config.isolate else _here() as run_one:
         for seed in seeds:
             for method in config.methods:
                 runs.append(run_one(method, seed, settings))

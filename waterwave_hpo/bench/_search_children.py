@@ -27,23 +27,34 @@ PRELOAD = (
 
 
 @contextlib.contextmanager
-def search_processes() -> Iterator[Callable[[SearchMethod, int, SearchSettings], SearchRun]]:
+def search_processes(
+    cuda: bool = False,
+) -> Iterator[Callable[[SearchMethod, int, SearchSettings], SearchRun]]:
     """Yield ``run(method, seed, settings)``: one search in a process of its own.
 
-    Each search's process is forked from a fork server (``multiprocessing``'s
-    ``forkserver``) that imported :data:`PRELOAD` and never touched CUDA or ran an OpenMP
-    region, so a search inherits no other search's state (caches, allocators, CUDA context)
-    and starts without importing torch again. The server is started with OpenMP's idle
-    threads told to sleep (``OMP_WAIT_POLICY=PASSIVE``, as the executor's worker processes
-    are; a value the user set is kept): spinning idle threads take the cores from busy ones
-    whenever the machine runs more threads than it has cores.
+    On the CPU each search's process is forked from a fork server (``multiprocessing``'s
+    ``forkserver``) that imported :data:`PRELOAD` and never ran an OpenMP region, so a search
+    inherits no other search's state (caches, allocators) and starts without importing torch
+    again. On CUDA each is a fresh interpreter (``spawn``), as the throughput bench's methods
+    are: a process forked from one that reached the CUDA driver cannot use CUDA, and each
+    method must choose its allocator before CUDA starts. Either way OpenMP's idle threads are
+    told to sleep (``OMP_WAIT_POLICY=PASSIVE``, as in the executor's worker processes; a value
+    the user set is kept): spinning idle threads take the cores from busy ones whenever the
+    machine runs more threads than it has cores.
+
+    Args:
+        cuda: Whether the searches run on a GPU.
     """
     set_here = "OMP_WAIT_POLICY" not in os.environ
     if set_here:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(PRELOAD))
+        context: Any
+        if cuda:
+            context = multiprocessing.get_context("spawn")
+        else:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(list(PRELOAD))
         yield lambda method, seed, settings: _call(context, method, seed, settings)
     finally:
         if set_here:
