@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from waterwave_hpo import _checks
+from waterwave_hpo import _experimental
 from waterwave_hpo._owned_files import check_out_value
 from waterwave_hpo.bench._folders import claim_results_folder
 from waterwave_hpo.bench._folders import default_folder
@@ -162,7 +163,9 @@ def run_search_bench(
         SEARCH_FILES,
     )
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    if device.type != "cuda":
+    if device.type == "cuda":
+        _experimental.warn_experimental(_experimental.ExperimentalPath.BENCH_CUDA)
+    else:
         log(SEARCH_CPU_NOTICE)
     settings = SearchSettings(
         device=str(device),
