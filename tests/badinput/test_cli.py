@@ -102,12 +102,62 @@ FLAGS = [
         "range",
     ),
     Flag(
-        "bench-method-unknown",
-        ("bench", "--methods", "mps"),
+        "bench-method-unknown", ("bench", "--methods", "mps"), "--methods", "mps", "pass", "range"
+    ),
+    Flag(
+        "bench-method-not-a-search-method",
+        ("bench", "--search", "--methods", "spatial"),
         "--methods",
-        "'mps'",
-        "usage:",
+        "spatial",
+        "pass",
         "range",
+    ),
+    Flag("bench-search-value", ("bench", "--search=1"), "--search", "1", "usage:", "type"),
+    Flag(
+        "bench-seeds-zero", ("bench", "--search", "--seeds", "0"), "--seeds", "0", "pass", "range"
+    ),
+    Flag(
+        "bench-seeds-without-search", ("bench", "--seeds", "2"), "--seeds", "2", "--search", "mode"
+    ),
+    Flag(
+        "bench-epochs-zero",
+        ("bench", "--search", "--epochs", "0"),
+        "--epochs",
+        "0",
+        "pass",
+        "range",
+    ),
+    Flag(
+        "bench-target-fraction-above-one",
+        ("bench", "--search", "--target-fraction", "1.5"),
+        "--target-fraction",
+        "1.5",
+        "pass",
+        "range",
+    ),
+    Flag(
+        "bench-target-fraction-zero",
+        ("bench", "--search", "--target-fraction", "0"),
+        "--target-fraction",
+        "0",
+        "pass",
+        "range",
+    ),
+    Flag(
+        "bench-workloads-with-search",
+        ("bench", "--search", "--workloads", "gpt", "digits"),
+        "--workloads",
+        "gpt digits",
+        "leave it out",
+        "mode",
+    ),
+    Flag(
+        "bench-no-sim-with-search",
+        ("bench", "--search", "--no-sim"),
+        "--no-sim",
+        "--no-sim",
+        "leave it out",
+        "mode",
     ),
     Flag(
         "bench-setting-unknown",

@@ -11,14 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from badinput._helpers import file_hashes
 from waterwave_hpo._owned_files import MANIFEST_NAME
 from waterwave_hpo.bench import BenchConfig
 from waterwave_hpo.bench import Workload
 from waterwave_hpo.bench import bench_file_names
-from waterwave_hpo.bench._run import claim_results_folder
+from waterwave_hpo.bench._folders import claim_results_folder
+from waterwave_hpo.bench._folders import default_folder
 from waterwave_hpo.cli import main
 from waterwave_hpo.demo import DEMO_FILES
 
@@ -126,9 +126,10 @@ def test_a_second_bench_run_the_same_day_gets_a_new_default_folder(
     monkeypatch.chdir(tmp_path)
     config = BenchConfig(device="cpu")
     started = datetime.datetime(2026, 11, 27, tzinfo=datetime.timezone.utc)
-    first = claim_results_folder(config, torch.device("cpu"), started)
+    names = bench_file_names(config)
+    first = claim_results_folder(None, default_folder(started, "cpu"), "bench", names)
     first.write_text("README.md", "first run\n")
-    second = claim_results_folder(config, torch.device("cpu"), started)
+    second = claim_results_folder(None, default_folder(started, "cpu"), "bench", names)
     assert first.path.name == "2026-11-27-cpu" and second.path.name == "2026-11-27-cpu-2"
     assert (first.path / "README.md").read_text() == "first run\n"
 

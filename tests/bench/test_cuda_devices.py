@@ -7,9 +7,9 @@ from fakes.cuda_init import FakeCuda
 import pytest
 import torch
 
-from waterwave_hpo.bench._run import _machine
-from waterwave_hpo.bench._run import device_name
-from waterwave_hpo.bench._run import resolve_device
+from waterwave_hpo.bench._machine import device_name
+from waterwave_hpo.bench._machine import machine
+from waterwave_hpo.bench._machine import resolve_device
 from waterwave_hpo.bench._runners import PoolNotInstalledError
 from waterwave_hpo.bench._runners import _install_pool
 
@@ -30,7 +30,7 @@ def test_results_name_the_gpu_and_its_memory(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     device = torch.device("cuda:0")
     assert device_name(device) == "nvidia-h100-80gb-hbm3"
-    info = _machine(device)
+    info = machine(device)
     assert (info["gpu"], info["gpu_total_memory_bytes"]) == ("fake GPU", 80 << 30)
 
 

@@ -8,6 +8,10 @@ and writes ``results.csv``, ``results.json``, plots and a ``README.md``; ``compa
 simulates co-hosting with and without memory plans (``plans.csv``). ``zoo_cases`` and
 ``check_case`` run fusion on timm and transformers models (the ``zoo`` extra), ``count_ops``
 counts the ATen operations of a training step.
+
+``run_search_bench(SearchConfig(...))`` (``waterwave-hpo bench --search``) measures time to a
+good model instead of throughput: the demo's NAS + HPO search under each way of sharing the
+device, several seeds each, and writes ``search.json``, ``search.png`` and a ``README.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ from waterwave_hpo.bench._runners import Allocator
 from waterwave_hpo.bench._runners import MethodRun
 from waterwave_hpo.bench._runners import PoolNotInstalledError
 from waterwave_hpo.bench._runners import run_method
+from waterwave_hpo.bench._search_bench import SEARCH_FILES
+from waterwave_hpo.bench._search_bench import SearchBenchResult
+from waterwave_hpo.bench._search_bench import SearchConfig
+from waterwave_hpo.bench._search_bench import run_search_bench
+from waterwave_hpo.bench._search_budget import DeadlinePruner
+from waterwave_hpo.bench._search_methods import SearchMethod
+from waterwave_hpo.bench._search_results import SearchRun
+from waterwave_hpo.bench._search_results import Target
+from waterwave_hpo.bench._search_results import TrialOutcome
+from waterwave_hpo.bench._search_results import time_to_target
+from waterwave_hpo.bench._search_run import SearchSettings
+from waterwave_hpo.bench._search_run import run_search
 from waterwave_hpo.bench._train import TrialRecord
 from waterwave_hpo.bench._workloads import BasicBlock
 from waterwave_hpo.bench._workloads import Setting
@@ -55,6 +71,7 @@ from waterwave_hpo.bench._zoo import zoo_cases
 __all__ = [
     "CPU_NOTICE",
     "FAST_SAMPLE",
+    "SEARCH_FILES",
     "TIMM_SAMPLE",
     "TRANSFORMERS_SAMPLE",
     "UNITS",
@@ -62,6 +79,7 @@ __all__ = [
     "BasicBlock",
     "BenchConfig",
     "BenchResult",
+    "DeadlinePruner",
     "Method",
     "MethodResult",
     "MethodRun",
@@ -70,7 +88,14 @@ __all__ = [
     "PlanComparison",
     "PlanSharing",
     "PoolNotInstalledError",
+    "SearchBenchResult",
+    "SearchConfig",
+    "SearchMethod",
+    "SearchRun",
+    "SearchSettings",
     "Setting",
+    "Target",
+    "TrialOutcome",
     "TrialRecord",
     "Workload",
     "WorkloadSpec",
@@ -89,6 +114,9 @@ __all__ = [
     "results_table",
     "run_bench",
     "run_method",
+    "run_search",
+    "run_search_bench",
+    "time_to_target",
     "unavailable_reason",
     "zoo_case",
     "zoo_cases",

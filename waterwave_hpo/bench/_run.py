@@ -15,20 +15,23 @@ import sys
 from typing import TYPE_CHECKING
 from typing import Any
 
-import optuna
 import torch
 
 from waterwave_hpo import _checks
 from waterwave_hpo._owned_files import OwnedFolder
 from waterwave_hpo._owned_files import check_out_value
-from waterwave_hpo._owned_files import claim_folder
-from waterwave_hpo._version import __version__
 from waterwave_hpo.bench._calibrate import BASE_BATCH
 from waterwave_hpo.bench._calibrate import SEQ_LEN
 from waterwave_hpo.bench._calibrate import PlanProfile
 from waterwave_hpo.bench._calibrate import fit_batches
 from waterwave_hpo.bench._calibrate import plan_profile
 from waterwave_hpo.bench._calibrate import step_seconds
+from waterwave_hpo.bench._folders import claim_results_folder
+from waterwave_hpo.bench._folders import default_folder
+from waterwave_hpo.bench._machine import device_name
+from waterwave_hpo.bench._machine import machine
+from waterwave_hpo.bench._machine import resolve_device
+from waterwave_hpo.bench._machine import versions
 from waterwave_hpo.bench._methods import Method
 from waterwave_hpo.bench._methods import unavailable_reason
 from waterwave_hpo.bench._plans import PlanComparison
@@ -148,41 +151,6 @@ class BenchResult:
     plan_comparison: list[PlanComparison] = field(default_factory=list)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> ``cuda:0`` if CUDA is available, else ``cpu``; ``cuda`` -> ``cuda:0``.
-
-    Raises:
-        ValueError: If the device is not ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` of an
-            existing GPU.
-    """
-    if device == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(
-            f"device={device!r} is not a device; pass auto, cpu, cuda or cuda:N."
-        ) from None
-    if dev.type == "cuda":
-        index = dev.index or 0
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device={device!r} does not exist here ({torch.cuda.device_count()} CUDA "
-                "devices); pass --device cpu or an existing cuda:N."
-            )
-        return torch.device(f"cuda:{index}")
-    if dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not a device; pass auto, cpu, cuda or cuda:N.")
-    return dev
-
-
-def device_name(device: torch.device) -> str:
-    """A short name for folders: ``cpu`` or the GPU's name (``nvidia-h100-80gb-hbm3``)."""
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).lower().replace(" ", "-")
-
-
 def bench_file_names(config: BenchConfig) -> tuple[str, ...]:
     """Every file a run of ``config`` may write in its results folder (beside the manifest)."""
     tags = [f"{w.value}-{s.value}" for w in config.workloads for s in config.settings]
@@ -194,31 +162,6 @@ def bench_file_names(config: BenchConfig) -> tuple[str, ...]:
         "throughput.png",
         *(f"gantt-{tag}.png" for tag in tags),
         *(f"memory-{tag}.png" for tag in tags),
-    )
-
-
-def claim_results_folder(
-    config: BenchConfig, device: torch.device, started: datetime.datetime
-) -> OwnedFolder:
-    """The results folder, claimed before anything runs.
-
-    ``config.out``: refused (:class:`ForeignFileError`) if it holds a file of a name the bench
-    writes that an earlier bench run did not write. ``None``: a new folder
-    ``experiments/results/<date>-<device>/``, or ``...-2``, ``-3``, ... when that one exists,
-    so a second run on the same day never replaces the first.
-    """
-    names = bench_file_names(config)
-    if config.out is not None:
-        return claim_folder(config.out, kind="bench", names=names)
-    base = Path("experiments/results") / f"{started:%Y-%m-%d}-{device_name(device)}"
-    for attempt in range(1, 1000):
-        candidate = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
-        try:
-            return claim_folder(candidate, kind="bench", names=names, fresh=True)
-        except FileExistsError:
-            continue
-    raise _checks.value_error(
-        "out", None, f"{base}-2 to {base}-999 all exist", "pass a results folder with --out"
     )
 
 
@@ -250,7 +193,12 @@ def run_bench(config: BenchConfig, log: Any = print) -> BenchResult:
     cuda = device.type == "cuda"
     kind = "cuda" if cuda else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc)
-    folder = claim_results_folder(config, device, started)
+    folder = claim_results_folder(
+        config.out,
+        default_folder(started, device_name(device)),
+        "bench",
+        bench_file_names(config),
+    )
     out = folder.path
     if not cuda:
         log(CPU_NOTICE)
@@ -411,37 +359,6 @@ def _line(r: MethodResult) -> str:
     )
 
 
-def _versions() -> dict[str, str]:
-    import matplotlib
-    import pandas as pd
-
-    return {
-        "waterwave_hpo": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "optuna": optuna.__version__,
-        "pandas": pd.__version__,
-        "matplotlib": matplotlib.__version__,
-    }
-
-
-def _machine(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "device": str(device),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "torch_intra_op_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gpu_total_memory_bytes=int(props.total_memory))
-    return info
-
-
 def _write(
     folder: OwnedFolder,
     config: BenchConfig,
@@ -468,8 +385,8 @@ def _write(
             for k, v in asdict(config).items()
             if k not in ("out", "command")
         },
-        "machine": _machine(device),
-        "versions": _versions(),
+        "machine": machine(device),
+        "versions": versions(),
         "units": UNITS,
         "results": [asdict(r) for r in results],
         "plan_comparison_simulated": [asdict(c) for c in comparison],

@@ -10,6 +10,7 @@ from pathlib import Path
 import re
 import shlex
 import sys
+from typing import Any
 
 from waterwave_hpo import _checks
 from waterwave_hpo._version import __version__
@@ -126,7 +127,7 @@ def _add_doctor(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from waterwave_hpo.bench import Method
+    from waterwave_hpo.bench import SearchMethod
     from waterwave_hpo.bench import Setting
     from waterwave_hpo.bench import Workload
 
@@ -149,53 +150,61 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--out",
         default=None,
         metavar="DIR",
-        help="results folder (default experiments/results/<date>-<device>/)",
+        help="results folder (default experiments/results/<date>-<device>/; with --search "
+        "experiments/results/<date>-search-<device>/)",
     )
     bench.add_argument(
         "--device", default="auto", metavar="DEVICE", help="auto | cpu | cuda | cuda:N"
     )
     bench.add_argument("--k", type=int, default=4, metavar="K", help="trials at once (default 4)")
     bench.add_argument(
-        "--trials", type=int, default=8, metavar="N", help="trials per workload (default 8)"
+        "--trials",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trials per workload (default 8); with --search, each search's trial budget "
+        "(default 100)",
     )
     bench.add_argument(
         "--workloads",
         nargs="+",
-        default=[w.value for w in Workload],
+        default=None,
         choices=[w.value for w in Workload],
         metavar="W",
-        help="resnet gpt digits (default all)",
+        help="resnet gpt digits (default all; not with --search)",
     )
     bench.add_argument(
         "--settings",
         nargs="+",
-        default=[s.value for s in Setting],
+        default=None,
         choices=[s.value for s in Setting],
         metavar="S",
-        help="light high (default both)",
+        help="light high (default both; not with --search)",
     )
     bench.add_argument(
         "--methods",
         nargs="+",
-        default=[m.value for m in Method],
-        choices=[m.value for m in Method],
+        default=None,
         metavar="M",
         help="temporal optuna-threads spatial cuda-malloc-async waterwave-fifo waterwave "
-        "waterwave-plans fused (default all; temporal always runs: it is the baseline)",
+        "waterwave-plans fused (default all; temporal always runs: it is the baseline); with "
+        "--search: " + " ".join(m.value for m in SearchMethod) + " (default all)",
     )
     bench.add_argument(
         "--budget-s",
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="wall time the whole matrix should take; scales the steps per trial (default 600)",
+        help="wall time the whole matrix should take; scales the steps per trial (default "
+        "600); with --search, the searches' wall time in all, split evenly between them "
+        "(start-up comes on top)",
     )
     bench.add_argument(
         "--steps",
         type=int,
         default=None,
         metavar="STEPS",
-        help="training steps per trial (default: fitted to --budget-s)",
+        help="training steps per trial (default: fitted to --budget-s; not with --search)",
     )
     bench.add_argument(
         "--capacity-bytes",
@@ -203,11 +212,47 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         metavar="BYTES",
         help="device memory to size the settings against (default: the GPU's total; on the "
-        "CPU a virtual capacity derived from the trials' profiles)",
+        "CPU a virtual capacity derived from the trials' profiles; not with --search)",
     )
-    bench.add_argument("--seed", type=int, default=0, metavar="S", help="seed (default 0)")
     bench.add_argument(
-        "--no-sim", action="store_true", help="do not print the simulator's predictions"
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed; with --search the first seed (default 0)",
+    )
+    bench.add_argument(
+        "--no-sim",
+        action="store_true",
+        help="do not print the simulator's predictions (not with --search)",
+    )
+    search = bench.add_argument_group(
+        "--search: time to a good model",
+        "Run the demo's NAS + HPO search on scikit-learn's digits under each way of sharing "
+        "the device (one at a time; Optuna n_jobs=K; the executor with K threads; the "
+        'executor with isolation="process"; fused, fuse=K, one architecture per batch), the '
+        "same sampler (TPE, seeded; constant liar when trials run at once), pruner, trial "
+        "budget and time budget, --seeds times each. Writes search.json (per method and seed: "
+        "seconds until the best validation accuracy reached the target, the best at the "
+        "budget, trials completed), search.png (best-so-far accuracy against wall seconds) "
+        "and README.md.",
+    )
+    search.add_argument(
+        "--search", action="store_true", help="run the search bench instead of the matrix"
+    )
+    search.add_argument(
+        "--seeds", type=int, default=None, metavar="N", help="searches per method (default 3)"
+    )
+    search.add_argument(
+        "--epochs", type=int, default=None, metavar="E", help="epochs per trial (default 5)"
+    )
+    search.add_argument(
+        "--target-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the target: this fraction of the best validation accuracy any search found "
+        "within its budget (default 0.99)",
     )
 
 
@@ -246,7 +291,14 @@ OPTION_CHECKS: dict[str, dict[str, Callable[[str, object], object]]] = {
     },
     "bench": {
         "k": _at_least(1),
-        "trials": _at_least(1),
+        "trials": _optional(_at_least(1)),
+        "seeds": _optional(_at_least(1)),
+        "epochs": _optional(_at_least(1)),
+        "target_fraction": _optional(
+            lambda name, value: _checks.check_number(
+                name, value, fix="pass a fraction in (0, 1], e.g. 0.99"
+            )
+        ),
         "budget_s": lambda name, value: _checks.check_finite_number(
             name, value, fix="pass seconds, e.g. 600"
         ),
@@ -358,31 +410,100 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_MATRIX_ONLY = ("workloads", "settings", "steps", "capacity_bytes", "no_sim")
+_SEARCH_ONLY = ("seeds", "epochs", "target_fraction")
+
+
+def _mode_refusal(args: argparse.Namespace) -> str | None:
+    """A flag of one bench given to the other (``--workloads`` with ``--search``), or ``None``."""
+    if args.search:
+        given = [d for d in _MATRIX_ONLY if getattr(args, d) not in (None, False)]
+        fix = "the search bench runs the demo's search only; leave it out"
+    else:
+        given = [d for d in _SEARCH_ONLY if getattr(args, d) is not None]
+        fix = "add --search to run the search bench, or leave it out"
+    if not given:
+        return None
+    flag = "--" + given[0].replace("_", "-")
+    value = getattr(args, given[0])
+    shown = (
+        ""
+        if value is True
+        else " " + " ".join(map(str, value if isinstance(value, list) else [value]))
+    )
+    where = "the throughput matrix" if args.search else "--search"
+    return f"{flag}{shown}: applies to {where} only; {fix}."
+
+
+def _methods(args: argparse.Namespace) -> tuple[Any, ...] | str:
+    """``--methods`` as the mode's method values, or the refusal naming the flag."""
+    from waterwave_hpo.bench import Method
+    from waterwave_hpo.bench import SearchMethod
+
+    kind: Any = SearchMethod if args.search else Method
+    if args.methods is None:
+        return tuple(kind)
+    known = {m.value: m for m in kind}
+    for value in args.methods:
+        if value not in known:
+            what = "a way of running the search" if args.search else "a bench method"
+            return f"--methods {value}: is not {what}; pass some of {' '.join(known)}."
+    return tuple(known[value] for value in args.methods)
+
+
 def _bench(args: argparse.Namespace) -> int:
     import optuna
 
     from waterwave_hpo.bench import BenchConfig
-    from waterwave_hpo.bench import Method
+    from waterwave_hpo.bench import SearchConfig
     from waterwave_hpo.bench import Setting
     from waterwave_hpo.bench import Workload
     from waterwave_hpo.bench import run_bench
+    from waterwave_hpo.bench import run_search_bench
 
+    methods = _methods(args)
+    refusal = _mode_refusal(args) or (methods if isinstance(methods, str) else None)
+    if refusal is not None:
+        print(f"waterwave-hpo bench: error: {refusal}", file=sys.stderr)
+        return 2
+    assert not isinstance(methods, str)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out = None if args.out is None else Path(args.out)
+    command = ("waterwave-hpo", *sys.argv[1:])
     try:
+        if args.search:
+            run_search_bench(
+                SearchConfig(
+                    out=out,
+                    device=args.device,
+                    k=args.k,
+                    methods=methods,
+                    seeds=3 if args.seeds is None else args.seeds,
+                    seed=args.seed,
+                    trials=100 if args.trials is None else args.trials,
+                    epochs=5 if args.epochs is None else args.epochs,
+                    budget_s=args.budget_s,
+                    target_fraction=(
+                        0.99 if args.target_fraction is None else args.target_fraction
+                    ),
+                    command=command,
+                )
+            )
+            return 0
         config = BenchConfig(
-            out=None if args.out is None else Path(args.out),
+            out=out,
             device=args.device,
             k=args.k,
-            trials=args.trials,
-            workloads=tuple(Workload(w) for w in args.workloads),
-            settings=tuple(Setting(s) for s in args.settings),
-            methods=tuple(Method(m) for m in args.methods),
+            trials=8 if args.trials is None else args.trials,
+            workloads=tuple(Workload(w) for w in args.workloads or [w.value for w in Workload]),
+            settings=tuple(Setting(s) for s in args.settings or [s.value for s in Setting]),
+            methods=methods,
             steps=args.steps,
             budget_s=args.budget_s,
             capacity_bytes=args.capacity_bytes,
             seed=args.seed,
             simulate=not args.no_sim,
-            command=("waterwave-hpo", *sys.argv[1:]),
+            command=command,
         )
         run_bench(config)
     except ValueError as error:

@@ -9,6 +9,7 @@ rate, momentum and weight decay are per model. Every trial keeps its own ``repor
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 import enum
 import math
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from waterwave_hpo.executor import current_or_none
 
 if TYPE_CHECKING:
     from waterwave_hpo.fusion import FusedModule
+    from waterwave_hpo.fusion import FusedOptimizer
 
 BATCH_SIZE = 64
 """Training images per step, the same for every trial (a shape, so not searched)."""
@@ -156,40 +158,74 @@ def make_fused_objective(
                 for h in hyper
             ],
         )
-        on_device = data.to(device)
         order_generator = torch.Generator().manual_seed(seed * 7919 + trials[0].number)
-        loss_fn = nn.CrossEntropyLoss()
-        alive = list(range(len(trials)))  # positions in `trials` of the models in the array
-        entries: list[object] = [math.nan] * len(trials)
-        n_train = int(on_device.x_train.shape[0])
-        for epoch in range(epochs):
-            order = torch.randperm(n_train, generator=order_generator).to(device)
-            finite = _train_epoch(fused, optimizer, on_device, order, loss_fn)
-            accuracies = _accuracies(fused, on_device.x_val, on_device.y_val)
-            keep: list[int] = []
-            for position, index in enumerate(alive):
-                trial = trials[index]
-                if not bool(finite[position]):
-                    entries[index] = math.nan  # diverged: FAIL, this trial alone
-                    continue
-                accuracy = accuracies[position]
-                trial.report(accuracy, epoch)
-                entries[index] = accuracy
-                if trial.should_prune():
-                    entries[index] = optuna.TrialPruned(
-                        f"pruned after epoch {epoch} at accuracy {accuracy:.4f}"
-                    )
-                    continue
-                keep.append(position)
-            if len(keep) < len(alive):
-                if not keep:
-                    break
-                fused.keep_models(keep)
-                optimizer.keep_models(keep)
-                alive = [alive[position] for position in keep]
-        return entries
+        return train_fused_batch(
+            trials, fused, optimizer, data.to(device), epochs, order_generator, BATCH_SIZE
+        )
 
     return batched(objective)
+
+
+def train_fused_batch(
+    trials: Sequence[optuna.trial.Trial],
+    fused: FusedModule,
+    optimizer: FusedOptimizer,
+    data: Digits,
+    epochs: int,
+    order_generator: torch.Generator,
+    batch_size: int,
+) -> list[object]:
+    """Train a fused batch's models for ``epochs``; each trial reports, prunes and ends alone.
+
+    Every epoch the K models see the training images in one order (HFTA's shared input) drawn
+    from ``order_generator``, ``batch_size`` at a time; then each trial reports its validation
+    accuracy. A trial the pruner prunes, or whose loss is not finite (it diverged: it ends FAIL,
+    as a NaN value does), leaves the fused array at once; the rest go on.
+
+    Args:
+        trials: The batch's trials, model ``k`` of ``fused`` being ``trials[k]``'s.
+        fused: The K models as one.
+        optimizer: Its fused optimizer.
+        data: The digits, on the fused model's device.
+        epochs: Epochs (>= 1).
+        order_generator: Draws the order of the training images each epoch.
+        batch_size: Training images per step.
+
+    Returns:
+        Per trial its last epoch's validation accuracy in [0, 1], an ``optuna.TrialPruned``,
+        or NaN (see :func:`waterwave_hpo.batched`).
+    """
+    device = data.x_train.device
+    loss_fn = nn.CrossEntropyLoss()
+    alive = list(range(len(trials)))  # positions in `trials` of the models in the array
+    entries: list[object] = [math.nan] * len(trials)
+    n_train = int(data.x_train.shape[0])
+    for epoch in range(epochs):
+        order = torch.randperm(n_train, generator=order_generator).to(device)
+        finite = _train_epoch(fused, optimizer, data, order, loss_fn, batch_size)
+        accuracies = _accuracies(fused, data.x_val, data.y_val)
+        keep: list[int] = []
+        for position, index in enumerate(alive):
+            trial = trials[index]
+            if not bool(finite[position]):
+                entries[index] = math.nan  # diverged: FAIL, this trial alone
+                continue
+            accuracy = accuracies[position]
+            trial.report(accuracy, epoch)
+            entries[index] = accuracy
+            if trial.should_prune():
+                entries[index] = optuna.TrialPruned(
+                    f"pruned after epoch {epoch} at accuracy {accuracy:.4f}"
+                )
+                continue
+            keep.append(position)
+        if len(keep) < len(alive):
+            if not keep:
+                break
+            fused.keep_models(keep)
+            optimizer.keep_models(keep)
+            alive = [alive[position] for position in keep]
+    return entries
 
 
 def _train_epoch(
@@ -198,6 +234,7 @@ def _train_epoch(
     data: Digits,
     order: torch.Tensor,
     loss_fn: nn.Module,
+    batch_size: int,
 ) -> torch.Tensor:
     """One epoch of the fused model over ``data`` in ``order``; which models stayed finite.
 
@@ -208,8 +245,8 @@ def _train_epoch(
 
     fused.train()
     finite: torch.Tensor = torch.ones(fused.num_models, dtype=torch.bool, device=order.device)
-    for start in range(0, order.shape[0], BATCH_SIZE):
-        batch = order[start : start + BATCH_SIZE]
+    for start in range(0, order.shape[0], batch_size):
+        batch = order[start : start + batch_size]
         optimizer.zero_grad(set_to_none=True)
         losses = fusion.per_model_loss(
             loss_fn, fused(data.x_train[batch]), data.y_train[batch], target_stacked=False

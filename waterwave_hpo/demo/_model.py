@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import optuna
 import torch
@@ -107,14 +108,31 @@ def _init_(model: nn.Module, generator: torch.Generator) -> None:
                     module.bias.uniform_(-bound, bound, generator=generator)
 
 
-def build_optimizer(
-    trial: optuna.trial.Trial, parameters: list[nn.Parameter]
-) -> torch.optim.Optimizer:
-    """The optimizer the trial chooses: ``optimizer`` (adam, adamw, sgd) and ``lr`` (log scale)."""
+def suggest_optimizer(
+    trial: optuna.trial.Trial,
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer the trial chooses: ``optimizer`` (adam, adamw, sgd) and ``lr`` (log scale).
+
+    Returns:
+        The optimizer class and its arguments (``lr``; SGD also ``momentum=0.9``).
+    """
     name = trial.suggest_categorical("optimizer", ["adam", "adamw", "sgd"])
     lr = trial.suggest_float("lr", 1e-4, 3e-2, log=True)
     if name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+        return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
     if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr)
-    return torch.optim.Adam(parameters, lr=lr)
+        return torch.optim.AdamW, {"lr": lr}
+    return torch.optim.Adam, {"lr": lr}
+
+
+def build_optimizer(
+    trial: optuna.trial.Trial, parameters: list[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The optimizer :func:`suggest_optimizer` chooses, over ``parameters``."""
+    cls, arguments = suggest_optimizer(trial)
+    return cls(parameters, **arguments)
+
+
+def suggest_batch_size(trial: optuna.trial.Trial) -> int:
+    """The trial's training images per step: ``batch_size``, one of 32, 64 or 128."""
+    return int(trial.suggest_categorical("batch_size", [32, 64, 128]))

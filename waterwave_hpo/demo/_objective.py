@@ -12,38 +12,44 @@ from waterwave_hpo import _checks
 from waterwave_hpo.demo._data import Digits
 from waterwave_hpo.demo._model import build_model
 from waterwave_hpo.demo._model import build_optimizer
+from waterwave_hpo.demo._model import suggest_batch_size
 from waterwave_hpo.executor import current_or_none
 
 
-def make_objective(data: Digits, epochs: int, seed: int) -> Callable[[optuna.trial.Trial], float]:
+def make_objective(
+    data: Digits, epochs: int, seed: int, device: torch.device | str | None = None
+) -> Callable[[optuna.trial.Trial], float]:
     """Return an Optuna objective that trains on ``data`` and returns validation accuracy.
 
-    The objective runs on the device :func:`waterwave_hpo.current` gives it (the CPU when it is
-    called outside the executor), reports accuracy after every epoch and raises
-    ``optuna.TrialPruned`` when the study's pruner says so. The trial's torch generator is seeded
-    from ``seed`` and the trial number; it draws the initialization, the order of training
-    batches and the dropout masks, so a trial's training, given its parameters, does not depend
-    on its co-hosted neighbours: the same seed, trial number and parameters give the same
-    accuracy (on one machine, with the same number of intra-op threads).
+    The objective runs on the device :func:`waterwave_hpo.current` gives it (``device`` when it
+    is called outside the executor, e.g. by Optuna's own ``study.optimize``), reports accuracy
+    after every epoch and raises ``optuna.TrialPruned`` when the study's pruner says so. The
+    trial's torch generator is seeded from ``seed`` and the trial number; it draws the
+    initialization, the order of training batches and the dropout masks, so a trial's training,
+    given its parameters, does not depend on its co-hosted neighbours: the same seed, trial
+    number and parameters give the same accuracy (on one machine, with the same number of
+    intra-op threads).
 
     Args:
         data: The digits, on the CPU (copied to the trial's device once per trial).
         epochs: Epochs per trial (>= 1).
         seed: Base seed.
+        device: The device outside the executor; ``None``: the CPU.
 
     Returns:
         ``objective(trial) -> float``, the last epoch's validation accuracy in [0, 1].
     """
     if epochs < 1:
         raise _checks.value_error("epochs", epochs, "must be >= 1", "pass e.g. epochs=10")
+    outside = torch.device("cpu" if device is None else device)
 
     def objective(trial: optuna.trial.Trial) -> float:
         context = current_or_none()
-        device = context.device if context is not None else torch.device("cpu")
+        device = context.device if context is not None else outside
         generator = torch.Generator().manual_seed(seed * 1_000_003 + trial.number)
         model = build_model(trial, generator=generator).to(device)
         optimizer = build_optimizer(trial, list(model.parameters()))
-        batch_size = trial.suggest_categorical("batch_size", [32, 64, 128])
+        batch_size = suggest_batch_size(trial)
         on_device = data.to(device)
         loss_fn = nn.CrossEntropyLoss()
         n_train = on_device.x_train.shape[0]

@@ -44,6 +44,8 @@ from waterwave_hpo.demo._liveness import stale_trials
 from waterwave_hpo.demo._objective import make_objective
 from waterwave_hpo.demo._process import ProcessIdentity
 from waterwave_hpo.demo._process import this_process
+from waterwave_hpo.demo._study import demo_pruner
+from waterwave_hpo.demo._study import demo_sampler
 from waterwave_hpo.executor import Isolation
 from waterwave_hpo.executor import WaterwaveExecutor
 from waterwave_hpo.executor import batched
@@ -198,8 +200,8 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.concurrency))
 
     storage = open_journal(out / JOURNAL_NAME, grace_period_s=rule.grace_period_s)
-    sampler = optuna.samplers.TPESampler(seed=config.seed, constant_liar=True)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1)
+    sampler = demo_sampler(config.seed)
+    pruner = demo_pruner()
     if _holds_demo_study(storage, config.out, out / JOURNAL_NAME):
         # Resume without create_study: its create-study record would be appended (a duplicate)
         # even when the resume is refused below.
