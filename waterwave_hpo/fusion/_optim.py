@@ -683,7 +683,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad():  # type: ignore[no-untyped-call,unused-ignore]
                 loss = closure()
         group = self.param_groups[0]
         casts: dict[torch.dtype, _Broadcast] = {}
