@@ -130,4 +130,20 @@ def test_ci_runs_the_readmes_test_command_and_both_commands_pin_a_supported_torc
     assert spec is not None
     floor, cap = spec.groups()
     assert _version(floor) <= _version(pins.pop()) < _version(cap)
-    assert re.search(rf'"torch=={re.escape(floor)}(\.0)?"', ci)  # CI has a lane on the floor
+    # CI has a lane on the floor's minor release (any patch release: 2.9.1 for ">=2.9")
+    assert re.search(rf'"torch=={re.escape(floor)}(\.[0-9]+)?"', ci)
+
+
+def test_the_readme_and_install_page_state_the_torch_range_pyproject_accepts() -> None:
+    spec = re.search(
+        r'"torch>=([0-9.]+),<([0-9]+)\.([0-9]+)"', (REPO_ROOT / "pyproject.toml").read_text()
+    )
+    assert spec is not None
+    floor, cap_major, cap_minor = spec.groups()
+    accepted = (floor, f"{cap_major}.{int(cap_minor) - 1}")  # "<2.16": the newest is 2.15
+    for page in ("README.md", "docs/install.md"):
+        stated = re.findall(
+            r"torch \(?([0-9]+\.[0-9]+) to ([0-9]+\.[0-9]+)", (REPO_ROOT / page).read_text()
+        )
+        assert stated, f"{page} states no torch range"
+        assert set(stated) == {accepted}, (page, stated, accepted)

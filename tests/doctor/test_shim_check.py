@@ -1,7 +1,8 @@
 """``waterwave-hpo doctor``'s ``torch_shim`` check: compiles and links the shim against this torch.
 
-On torch 2.15.0's CUDA wheel (no GPU) it must build the CUDA variant; on a CPU build the CPU
-variant. A compiler that fails, or CUDA headers that cannot be found, are a FAIL with the reason.
+On a CUDA wheel (no GPU: torch 2.15.0's in CI's first lane, 2.9.1's in its second) it must build
+the CUDA variant; on a CPU build the CPU variant. A compiler that fails, or CUDA headers that
+cannot be found, are a FAIL with the reason.
 """
 
 from __future__ import annotations

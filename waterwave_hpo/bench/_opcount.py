@@ -33,7 +33,7 @@ class OpCount:
     by_op: dict[str, int]
 
 
-class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
     """Counts each ATen operation that reaches a kernel while it is active (this thread)."""
 
     def __init__(self) -> None:

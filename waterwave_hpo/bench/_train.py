@@ -153,7 +153,7 @@ def train(
             t0 = time.perf_counter()
             if cuda:
                 begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                begin.record(stream)
+                begin.record(stream)  # type: ignore[no-untyped-call,unused-ignore]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of(spec, model(x), y)
             held = _trial_bytes()  # the forward peak: activations saved for backward
@@ -163,7 +163,7 @@ def train(
             optimizer.step()
             if cuda:
                 end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record(stream)
+                end.record(stream)  # type: ignore[no-untyped-call,unused-ignore]
                 events.append((begin, end))
             host.append(time.perf_counter() - t0)
             held = _trial_bytes()

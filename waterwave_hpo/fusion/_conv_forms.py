@@ -167,7 +167,7 @@ def fused_conv2d(layer: FusedConv, x: torch.Tensor, k: int) -> torch.Tensor:
     key = (tuple(x.shape), x.dtype, backward)
     form = layer.forms.get(key)
     if form is None:
-        if type(x) is not torch.Tensor or _get_current_dispatch_mode() is not None:
+        if type(x) is not torch.Tensor or _get_current_dispatch_mode() is not None:  # type: ignore[no-untyped-call,unused-ignore]
             # Fake tensors, a counter of operations: nothing to time; the choice stays open.
             return grouped(x, layer.weight, layer.bias, k, geometry)
         form = layer.forms[key] = _choose(x, layer.weight, layer.bias, k, geometry, backward)

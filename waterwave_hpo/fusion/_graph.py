@@ -82,7 +82,7 @@ class _Proxy(fx.Proxy):
     """An fx proxy that records in-place arithmetic as such (see ``_INPLACE``)."""
 
     def _inplace(self, op: Callable[..., Any], other: Any) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
+        return self.tracer.create_proxy("call_function", op, (self, other), {})  # type: ignore[no-any-return,unused-ignore]
 
     def __iadd__(self, other: Any) -> fx.Proxy:
         return self._inplace(operator.iadd, other)

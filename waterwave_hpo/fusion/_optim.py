@@ -648,7 +648,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad():  # type: ignore[no-untyped-call,unused-ignore]
                 loss = closure()
         group = self.param_groups[0]
         # One foreach update per dtype (torch's foreach kernels take one dtype per list).

@@ -172,7 +172,7 @@ def verify_fused(
             f"holds {len(models)} models, fused {k}",
             "pass the models fused was built from",
         )
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # type: ignore[no-untyped-call,unused-ignore]
         _runs_alone(fused, models, inputs, kwargs, stacked=stacked)
         # As in training (the model's dtype, its dropout): it must run, forward and backward.
         _run(copy.deepcopy(fused), inputs, kwargs, stacked=stacked)

@@ -8,9 +8,10 @@ the package build has no torch, so the shim is built here, at first CUDA use, wi
 into a per-user cache (a few seconds). On a CUDA build of torch it also registers the pool's
 record-stream hook with the pluggable allocator (section 1.4).
 
-It is compiled as C++20 (:data:`CXX_STANDARD`): c10's headers use ``std::bit_width`` and
-``std::strong_ordering`` from torch 2.14 on, and ``torch.utils.cpp_extension`` passes
-``-std=c++20`` for torch's own extensions (2.13 and 2.15 alike). The CUDA variant needs the CUDA
+It is compiled as C++20 (:data:`CXX_STANDARD`) against every supported torch: c10's headers use
+``std::bit_width`` and ``std::strong_ordering`` from torch 2.14 on, ``torch.utils.cpp_extension``
+passes ``-std=c++20`` for torch's own extensions from 2.13 on, and the C++17 headers of torch 2.9
+to 2.12 compile as C++20 as well (2.9.1 and 2.11.0 checked). The CUDA variant needs the CUDA
 runtime headers: ``$CUDA_HOME``/``$CUDA_PATH``, else the ``nvidia-*`` packages torch's wheel
 installed, else the copy Triton (a dependency of torch's Linux wheels) bundles, else
 ``/usr/local/cuda``; torch 2.15's ``nvidia/cu13`` package lacks ``crt/host_config.h``, which is
@@ -45,7 +46,8 @@ SHIM_MALLOC = "waterwave_shim_malloc"
 SHIM_FREE = "waterwave_shim_free"
 #: A system CUDA toolkit, the last place CUDA's headers are looked for.
 SYSTEM_CUDA_HOME = Path("/usr/local/cuda")
-#: The C++ standard the shim is compiled with (what torch's headers need from torch 2.14 on).
+#: The C++ standard the shim is compiled with (what torch's headers need from torch 2.14 on; the
+#: C++17 headers of older torch compile with it too).
 CXX_STANDARD = "c++20"
 #: Characters of the compiler's output kept in messages (head and tail: the first error is at
 #: the top of a long output; see :func:`compiler_message`).

@@ -1,7 +1,7 @@
 """PyTorch's memory API while the pool is its allocator: given back, or refused clearly.
 
 PyTorch's ``CUDAPluggableAllocator`` (``torch/csrc/cuda/CUDAPluggableAllocator.cpp``, read for
-torch 2.13 to 2.15) raises ``"does not yet support getDeviceStats"`` (and ``resetPeakStats``,
+torch 2.9 to 2.15) raises ``"does not yet support getDeviceStats"`` (and ``resetPeakStats``,
 ``resetAccumulatedStats``, ``cacheInfo``, ``snapshot``); its ``emptyCache`` calls a reset
 function the Python class never sets (a no-op); and its ``beginAllocateToPool`` is a no-op, so
 memory a CUDA graph captured is not private and a neighbour trial may be handed it. For each:
@@ -21,10 +21,10 @@ memory a CUDA graph captured is not private and a neighbour trial may be handed 
   ``cacheInfo``, so every convolution would fail; a one-time warning and benchmark mode stays
   off. Convolutions then use cuDNN's heuristics: the refusal sets
   ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` (unless the user set it), which torch reads once, at
-  the first cuDNN convolution (``ATen/native/ConvUtils.h``, torch 2.13), and which makes cuDNN's
-  v8 API pick plans with its heuristic mode B (a per-GPU model, slower to query once per shape,
-  then cached) instead of the instant mode: closer to what benchmark mode picks for the
-  grouped convolutions of fused trials.
+  the first cuDNN convolution (``ATen/native/ConvUtils.h``, torch 2.9 to 2.15), and which makes
+  cuDNN's v8 API pick plans with its heuristic mode B (a per-GPU model, slower to query once
+  per shape, then cached) instead of the instant mode: closer to what benchmark mode picks for
+  the grouped convolutions of fused trials.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``):
   ``RuntimeError`` naming the fix.
 

@@ -220,7 +220,7 @@ def _profile_on(model: nn.Module, example_input: Any) -> None:
     # its trials' (co-hosted trials on other GPUs draw from it while this one profiles).
     cuda_rng = {index: torch.cuda.get_rng_state(index) for index in _cuda_devices(model, args)}
     try:
-        with torch.enable_grad():
+        with torch.enable_grad():  # type: ignore[no-untyped-call,unused-ignore]
             try:
                 out = model(*args)
             except Exception as error:  # the model refused the batch: name the argument

@@ -78,7 +78,7 @@ class StepClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(self.device))  # type: ignore[no-untyped-call,unused-ignore]
         return event
 
     def seconds(self, begin: Any, end: Any) -> float:

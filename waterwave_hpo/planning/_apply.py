@@ -110,7 +110,7 @@ class _Transfer:
             with torch.cuda.stream(side):
                 host.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(side)
+                event.record(side)  # type: ignore[no-untyped-call,unused-ignore]
             # The host runs ahead of the GPU: waiting for the event to be seen complete would
             # keep every swapped activation alive through the forward.
             # Hand the device memory's lifetime to the side stream instead: freed now, reused
@@ -133,7 +133,7 @@ class _Transfer:
             with torch.cuda.stream(side):
                 dev.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(side)
+                event.record(side)  # type: ignore[no-untyped-call,unused-ignore]
             # If backward raises before the unpack made the compute stream wait for this copy,
             # ``dev`` is freed on the compute stream while the side stream may still write it:
             # order its release after the copy on every path.

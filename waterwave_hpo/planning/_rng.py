@@ -101,7 +101,7 @@ class RandomRecord:
         return RandomReplayer(self)
 
 
-class RandomRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class RandomRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
     """Forward: run every op; keep a copy of each random op's results in the record."""
 
     def __init__(self, record: RandomRecord) -> None:
@@ -123,7 +123,7 @@ class RandomRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-class RandomReplayer(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class RandomReplayer(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
     """Recompute: run every op but the random ones, which return the forward's results.
 
     Raises:
@@ -169,7 +169,7 @@ class RandomReplayer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
 
 
-class RandomBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class RandomBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call,unused-ignore]
     """Profiling: the bytes of the results of every random op, attributed by ``where()``.
 
     Args:
