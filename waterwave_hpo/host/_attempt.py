@@ -244,7 +244,8 @@ def _tell_attempt(settings: RunSettings, job: TrialJob, attempt: Attempt) -> lis
         outcomes = []
         for member in members:
             with contextlib.suppress(Exception):
-                study.tell(member.trial, state=TrialState.FAIL, skip_if_finished=True)
+                if not _optuna_compat.is_finished(study, member.trial):  # no "Skipped" line
+                    study.tell(member.trial, state=TrialState.FAIL, skip_if_finished=True)
             outcomes.append(TrialOutcome(member, OutcomeKind.INTERRUPTED, None))
         return outcomes
 
