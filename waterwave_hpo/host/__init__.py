@@ -36,6 +36,7 @@ from waterwave_hpo.host._devices import resolve_devices
 from waterwave_hpo.host._memory import _TRIAL_ACCOUNT as TRIAL_ACCOUNT
 from waterwave_hpo.host._memory import DeviceMemory
 from waterwave_hpo.host._memory import MemoryPoolMode
+from waterwave_hpo.host._memory import check_pool_device
 from waterwave_hpo.host._memory import default_budget_bytes
 from waterwave_hpo.host._memory import make_device_memory
 from waterwave_hpo.host._memory import trial_memory_stats
@@ -101,6 +102,7 @@ __all__ = [
     "acquire_stream",
     "batched",
     "check_fuse_matches",
+    "check_pool_device",
     "default_budget_bytes",
     "fail_trial",
     "fit_trial_memory",
