@@ -219,13 +219,14 @@ def log_finished_trial(
     frozen: optuna.trial.FrozenTrial,
     error: BaseException | None,
     fail_message: str | None,
-    value: object,
 ) -> None:
     """Log a finished trial on Optuna's loggers, with Optuna's words, as ``Study.optimize`` does.
 
     ``"Trial N finished with value: ... Best is trial M with value: ..."`` (INFO), ``"Trial N
     pruned. ..."`` (INFO), ``"Trial N failed with parameters: ... because of the following
-    error: ..."`` (WARNING); they follow ``optuna.logging.set_verbosity``.
+    error: ..."`` (WARNING); they follow ``optuna.logging.set_verbosity``. A failed trial gets
+    that one line with its reason: not Optuna's second one, ``"Trial N failed with value
+    None."``, which reads as if the objective had returned ``None`` when it raised.
     """
     from optuna.study import _optimize
 
@@ -234,15 +235,12 @@ def log_finished_trial(
         study._log_completed_trial(frozen.values, frozen.number, frozen.params)
     elif state is optuna.trial.TrialState.PRUNED:
         _optimize._logger.info(f"Trial {frozen.number} pruned. {error if error else ''}")
-    elif state is optuna.trial.TrialState.FAIL:
-        if error is not None:
-            _optimize._log_failed_trial(
-                frozen.number, frozen.params, repr(error), exc_info=error, value_or_values=value
-            )
-        elif fail_message is not None:
-            _optimize._log_failed_trial(
-                frozen.number, frozen.params, fail_message, value_or_values=value
-            )
+    elif state is optuna.trial.TrialState.FAIL and (error is not None or fail_message is not None):
+        _optimize._logger.warning(
+            f"Trial {frozen.number} failed with parameters: {frozen.params} because of the "
+            f"following error: {repr(error) if error is not None else fail_message}.",
+            exc_info=error,
+        )
 
 
 class Heartbeat(Protocol):

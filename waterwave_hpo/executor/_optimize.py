@@ -494,9 +494,8 @@ class OptimizeRun:
         # Optuna's lines on Optuna's loggers, as Study.optimize logs them.
         if outcome.frozen_trial is None:
             return
-        error = outcome.error
         _optuna_compat.log_finished_trial(
-            self.study, outcome.frozen_trial, error, outcome.fail_message, outcome.value
+            self.study, outcome.frozen_trial, outcome.error, outcome.fail_message
         )
 
 
