@@ -56,6 +56,7 @@ from waterwave_hpo.host._runner import HostSnapshot
 from waterwave_hpo.host._runner import HostSpec
 from waterwave_hpo.host._runner import RemoteTraceback
 from waterwave_hpo.host._runner import TrialRecord
+from waterwave_hpo.host._runner import UnpicklableError
 from waterwave_hpo.host._runner import fail_trial
 from waterwave_hpo.host._runner import format_traceback
 from waterwave_hpo.host._runner import picklable_error
@@ -99,6 +100,7 @@ __all__ = [
     "TrialOutcome",
     "TrialPlanning",
     "TrialRecord",
+    "UnpicklableError",
     "acquire_stream",
     "batched",
     "check_fuse_matches",
