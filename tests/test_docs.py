@@ -154,3 +154,10 @@ def test_the_built_manual_is_ignored_by_git() -> None:
         ["git", "check-ignore", "--quiet", "site/index.html"], cwd=REPO_ROOT, check=False
     )
     assert result.returncode == 0, "site/ is not in .gitignore"
+
+
+def test_the_readme_says_what_the_demo_install_takes_on_disk() -> None:
+    # torch's CUDA wheel pulls gigabytes of NVIDIA libraries: a newcomer should know first.
+    readme = (REPO_ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start") : readme.index("## Headline figures")]
+    assert re.search(r"the demo command's `\.venv` takes \d+(\.\d)? GB", quick_start)
