@@ -278,7 +278,8 @@ def _trials_csv(study: optuna.Study) -> bytes:
     reruns = {t.number: rerun_of(t) for t in study.get_trials(deepcopy=False)}
     numbers = [reruns.get(number) for number in table["number"]]
     table.insert(after, "rerun_of", pd.array(numbers, dtype="Int64"))  # 6, not 6.0
-    return table.to_csv(index=False).encode()
+    text: str = table.to_csv(index=False)
+    return text.encode()
 
 
 class _OwnedObjective:

@@ -100,9 +100,12 @@ class CtrlC:
 def release_interrupted_frames(error: BaseException) -> None:
     """Free what the frames of ``error``'s traceback (and its chained errors') hold.
 
-    An interrupt that landed inside a storage call leaves the cursor SQLAlchemy could not close
-    in those frames; until it is freed, SQLite keeps the file's read lock and no thread can
-    write. The traceback still prints (file, line, code); only the frames' locals go.
+    An interrupt that landed inside a storage call (a user's callback, a handler of the user's)
+    leaves the cursor SQLAlchemy could not close in those frames; until it is freed, SQLite
+    keeps the file's read lock and no thread can write. The traceback still prints (file, line,
+    code); only the frames' locals go. The young generations are collected (what the interrupt
+    cut short was made just now; a full collection costs a second on a loaded machine), and
+    the run's clean-up collects fully once its threads have stopped.
     """
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
@@ -114,4 +117,4 @@ def release_interrupted_frames(error: BaseException) -> None:
         if current.__traceback__ is not None:
             traceback.clear_frames(current.__traceback__)
         stack += [current.__cause__, current.__context__]
-    gc.collect()
+    gc.collect(1)

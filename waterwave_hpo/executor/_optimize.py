@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 import contextlib
 from dataclasses import dataclass
+import gc
 import logging
 import queue
 import time
@@ -193,6 +194,11 @@ class OptimizeRun:
             self._stop_heartbeat(number)
         # Once the slots have stopped (and released their storage sessions), tell FAIL again
         # whatever the abort could not (a storage locked by an interrupted thread).
+        if self.aborted:
+            # What the interrupted trials' frames held, in reference cycles (a storage cursor
+            # holding SQLite's lock): freed once, now that their threads have ended, so that
+            # no later write of this process waits for it.
+            gc.collect()
         for trial in self.aborted:
             if trial.number not in self.failed_on_abort:
                 _fail_quietly(self.settings, trial, "optimize() was interrupted")
@@ -463,11 +469,15 @@ class OptimizeRun:
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         for trial in self.asked:
             self._fail_aborted(trial, reason)
-        for host in self.hosts:
-            for slot, job in host.running_jobs():
-                for member in job.members():
-                    self._fail_aborted(member.trial, reason)
-                slot.interrupt()
+        running = [pair for host in self.hosts for pair in host.running_jobs()]
+        for _, job in running:
+            for member in job.members():
+                self._fail_aborted(member.trial, reason)
+        # Only then stop them: an objective that writes to its trial stops by itself now (the
+        # storage refuses the write), and one interrupted inside a storage call can no longer
+        # hold up the tells above (its cursor keeps SQLite's lock until its thread frees it).
+        for slot, _ in running:
+            slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
         # drain what has already been reported, without waiting for the rest.
         with contextlib.suppress(queue.Empty):

@@ -501,11 +501,16 @@ def fail_without_running(
 
 
 def release_interrupted(error: BaseException) -> None:
-    """Free an interrupted attempt's frames (they may hold an open database transaction)."""
+    """Free an interrupted attempt's frames (they may hold an open database transaction).
+
+    The young generations only: what the interrupt cut short was made just now, and a full
+    collection per slot costs seconds on a loaded machine with torch imported (the driver
+    runs one full collection once every slot has stopped).
+    """
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
     error.__traceback__ = None
-    gc.collect()
+    gc.collect(1)
 
 
 def release_memory(error: BaseException, device: torch.device) -> None:
