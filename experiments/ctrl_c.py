@@ -11,7 +11,8 @@ while ``--busy`` busy-loop processes load the cores (another job on the machine)
 the trials left RUNNING in the study afterwards, the seconds from the last SIGINT to
 ``optimize`` raising (``raised_s``, CLOCK_MONOTONIC is shared by the processes) and to the
 child's exit (``exit_s``: the interpreter's own teardown included). Run:
-``python experiments/ctrl_c.py --out DIR``; writes ``ctrl_c.json`` (machine, load, rows).
+``python experiments/ctrl_c.py --out DIR``; writes ``ctrl_c.json`` (machine, load, rows;
+``--modes executor --name before`` for the executor alone into ``before.json``).
 """
 
 from __future__ import annotations
@@ -105,14 +106,14 @@ def main() -> None:
     parser.add_argument("--sigints", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.2)
     parser.add_argument("--busy", type=int, default=2)
+    parser.add_argument("--modes", default="executor,optuna", help="comma-separated")
+    parser.add_argument("--name", default="ctrl_c", help="the JSON file's name, without .json")
     args = parser.parse_args()
-    busy = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
-    ]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     rows = []
     try:
         for run in range(args.runs):
-            for mode in ("executor", "optuna"):
+            for mode in args.modes.split(","):
                 with tempfile.TemporaryDirectory() as directory:
                     row = run_once(mode, args.sigints, args.gap, Path(directory))
                 row["run"] = run
@@ -132,7 +133,7 @@ def main() -> None:
         "busy_loops": args.busy,
         "rows": rows,
     }
-    (args.out / "ctrl_c.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
