@@ -140,3 +140,24 @@ def test_every_page_is_in_the_sites_nav() -> None:
     docs = REPO_ROOT / "docs"
     for page in docs.rglob("*.md"):
         assert f": {page.relative_to(docs).as_posix()}\n" in config, page
+
+
+def test_the_built_manual_is_ignored_by_git() -> None:
+    # `mkdocs build` writes site/ (its default site_dir) into the checkout.
+    import shutil
+    import subprocess
+
+    assert "site_dir" not in (REPO_ROOT / "mkdocs.yml").read_text()  # so the default, site/
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    result = subprocess.run(
+        ["git", "check-ignore", "--quiet", "site/index.html"], cwd=REPO_ROOT, check=False
+    )
+    assert result.returncode == 0, "site/ is not in .gitignore"
+
+
+def test_the_readme_says_what_the_demo_install_takes_on_disk() -> None:
+    # torch's CUDA wheel pulls gigabytes of NVIDIA libraries: a newcomer should know first.
+    readme = (REPO_ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start") : readme.index("## Headline figures")]
+    assert re.search(r"the demo command's `\.venv` takes \d+(\.\d)? GB", quick_start)

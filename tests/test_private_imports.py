@@ -12,6 +12,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+import re
 
 import pytest
 
@@ -124,3 +125,40 @@ def test_the_rule_sees_a_stop_flag_set_outside_the_compat_module(tmp_path: Path)
     tree = ast.parse("def f(study):\n    study._stop_flag = True\n")
     attrs = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
     assert set(attrs) & OPTUNA_PRIVATE_ATTRS == {"_stop_flag"}
+
+
+def _documented_error_names() -> set[str]:
+    """The error and warning classes the README and the manual name in code spans."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    pattern = re.compile(r"`(?:[\w.]+\.)?(\w+(?:Error|Warning))\b")
+    return {name for page in pages for name in pattern.findall(page.read_text())}
+
+
+def _public_names() -> set[str]:
+    """The names in ``__all__`` of every public module (no private part in its path)."""
+    names: set[str] = set()
+    for path, _ in _sources():
+        root = PACKAGE if path.is_relative_to(PACKAGE) else INTEGRATIONS
+        parts = path.relative_to(root).parts
+        if any(part.startswith("_") and part != "__init__.py" for part in parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+            ):
+                names |= {ast.literal_eval(element) for element in node.value.elts}  # type: ignore[attr-defined]
+    return names
+
+
+def test_every_error_the_docs_name_is_importable_from_a_public_module() -> None:
+    # A user reading "raises UnpicklableError" must be able to write `except ...` for it.
+    defined = {
+        node.name
+        for path, _ in _sources()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    documented = _documented_error_names() & defined
+    assert "UnpicklableError" in documented
+    hidden = sorted(documented - _public_names())
+    assert not hidden, f"named in the docs but exported by no public module: {hidden}"

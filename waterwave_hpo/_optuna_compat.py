@@ -15,8 +15,11 @@ through the executor, so a change in any of them shows there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 import copy
 import datetime
+import logging
 import math
 import time
 from typing import Protocol
@@ -81,6 +84,35 @@ def fail_trial(study: optuna.Study, trial_id: int) -> None:
         optuna.exceptions.UpdateFinishedTrialError: The trial had already finished.
     """
     study._storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL)
+
+
+def is_finished(study: optuna.Study, trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> bool:
+    """Whether the storage has ``trial`` COMPLETE, PRUNED or FAIL (read from the storage)."""
+    return study._storage.get_trial(trial_id(trial)).state.is_finished()
+
+
+class _SkippedTellFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Skipped telling trial")
+
+
+_SKIPPED_TELL_FILTER = _SkippedTellFilter()
+
+
+@contextlib.contextmanager
+def quiet_skipped_tells() -> Iterator[None]:
+    """Drop Optuna's ``Skipped telling trial N ...`` INFO lines while the block runs.
+
+    An interrupted run tells its running trials FAIL while they still run; each trial's own
+    end (a ``report()`` refused, an interrupt) then tells it again, which Optuna's ``study.tell``
+    logs once per trial. The run says what it did in one line of its own instead.
+    """
+    logger = logging.getLogger("optuna.study._tell")
+    logger.addFilter(_SKIPPED_TELL_FILTER)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_SKIPPED_TELL_FILTER)
 
 
 def set_system_attr(study: optuna.Study, trial_id: int, key: str, value: object) -> None:
@@ -187,13 +219,14 @@ def log_finished_trial(
     frozen: optuna.trial.FrozenTrial,
     error: BaseException | None,
     fail_message: str | None,
-    value: object,
 ) -> None:
     """Log a finished trial on Optuna's loggers, with Optuna's words, as ``Study.optimize`` does.
 
     ``"Trial N finished with value: ... Best is trial M with value: ..."`` (INFO), ``"Trial N
     pruned. ..."`` (INFO), ``"Trial N failed with parameters: ... because of the following
-    error: ..."`` (WARNING); they follow ``optuna.logging.set_verbosity``.
+    error: ..."`` (WARNING); they follow ``optuna.logging.set_verbosity``. A failed trial gets
+    that one line with its reason: not Optuna's second one, ``"Trial N failed with value
+    None."``, which reads as if the objective had returned ``None`` when it raised.
     """
     from optuna.study import _optimize
 
@@ -202,15 +235,12 @@ def log_finished_trial(
         study._log_completed_trial(frozen.values, frozen.number, frozen.params)
     elif state is optuna.trial.TrialState.PRUNED:
         _optimize._logger.info(f"Trial {frozen.number} pruned. {error if error else ''}")
-    elif state is optuna.trial.TrialState.FAIL:
-        if error is not None:
-            _optimize._log_failed_trial(
-                frozen.number, frozen.params, repr(error), exc_info=error, value_or_values=value
-            )
-        elif fail_message is not None:
-            _optimize._log_failed_trial(
-                frozen.number, frozen.params, fail_message, value_or_values=value
-            )
+    elif state is optuna.trial.TrialState.FAIL and (error is not None or fail_message is not None):
+        _optimize._logger.warning(
+            f"Trial {frozen.number} failed with parameters: {frozen.params} because of the "
+            f"following error: {repr(error) if error is not None else fail_message}.",
+            exc_info=error,
+        )
 
 
 class Heartbeat(Protocol):

@@ -8,8 +8,10 @@ recorded there with the bytes it still has; any other file of such a name (a use
 the path and the fix. Files that are appended to by several processes (the demo's journal) are
 recorded as such and checked by their own format instead of a hash.
 
-A folder an earlier version wrote (no manifest) is adopted only when a format check of the
-caller recognises its files (``recognise``); anything else is refused.
+A folder an earlier version wrote (no manifest) is adopted only when a check of the caller
+recognises its files (``recognise``: their format, or for a file derived from data beside it,
+its exact bytes, so that a file the user edited since is never rewritten); anything else is
+refused.
 
 Writes go to a temporary file (exclusively created, never an existing name) in the folder and
 are renamed over the target after the target was checked again, under a lock on the folder, so
@@ -210,6 +212,12 @@ class OwnedFolder:
             )
         elif legacy is not None and legacy(path):
             return {"sha256": sha256_of(path), "adopted": True}
+        elif legacy is not None:
+            problem = (
+                f"is not recorded in {MANIFEST_NAME} and is not a file an earlier version of "
+                "waterwave-hpo wrote, as it wrote it (edited since?): it was not written by "
+                "waterwave-hpo as it is now; nothing was changed"
+            )
         else:
             problem = (
                 f"was not written by waterwave-hpo (it is not recorded in {MANIFEST_NAME}); "

@@ -162,6 +162,15 @@ CONSTRUCTOR = [
     Case(
         "pool-word", _executor(memory_pool="maybe"), ValueError, "memory_pool", "'maybe'", "range"
     ),
+    # "on" raises rather than run without the pool, which holds CUDA memory only.
+    Case(
+        "pool-on-a-cpu-device",
+        _executor(devices="cpu", memory_pool="on"),
+        ValueError,
+        "memory_pool",
+        "'on'",
+        "range",
+    ),
     Case(
         "attrs-str",
         _executor(record_trial_attrs="yes"),

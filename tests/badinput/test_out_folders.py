@@ -81,6 +81,23 @@ def test_demo_resumes_a_run_directory_written_before_the_manifest(
     assert manifest["kind"] == "demo" and "trials.csv" in manifest["files"]
 
 
+def test_demo_refuses_a_table_annotated_in_a_run_directory_written_before_the_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(["demo", "--out", str(tmp_path), *DEMO_ARGS], capsys)[0] == 0
+    (tmp_path / MANIFEST_NAME).unlink()  # as an earlier version left it
+    annotated = tmp_path / "trials.csv"
+    annotated.write_bytes(annotated.read_bytes() + b"# trial 0 looked odd: rerun it\n")
+    kept = annotated.read_bytes()
+    before = file_hashes(tmp_path)
+    code, err = _run(["demo", "--out", str(tmp_path), *DEMO_ARGS], capsys)
+    assert code == 2, err
+    assert str(annotated) in err and "--out" in err and "Traceback" not in err
+    assert "earlier version" in err and "edited since?" in err and "out of the way" in err
+    assert annotated.read_bytes() == kept  # the note is not lost
+    assert file_hashes(tmp_path) == before  # and no manifest adopting it was written
+
+
 def test_demo_out_beside_foreign_files_of_other_names_leaves_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

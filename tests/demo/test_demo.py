@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import csv
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,7 @@ from waterwave_hpo.demo import load_digits
 from waterwave_hpo.demo import open_journal
 from waterwave_hpo.demo import run_demo
 from waterwave_hpo.demo._liveness import ATTR_OWNER
+from waterwave_hpo.demo._liveness import requeue
 from waterwave_hpo.demo._liveness import rerun_of
 from waterwave_hpo.demo._process import this_process
 from waterwave_hpo.demo._run import STUDY_NAME
@@ -311,6 +313,18 @@ def test_ctrl_c_writes_what_finished_says_how_to_resume_and_reruns_the_interrupt
     reruns = {rerun_of(t): t.params for t in trials if rerun_of(t) is not None}
     for number, params in interrupted.items():
         assert params.items() <= reruns[number].items()  # the same parameters ran again
+
+
+def test_a_resumed_rerun_shows_the_trial_it_reruns_as_an_integer(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_demo(_config(out, trials=1, concurrency=1, epochs=1))
+    storage = JournalStorage(JournalFileBackend(str(out / "study.log")))
+    study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
+    requeue(study, study.trials[0])  # as when trial 0 was interrupted
+    run_demo(_config(out, trials=1, concurrency=1, epochs=1))  # runs the re-run
+    with open(out / "trials.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["rerun_of"] for row in rows] == ["", "0"]  # not "0.0"
 
 
 def test_seed_repeats_parameters_and_accuracies_with_concurrency_1(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -132,6 +133,27 @@ def test_timeout_stops_starting_trials_and_lets_running_ones_finish(
     _cpu(2).optimize(study, objective, timeout=timeout_s)
     # Both slots' trials, or one when a slow storage's ask() outlasts the timeout.
     assert _states(study) in ([TrialState.COMPLETE] * 2, [TrialState.COMPLETE])
+
+
+class _SlowToStart(ww.WaterwaveExecutor):
+    """An executor whose device hosts take a second to start (as worker processes do)."""
+
+    def _make_hosts(self, settings):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return super()._make_hosts(settings)
+
+
+def test_timeout_counts_from_the_call_as_optunas_does(caplog: pytest.LogCaptureFixture) -> None:
+    study = optuna.create_study()
+    with caplog.at_level(logging.WARNING, logger="waterwave_hpo"):
+        _SlowToStart(devices="cpu", trials_per_device=2).optimize(
+            study, lambda trial: 0.0, timeout=0.5
+        )
+    # Study.optimize starts no trial later than `timeout` after the call; the hosts' start-up
+    # outlasted it, so none started, and the log says why.
+    assert study.trials == []
+    [message] = [r.getMessage() for r in caplog.records if "started no trial" in r.getMessage()]
+    assert "hosts took 1." in message and "longer timeout" in message
 
 
 def test_callbacks_see_every_finished_trial_in_the_calling_thread(

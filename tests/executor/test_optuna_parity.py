@@ -45,6 +45,25 @@ def test_finished_trials_are_logged_on_optunas_logger_with_optunas_words(
     ), lines
 
 
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_failed_trial_gets_one_line_with_its_reason_not_value_none(
+    caplog: pytest.LogCaptureFixture, isolation: str
+) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        raise ValueError("diverged")
+
+    with caplog.at_level(logging.WARNING, logger="optuna"):  # (captured on Optuna's logger)
+        study = optuna.create_study()
+        executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=1, isolation=isolation)
+        with executor:
+            executor.optimize(study, objective, n_trials=1, catch=(ValueError,))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("optuna")]
+    # Optuna adds "Trial 0 failed with value None.", as if the objective had returned None.
+    assert [line for line in lines if line.startswith("Trial 0 ")] == [
+        "Trial 0 failed with parameters: {} because of the following error: ValueError('diverged')."
+    ], lines
+
+
 def test_executor_warnings_are_visible_without_logging_configuration() -> None:
     # A fresh interpreter, no logging set up: the executor's own warnings reach stderr.
     code = (

@@ -10,7 +10,9 @@ import _thread
 from collections.abc import Iterator
 import contextlib
 import ctypes
+import datetime
 import gc
+import logging
 import os
 from pathlib import Path
 import random
@@ -393,12 +395,32 @@ def test_seeded_trials_give_bit_identical_values_at_k4_as_alone() -> None:
 
 def test_timeout_stops_asking_and_the_running_trial_finishes() -> None:
     def objective(trial: optuna.trial.Trial) -> float:
-        time.sleep(1.0)  # the worker's start-up alone outlasts the timeout
+        time.sleep(1.0)  # outlasts the timeout
         return 0.0
 
+    executor = _process(1)
+    executor.optimize(optuna.create_study(), lambda trial: 0.0, n_trials=1)  # warm workers
     study = optuna.create_study()
-    _process(1).optimize(study, objective, timeout=0.5)
+    executor.optimize(study, objective, timeout=0.5)
     assert _states(study) == [TrialState.COMPLETE]
+
+
+def test_timeout_counts_from_the_call_including_the_workers_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    study = optuna.create_study()
+    called = datetime.datetime.now()
+    with caplog.at_level(logging.WARNING, logger="waterwave_hpo"):
+        _process(1).optimize(study, lambda trial: 0.0, timeout=0.5)
+    # As Study.optimize: no trial starts later than `timeout` after the call (a new executor's
+    # workers start in it: an interpreter, torch, a training step; seconds on a CI machine).
+    latest = called + datetime.timedelta(seconds=0.5 + 0.25)  # an ask begun before the limit
+    starts = [t.datetime_start for t in study.get_trials(deepcopy=False)]
+    assert all(start is not None and start <= latest for start in starts), (called, starts)
+    if not starts:  # the workers took longer than the timeout: said so, with the fix
+        [message] = [r.getMessage() for r in caplog.records if "started no trial" in r.getMessage()]
+        assert "optimize(timeout=0.5) started no trial" in message
+        assert "counts from the call" in message and "longer timeout" in message
 
 
 def test_a_worker_that_cannot_load_the_objective_raises_before_any_trial(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from pathlib import Path
 
@@ -51,6 +53,23 @@ def test_one_row_per_trial_with_the_documented_columns(study: optuna.Study) -> N
     assert json.loads(table["params"][0]) == study.trials[0].params
     assert table["value"][1] == study.trials[1].intermediate_values[0]  # pruned: last report
     assert "ValueError: no good" in table["fail_reason"][2]
+
+
+def test_integer_columns_stay_integers_in_the_csv_where_some_are_missing() -> None:
+    # A re-run after an out-of-memory error beside a trial that is none: pandas would make the
+    # column float (NaN) and write "0.0".
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(value=1.0, system_attrs={"waterwave:slot": 1}))
+    study.add_trial(
+        optuna.trial.create_trial(
+            value=2.0, system_attrs={"waterwave:retry_of": 0, "waterwave:peak_bytes": 4096}
+        )
+    )
+    cells = list(csv.DictReader(io.StringIO(trials_table(study).to_csv(index=False))))
+    assert [(c["slot"], c["retry_of"], c["peak_bytes"]) for c in cells] == [
+        ("1", "", ""),
+        ("", "0", "4096"),
+    ]
 
 
 def test_timeline_is_a_png(study: optuna.Study, tmp_path: Path) -> None:

@@ -41,18 +41,18 @@ from typing import Any
 import torch
 
 from waterwave_hpo.cluster import _ray_compat
-from waterwave_hpo.executor import MemoryPoolMode
-from waterwave_hpo.executor import TrialContext
-from waterwave_hpo.executor import is_out_of_memory
 from waterwave_hpo.host import MemoryPlanMode
+from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import TrialPlanning
 from waterwave_hpo.host import acquire_stream
 from waterwave_hpo.host import is_batched
+from waterwave_hpo.host import is_out_of_memory
 from waterwave_hpo.host import make_device_memory
 from waterwave_hpo.host import plan_settings
 from waterwave_hpo.host import release_stream
 from waterwave_hpo.host import run_attempt
 from waterwave_hpo.trial import NoOptunaTrial
+from waterwave_hpo.trial import TrialContext
 
 _WAIT_S = 0.05
 _ERROR_MAX_CHARS = 8000

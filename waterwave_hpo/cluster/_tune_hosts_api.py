@@ -13,7 +13,7 @@ from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._shared_gpu import _check_int
 from waterwave_hpo.cluster._shared_gpu import _check_number
 from waterwave_hpo.cluster._shared_gpu import _check_trials_per_gpu
-from waterwave_hpo.executor import MemoryPoolMode
+from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import plan_settings
 from waterwave_hpo.scheduler import PolicyName
 

@@ -22,7 +22,10 @@ from typing import Any
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
+import pandas as pd
 import torch
 
 from waterwave_hpo import _checks
@@ -257,10 +260,8 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
 
     trials = study.get_trials(deepcopy=False)
     this_run = [t for t in trials if t.number not in numbers_before and t.state.is_finished()]
-    table = trials_table(study)
-    after = list(table.columns).index("retry_of") + 1 if "retry_of" in table else len(table.columns)
-    table.insert(after, "rerun_of", [rerun_of(t) for t in trials])
-    folder.write("trials.csv", lambda path: table.to_csv(path, index=False))
+    csv = _trials_csv(study)
+    folder.write("trials.csv", lambda path: path.write_bytes(csv))
     title = timeline_title(
         len(this_run or trials), config.concurrency, config.fuse, executor.devices
     )
@@ -270,6 +271,17 @@ def run_demo(config: DemoConfig, liveness: LivenessRule | None = None) -> DemoRe
     summary["out"] = str(out)
     folder.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
     return DemoResult(out=out, summary=summary, interrupted=interrupted)
+
+
+def _trials_csv(study: optuna.Study) -> bytes:
+    """``trials.csv``'s bytes: the report's trials table with the demo's ``rerun_of`` column."""
+    table = trials_table(study)
+    after = list(table.columns).index("retry_of") + 1 if "retry_of" in table else len(table.columns)
+    reruns = {t.number: rerun_of(t) for t in study.get_trials(deepcopy=False)}
+    numbers = [reruns.get(number) for number in table["number"]]
+    table.insert(after, "rerun_of", pd.array(numbers, dtype="Int64"))  # 6, not 6.0
+    text: str = table.to_csv(index=False)
+    return text.encode()
 
 
 class _OwnedObjective:
@@ -429,6 +441,20 @@ def _in_earlier_demo_run(check: Callable[[Path], bool]) -> Callable[[Path], bool
     return lambda path: _is_demo_journal(path.parent / JOURNAL_NAME) and check(path)
 
 
+def _is_the_journals_table(path: Path) -> bool:
+    """Whether ``path`` holds exactly the ``trials.csv`` the journal beside it gives.
+
+    Only then is an earlier run's table (no manifest recorded its bytes) the demo's to rewrite:
+    one the user annotated since differs, and is refused rather than lost.
+    """
+    try:
+        storage = JournalStorage(JournalFileBackend(str(path.parent / JOURNAL_NAME)))
+        study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
+        return path.read_bytes() == _trials_csv(study)
+    except Exception:  # an unreadable journal or table: not recognised
+        return False
+
+
 def _json_object_with(path: Path, key: str) -> bool:
     try:
         data = json.loads(path.read_text())
@@ -448,7 +474,7 @@ def _starts_with(prefix: bytes) -> Callable[[Path], bool]:
 _EARLIER_DEMO_FILES: dict[str, Callable[[Path], bool]] = {
     JOURNAL_NAME: _is_demo_journal,
     JOURNAL_NAME + ".lock": _in_earlier_demo_run(lambda path: _json_object_with(path, "holder")),
-    "trials.csv": _in_earlier_demo_run(_starts_with(b"number,")),
+    "trials.csv": _in_earlier_demo_run(_is_the_journals_table),
     "summary.json": _in_earlier_demo_run(lambda path: _json_object_with(path, "n_trials")),
     "timeline.png": _in_earlier_demo_run(_starts_with(b"\x89PNG\r\n\x1a\n")),
 }

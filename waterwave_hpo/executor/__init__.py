@@ -9,6 +9,7 @@ from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import NoPlanFitsError
 from waterwave_hpo.host import OnOOM
 from waterwave_hpo.host import TrialInterrupted
+from waterwave_hpo.host import UnpicklableError
 from waterwave_hpo.host import batched
 from waterwave_hpo.host import fit_trial_memory
 from waterwave_hpo.host import is_out_of_memory
@@ -32,6 +33,7 @@ __all__ = [
     "StorageWriteError",
     "TrialContext",
     "TrialInterrupted",
+    "UnpicklableError",
     "WaterwaveExecutor",
     "batched",
     "current",

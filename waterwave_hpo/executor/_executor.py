@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 import queue
 import threading
+import time
 from typing import Any
 
 import optuna
@@ -32,6 +33,7 @@ from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import OnOOM
 from waterwave_hpo.host import RunSettings
 from waterwave_hpo.host import check_fuse_matches
+from waterwave_hpo.host import check_pool_device
 from waterwave_hpo.host import is_batched
 from waterwave_hpo.host import plan_settings
 from waterwave_hpo.host import resolve_devices
@@ -107,7 +109,8 @@ class WaterwaveExecutor:
             and keep PyTorch's), one account per trial; if the torch shim (typed OOM,
             ``record_stream``) cannot be built, a warning with the compiler's message, once;
             ``"on"``: the same, but raise instead of falling back or running without the
-            shim; ``"off"``: PyTorch's allocator.
+            shim (a device that is not CUDA, which the pool cannot serve, is refused here);
+            ``"off"``: PyTorch's allocator.
         max_trials_per_device: The cap for ``trials_per_device="auto"`` (>= 1).
         record_trial_attrs: Record where and how each trial ran as system attributes of the
             trial (``waterwave:device``, ``waterwave:slot``, ``waterwave:peak_bytes``,
@@ -221,6 +224,8 @@ class WaterwaveExecutor:
             memory_planner=memory_planner,
             fuse=fuse,
         )
+        for device in self.devices:
+            check_pool_device(self.memory_pool, device)
         if self.isolation is Isolation.PROCESS:
             check_process_slots(self.trials_per_device, len(self.devices), self.memory_budget_bytes)
 
@@ -484,8 +489,9 @@ class WaterwaveExecutor:
                 one entry per trial.
             n_trials: How many new trials to run (>= 0); ``None`` for no limit. Re-runs of
                 parameters after an out-of-memory error do not count.
-            timeout: Stop starting trials after this many seconds (> 0); running trials finish.
-                ``None`` for no limit.
+            timeout: Stop starting trials this many seconds (> 0) after the call, as
+                ``Study.optimize`` does (the start of worker processes or host actors counts);
+                running trials finish. ``None`` for no limit.
             catch: Exception types that fail only their trial; the study goes on.
             callbacks: Called as ``callback(study, frozen_trial)`` after each trial is told, in
                 the thread that called ``optimize``, one at a time; not for a trial whose
@@ -509,6 +515,7 @@ class WaterwaveExecutor:
                 the other running trials have finished and been told.
             KeyboardInterrupt: On Ctrl+C, after every running trial has been told FAIL.
         """
+        called_at = time.monotonic()  # the timeout counts from here, as Study.optimize's
         n_trials, catch_tuple, callback_list = self._check_run(
             study, func, n_trials, timeout, catch, callbacks
         )
@@ -530,6 +537,7 @@ class WaterwaveExecutor:
             timeout_s=None if timeout is None else float(timeout),
             callbacks=callback_list,
             show_progress_bar=bool(show_progress_bar),
+            time_start=called_at,
         )
         executor_schedulers = {
             str(host.device): host.scheduler for host in run.hosts if host.scheduler is not None

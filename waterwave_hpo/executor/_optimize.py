@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from collections.abc import Iterator
 import contextlib
 from dataclasses import dataclass
+import gc
 import logging
 import queue
-import signal
-import threading
 import time
 from typing import TYPE_CHECKING
 from typing import Any
@@ -26,6 +24,8 @@ from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
 from waterwave_hpo import _optuna_compat
+from waterwave_hpo.executor._ctrl_c import CtrlC
+from waterwave_hpo.executor._ctrl_c import release_interrupted_frames
 from waterwave_hpo.executor._handle import HostHandle
 from waterwave_hpo.executor._storage_errors import is_storage_error
 from waterwave_hpo.executor._storage_errors import refused_write_error
@@ -86,13 +86,18 @@ class OptimizeRun:
         timeout_s: float | None,
         callbacks: list[Callback],
         show_progress_bar: bool,
+        time_start: float | None = None,
     ) -> None:
+        # As Study.optimize: the timeout counts from the call (time.monotonic() then), so the
+        # hosts' start-up (worker processes, Ray actors) is part of it.
+        self.time_start = time.monotonic() if time_start is None else time_start
         self.settings = settings
         self.study = settings.study
         self.n_trials = n_trials
         self.timeout_s = timeout_s
         self.callbacks = callbacks
         self.hosts = executor._make_hosts(settings)
+        self.hosts_ready_s = time.monotonic() - self.time_start
         self.n_started = 0  # new trials started (not counting OOM re-runs)
         self.retries: deque[_RetryRequest] = deque()
         # Running OOM re-runs -> the most trials their host may run while they do (the
@@ -102,7 +107,6 @@ class OptimizeRun:
         self.error: BaseException | None = None  # first fatal error, re-raised at the end
         self.stopping = False
         self.progress = _optuna_compat.progress_bar(show_progress_bar, n_trials, timeout_s)
-        self.time_start = 0.0
         self.asked: list[optuna.trial.Trial] = []  # asked, not yet handed to a slot
         # One heartbeat per running trial, wherever it runs (a local slot or a Ray host): this
         # process records them while it holds the trial; if it dies they stop, and another
@@ -121,6 +125,11 @@ class OptimizeRun:
         # The storage's error when it refused to record a trial's end (the trial stays RUNNING):
         # no new trial is asked for after it, and optimize raises a StorageWriteError.
         self.storage_refusal: BaseException | None = None
+        self.ctrl_c = CtrlC()
+        # An interrupted run's clean-up: Optuna's "Skipped telling" lines kept quiet until
+        # the slots have stopped (their own tells race the run's).
+        self.quiet = contextlib.ExitStack()
+        self.failed_on_abort: set[int] = set()  # aborted trials the abort told FAIL
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -128,34 +137,31 @@ class OptimizeRun:
         study = self.study
         _optuna_compat.reset_stop(study)
         _optuna_compat.set_in_optimize_loop(study, True)
-        self.time_start = time.monotonic()
-        try:
-            self._loop()
-            # Once more at the end: trials of a dead process whose heartbeat went stale while
-            # this run lasted are failed even if no ask() came after (a short resume).
-            _optuna_compat.fail_stale_trials(study, force=True)
-        except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
-            self._abort(interrupt)
-            if isinstance(interrupt, Exception) and is_storage_error(interrupt):
-                # study.ask() (or the bookkeeping around it) could not write to the storage.
-                raise refused_write_error(
-                    study,
-                    interrupt,
-                    running_trials(study, self.asked_numbers - self.told_numbers),
-                    what="create or record a new trial (study.ask())",
-                ) from interrupt
-            raise
-        finally:
-            self.progress.close()
-            for host in self.hosts:
-                host.shutdown(timeout_s=_SHUTDOWN_GRACE_S)
-            for number in list(self.heartbeats):
-                self._stop_heartbeat(number)
-            # Once the slots have stopped (and released their storage sessions), tell FAIL
-            # again whatever the abort could not (a storage locked by an interrupted thread).
-            for trial in self.aborted:
-                _fail_quietly(self.settings, trial, "optimize() was interrupted")
-            _optuna_compat.set_in_optimize_loop(study, False)
+        with self.ctrl_c:
+            try:
+                self._loop()
+                # Once more at the end: trials of a dead process whose heartbeat went stale
+                # while this run lasted are failed even if no ask() came after (a short resume).
+                _optuna_compat.fail_stale_trials(study, force=True)
+                self._warn_if_timed_out_at_start()
+            except BaseException as interrupt:  # Ctrl+C, or the executor's own bug: lose nothing
+                self.ctrl_c.shield()  # no further Ctrl+C cuts the tells below
+                self.quiet.enter_context(_optuna_compat.quiet_skipped_tells())
+                release_interrupted_frames(interrupt)
+                self._abort(interrupt)
+                if isinstance(interrupt, Exception) and is_storage_error(interrupt):
+                    # study.ask() (or the bookkeeping around it) could not write to the storage.
+                    raise refused_write_error(
+                        study,
+                        interrupt,
+                        running_trials(study, self.asked_numbers - self.told_numbers),
+                        what="create or record a new trial (study.ask())",
+                    ) from interrupt
+                raise
+            finally:
+                self.ctrl_c.shield()
+                with self.quiet:
+                    self._close()
         if self.storage_refusal is not None:
             raise refused_write_error(
                 study,
@@ -166,6 +172,42 @@ class OptimizeRun:
         if self.error is not None:
             raise self.error
 
+    def _warn_if_timed_out_at_start(self) -> None:
+        if (
+            self.timeout_s is not None
+            and self.n_trials != 0
+            and not self.asked_numbers
+            and self.hosts_ready_s >= self.timeout_s
+        ):
+            _logger.warning(
+                "optimize(timeout=%g) started no trial: the timeout counts from the call, as "
+                "Study.optimize's does, and the device hosts took %.1f s to start. An "
+                "executor with isolation='process' keeps its workers for its next optimize "
+                "call; or pass a longer timeout.",
+                self.timeout_s,
+                self.hosts_ready_s,
+            )
+
+    def _close(self) -> None:
+        """Stop the hosts and heartbeats; tell FAIL what the abort could not tell."""
+        self.progress.close()
+        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        for host in self.hosts:
+            host.shutdown(timeout_s=max(0.0, deadline - time.monotonic()))
+        for number in list(self.heartbeats):
+            self._stop_heartbeat(number)
+        # Once the slots have stopped (and released their storage sessions), tell FAIL again
+        # whatever the abort could not (a storage locked by an interrupted thread).
+        if self.aborted:
+            # What the interrupted trials' frames held, in reference cycles (a storage cursor
+            # holding SQLite's lock): freed once, now that their threads have ended, so that
+            # no later write of this process waits for it.
+            gc.collect()
+        for trial in self.aborted:
+            if trial.number not in self.failed_on_abort:
+                _fail_quietly(self.settings, trial, "optimize() was interrupted")
+        _optuna_compat.set_in_optimize_loop(self.study, False)
+
     def _loop(self) -> None:
         # In a function of its own: CPython 3.11 can raise a pending KeyboardInterrupt on a loop's
         # backward jump outside the enclosing try block of the same frame, escaping the handler.
@@ -173,10 +215,11 @@ class OptimizeRun:
             self._dispatch()
             if not self._running() and not self._may_start():
                 return
-            try:
-                outcome = self.settings.outcomes.get(timeout=_POLL_S)
-            except queue.Empty:
-                outcome = None
+            with self.ctrl_c.interruptible():  # Ctrl+C lands here, never in a storage call
+                try:
+                    outcome = self.settings.outcomes.get(timeout=_POLL_S)
+                except queue.Empty:
+                    outcome = None
             if outcome is not None:
                 self._handle(outcome)
 
@@ -210,8 +253,7 @@ class OptimizeRun:
                 if host is None:
                     return
             _optuna_compat.fail_stale_trials(self.study)  # as Study.optimize, before ask()
-            with _ctrl_c_deferred():
-                self._ask_and_submit(host)
+            self._ask_and_submit(host)
 
     def _ask_and_submit(self, host: HostHandle[Any]) -> None:
         slot = host.idle_slot()
@@ -422,7 +464,10 @@ class OptimizeRun:
             # Optuna's rule: no callback for a trial whose exception propagates.
             for callback in self.callbacks:
                 try:
-                    callback(self.study, frozen)
+                    with self.ctrl_c.interruptible():  # the user's code, as under Study.optimize
+                        callback(self.study, frozen)
+                except KeyboardInterrupt:
+                    raise
                 except BaseException as error:
                     if self.error is None:
                         self.error = error
@@ -441,19 +486,35 @@ class OptimizeRun:
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         for trial in self.asked:
-            self.aborted.append(trial)
-            _fail_quietly(self.settings, trial, reason)
-        for host in self.hosts:
-            for slot, job in host.running_jobs():
-                for member in job.members():
-                    self.aborted.append(member.trial)
-                    _fail_quietly(self.settings, member.trial, reason)
-                slot.interrupt()
+            self._fail_aborted(trial, reason)
+        running = [pair for host in self.hosts for pair in host.running_jobs()]
+        for _, job in running:
+            for member in job.members():
+                self._fail_aborted(member.trial, reason)
+        # Only then stop them: an objective that writes to its trial stops by itself now (the
+        # storage refuses the write), and one interrupted inside a storage call can no longer
+        # hold up the tells above (its cursor keeps SQLite's lock until its thread frees it).
+        for slot, _ in running:
+            slot.interrupt()
         # Trials told COMPLETE/PRUNED meanwhile still reach their callbacks' state in storage;
         # drain what has already been reported, without waiting for the rest.
         with contextlib.suppress(queue.Empty):
             while True:
                 self.settings.outcomes.get_nowait()
+        if self.aborted:
+            numbers = ", ".join(str(trial.number) for trial in self.aborted)
+            _logger.warning(
+                "optimize() was interrupted (%s): the %d trial(s) it was running (%s) are told "
+                "FAIL.",
+                type(interrupt).__name__,
+                len(self.aborted),
+                numbers,
+            )
+
+    def _fail_aborted(self, trial: optuna.trial.Trial, reason: str) -> None:
+        self.aborted.append(trial)
+        if _fail_quietly(self.settings, trial, reason):
+            self.failed_on_abort.add(trial.number)
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -461,42 +522,27 @@ class OptimizeRun:
         # Optuna's lines on Optuna's loggers, as Study.optimize logs them.
         if outcome.frozen_trial is None:
             return
-        error = outcome.error
         _optuna_compat.log_finished_trial(
-            self.study, outcome.frozen_trial, error, outcome.fail_message, outcome.value
+            self.study, outcome.frozen_trial, outcome.error, outcome.fail_message
         )
 
 
-@contextlib.contextmanager
-def _ctrl_c_deferred() -> Iterator[None]:
-    """Hold Ctrl+C while a trial is asked for and handed to a slot, then raise it.
+def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> bool:
+    """Tell ``trial`` FAIL with ``reason`` unless it has ended; never raises.
 
-    A ``KeyboardInterrupt`` inside ``study.ask()`` (a slow storage: SQLite, a journal file)
-    would leave the trial it just created RUNNING, known to no one. Only in the main thread,
-    and only while Python's own SIGINT handler is installed (a user's handler is left alone).
+    Returns:
+        Whether the trial has ended in the storage now (told here or before).
     """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
-
-
-def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
     study = settings.study
-    if settings.record_trial_attrs:
-        with contextlib.suppress(Exception):
-            _optuna_compat.set_system_attr(
-                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
-            )
-    with contextlib.suppress(Exception):
+    try:
+        if _optuna_compat.is_finished(study, trial):
+            return True  # ended meanwhile: no "Skipped telling" line of Optuna's
+        if settings.record_trial_attrs:
+            with contextlib.suppress(Exception):
+                _optuna_compat.set_system_attr(
+                    study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+                )
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+    except Exception:
+        return False
+    return True

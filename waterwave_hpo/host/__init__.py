@@ -36,6 +36,7 @@ from waterwave_hpo.host._devices import resolve_devices
 from waterwave_hpo.host._memory import _TRIAL_ACCOUNT as TRIAL_ACCOUNT
 from waterwave_hpo.host._memory import DeviceMemory
 from waterwave_hpo.host._memory import MemoryPoolMode
+from waterwave_hpo.host._memory import check_pool_device
 from waterwave_hpo.host._memory import default_budget_bytes
 from waterwave_hpo.host._memory import make_device_memory
 from waterwave_hpo.host._memory import trial_memory_stats
@@ -55,6 +56,7 @@ from waterwave_hpo.host._runner import HostSnapshot
 from waterwave_hpo.host._runner import HostSpec
 from waterwave_hpo.host._runner import RemoteTraceback
 from waterwave_hpo.host._runner import TrialRecord
+from waterwave_hpo.host._runner import UnpicklableError
 from waterwave_hpo.host._runner import fail_trial
 from waterwave_hpo.host._runner import format_traceback
 from waterwave_hpo.host._runner import picklable_error
@@ -98,9 +100,11 @@ __all__ = [
     "TrialOutcome",
     "TrialPlanning",
     "TrialRecord",
+    "UnpicklableError",
     "acquire_stream",
     "batched",
     "check_fuse_matches",
+    "check_pool_device",
     "default_budget_bytes",
     "fail_trial",
     "fit_trial_memory",

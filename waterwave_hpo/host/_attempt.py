@@ -244,7 +244,8 @@ def _tell_attempt(settings: RunSettings, job: TrialJob, attempt: Attempt) -> lis
         outcomes = []
         for member in members:
             with contextlib.suppress(Exception):
-                study.tell(member.trial, state=TrialState.FAIL, skip_if_finished=True)
+                if not _optuna_compat.is_finished(study, member.trial):  # no "Skipped" line
+                    study.tell(member.trial, state=TrialState.FAIL, skip_if_finished=True)
             outcomes.append(TrialOutcome(member, OutcomeKind.INTERRUPTED, None))
         return outcomes
 
@@ -287,10 +288,7 @@ def _tell_attempt(settings: RunSettings, job: TrialJob, attempt: Attempt) -> lis
         return [_end_value(settings, job, attempt.result, attempt.neighbours)]
     entries = _entries(attempt.result, n_trials)
     if isinstance(entries, str):
-        return [
-            _end_failed(settings, member, OutcomeKind.FAILED, entries, fail_value=attempt.result)
-            for member in members
-        ]
+        return [_end_failed(settings, member, OutcomeKind.FAILED, entries) for member in members]
     return [
         _end_entry(settings, member, entry, attempt.neighbours)
         for member, entry in zip(members, entries, strict=True)
@@ -444,7 +442,7 @@ def _end_value(
     if fail_message is not None:
         with contextlib.suppress(Exception):
             _set_attr(settings, member.trial, ATTR_FAIL_REASON, fail_message[:_REASON_MAX_CHARS])
-    return TrialOutcome(member, OutcomeKind.COMPLETE, frozen, None, neighbours, fail_message, value)
+    return TrialOutcome(member, OutcomeKind.COMPLETE, frozen, None, neighbours, fail_message)
 
 
 def _end_entry(
@@ -474,7 +472,6 @@ def _end_failed(
     *,
     error: BaseException | None = None,
     neighbours: int = 0,
-    fail_value: object = None,
 ) -> TrialOutcome:
     with contextlib.suppress(Exception):
         # A reason already there was written by the executor on Ctrl+C, which tells the trials
@@ -485,7 +482,7 @@ def _end_failed(
             _set_attr(settings, member.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
     frozen, _ = _optuna_compat.tell_as_optimize(settings.study, member.trial, state=TrialState.FAIL)
     fail_message = reason if error is None else None
-    return TrialOutcome(member, kind, frozen, error, neighbours, fail_message, fail_value)
+    return TrialOutcome(member, kind, frozen, error, neighbours, fail_message)
 
 
 def fail_without_running(
@@ -504,11 +501,16 @@ def fail_without_running(
 
 
 def release_interrupted(error: BaseException) -> None:
-    """Free an interrupted attempt's frames (they may hold an open database transaction)."""
+    """Free an interrupted attempt's frames (they may hold an open database transaction).
+
+    The young generations only: what the interrupt cut short was made just now, and a full
+    collection per slot costs seconds on a loaded machine with torch imported (the driver
+    runs one full collection once every slot has stopped).
+    """
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
     error.__traceback__ = None
-    gc.collect()
+    gc.collect(1)
 
 
 def release_memory(error: BaseException, device: torch.device) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from dataclasses import field
 import queue
 import threading
+import time
 from typing import Any
 
 import optuna
@@ -191,10 +192,10 @@ class DeviceHost(SlotTable["_Slot"]):
         for slot in self.slots:
             if slot.thread is not None:
                 slot.inbox.put(None)
-        deadline = timeout_s
+        deadline = time.monotonic() + timeout_s
         for slot in self.slots:
             if slot.thread is not None:
-                slot.thread.join(timeout=max(0.0, deadline))
+                slot.thread.join(timeout=max(0.0, deadline - time.monotonic()))
             slot.release_caller_stream()
 
 

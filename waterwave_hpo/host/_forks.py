@@ -7,10 +7,13 @@ num_workers=2)`` forks its workers while its neighbours hold torch's random gene
 blocks, and the trial with it (seen with Optuna's own ``n_jobs=4`` as with the executor's threads).
 Python itself says so only from 3.12, as a ``DeprecationWarning`` that is hidden by default.
 
-The fix is the trial's, and costs little: ``DataLoader(..., multiprocessing_context=
-"forkserver")`` (or ``"spawn"``; the dataset and its class must then be importable, not defined
-in the script), or ``isolation="process"``, where each trial has its process to itself and its
-DataLoader workers fork from it.
+The fast fix is ``isolation="process"``: each trial has its process to itself and its
+DataLoader workers fork from it, at fork's speed (the DataLoader's seconds of a 2-epoch trial:
+1.60 in a worker process against 1.93 with threads, ``experiments/results/2026-11-27-process-
+semantics/``). ``DataLoader(..., multiprocessing_context="forkserver")`` (or ``"spawn"``) also
+avoids the hang, but then each DataLoader worker is a new process that imports torch and
+unpickles the dataset, every epoch unless ``persistent_workers=True`` (``spawn``: 119.8 s in the
+same run), and the dataset and its class must be importable, not defined in the script.
 """
 
 from __future__ import annotations
@@ -54,9 +57,11 @@ def _before_fork() -> None:
         "Trial %d forked a process (a DataLoader with num_workers > 0 forks its workers) while "
         "%d other trial(s) ran in threads of this process: the child inherits every lock those "
         "threads held at that moment (torch's random generator's, a logger's) and may block on "
-        "one for ever. Give the DataLoader multiprocessing_context='forkserver' (or 'spawn'), "
-        "or run trials with isolation='process'. "
-        "(Said once per process.)",
+        "one for ever. Run trials with WaterwaveExecutor(isolation='process'): each trial's "
+        "DataLoader workers then fork from a process of its own, at fork's speed. "
+        "multiprocessing_context='forkserver' (or 'spawn') on the DataLoader also avoids the "
+        "hang but starts each worker as a new interpreter (seconds per epoch unless "
+        "persistent_workers=True). (Said once per process.)",
         number,
         len(running) - 1,
     )

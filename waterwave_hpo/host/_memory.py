@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from waterwave_hpo import _checks
 from waterwave_hpo import _experimental
 from waterwave_hpo.host._planning import DevicePlans
 from waterwave_hpo.scheduler import PipelineScheduler
@@ -272,6 +273,26 @@ class DeviceMemory:
         return None if prediction is None else prediction.best_k
 
 
+def check_pool_device(mode: MemoryPoolMode, device: torch.device) -> None:
+    """Refuse ``memory_pool="on"`` for a device the stream-aware pool does not serve.
+
+    The pool holds CUDA memory only; ``"on"`` means raise rather than run without it.
+
+    Raises:
+        ValueError: ``mode`` is ``ON`` and ``device`` is not a CUDA device.
+    """
+    if mode is MemoryPoolMode.ON and device.type != "cuda":
+        raise _checks.value_error(
+            "memory_pool",
+            mode.value,
+            f"asks for the stream-aware pool on every device, but {device} is not a CUDA "
+            "device and the pool holds CUDA memory only ('on' raises rather than run without "
+            "it)",
+            "pass memory_pool='auto' (the pool on CUDA devices, PyTorch's allocator elsewhere) "
+            "or 'off', or CUDA devices only",
+        )
+
+
 def make_device_memory(
     device: torch.device,
     pool_mode: MemoryPoolMode,
@@ -288,10 +309,12 @@ def make_device_memory(
     (``memory_plan="home"``).
 
     Raises:
+        ValueError: With ``memory_pool="on"``, if ``device`` is not a CUDA device.
         RuntimeError: With ``memory_pool="on"``, if the pool cannot be installed (PyTorch has
             already allocated on CUDA, the pool library cannot reach the driver, or the torch
             shim cannot be built: the compiler's message is attached).
     """
+    check_pool_device(pool_mode, device)
     if device.type == "cuda":
         _experimental.warn_experimental(_experimental.ExperimentalPath.EXECUTOR_CUDA)
     pool = _device_pool(device, pool_mode) if device.type == "cuda" else None

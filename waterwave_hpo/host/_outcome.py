@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 import enum
 from typing import TYPE_CHECKING
-from typing import Any
 
 if TYPE_CHECKING:
     import optuna
@@ -79,5 +78,3 @@ class TrialOutcome:
     """Trials running beside this one on its device when it ended (used by OOM retries)."""
     fail_message: str | None = None
     """Why the study marked a returned value FAIL (not a number, wrong count), else ``None``."""
-    value: Any = None
-    """What the objective returned (logged with a failure, as Optuna does)."""

@@ -549,7 +549,7 @@ def tell_record(settings: RunSettings, job: TrialJob, record: TrialRecord) -> Tr
         frozen = fail_trial(study, job, f"waterwave-hpo could not tell this trial: {tell_error!r}")
     finally:
         _optuna_compat.set_in_optimize_loop(study, inside)
-    return TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message, record.values)
+    return TrialOutcome(job, kind, frozen, error, record.neighbours, fail_message)
 
 
 def fail_trial(study: optuna.Study, job: TrialJob, reason: str) -> optuna.trial.FrozenTrial | None:

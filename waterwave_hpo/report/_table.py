@@ -37,6 +37,8 @@ _COLUMNS = [
     "plan_choices",
 ]
 
+_INT_COLUMNS = ("slot", "peak_bytes", "retry_of", "plan_budget_bytes", "plan_peak_bytes")
+
 
 def trials_table(study: optuna.Study) -> pd.DataFrame:
     """The study's trials, one row each, in trial-number order.
@@ -103,7 +105,10 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     columns = [c for c in _COLUMNS if c != "value"]
     columns[2:2] = value_columns
     columns += [f"param_{name}" for name in param_names]
-    return pd.DataFrame(rows, columns=columns)
+    table = pd.DataFrame(rows, columns=columns)
+    for column in _INT_COLUMNS:  # empty where missing, never a float (6, not 6.0)
+        table[column] = table[column].astype("Int64")
+    return table
 
 
 def _iso(moment: Any) -> str | None:
