@@ -124,11 +124,12 @@ def test_when_every_worker_dies_at_start_optimize_raises_with_its_error(
 ) -> None:
     from waterwave_hpo.workers import _starters
 
-    # Workers that cannot import optuna (as a broken environment would): the zygote, and the
-    # fresh interpreters where it cannot serve.
+    # Workers that cannot import optuna (as a broken environment would): a new zygote
+    # template, and the fresh interpreters where it cannot serve.
     for boot in ("_ZYGOTE_BOOT", "_SPAWN_BOOT"):
         broken = "import sys; sys.modules['optuna'] = None\n" + getattr(_starters, boot)
         monkeypatch.setattr(_starters, boot, broken)
+    monkeypatch.setattr(_starters, "_TEMPLATE", _starters._ZygoteTemplate())
     study = optuna.create_study()
     with ww.WaterwaveExecutor("cpu", 2, isolation="process") as executor:
         with pytest.raises(RuntimeError, match=r"died at start.*could not start.*optuna"):

@@ -1,13 +1,15 @@
 """How an executor's worker processes are started: forked by its zygote, or spawned.
 
-:class:`ZygoteStarter` (Linux, the default) starts the executor's zygote
-(:mod:`waterwave_hpo.workers._zygote`: a fresh interpreter that imports what workers need,
-once) and asks it to fork each worker: milliseconds per worker instead of seconds, and the
-pages the zygote imported shared by every worker. :class:`SpawnStarter` starts each worker as a
-fresh interpreter of its own (``python -c``): where fork cannot serve (not Linux), where the
-user asks for it (``WATERWAVE_WORKER_START=spawn``), or where the zygote found CUDA loaded by
-an import (a forked process could not use it). :func:`choose_starter` picks one and says once
-when it is the slow one.
+:class:`ZygoteStarter` (Linux, the default) gets the executor a zygote of its own, forked
+from the driver process's zygote template (:mod:`waterwave_hpo.workers._zygote`: a fresh
+interpreter that imports what workers need, started once per driver process, by the first
+executor that needs workers), and asks it to fork each worker: milliseconds per worker instead
+of seconds, and the pages the template imported shared by every worker.
+:class:`SpawnStarter` starts each worker as a fresh interpreter of its own (``python -c``):
+where fork cannot serve (not Linux), where the user asks for it
+(``WATERWAVE_WORKER_START=spawn``), or where the template found CUDA loaded by an import (a
+forked process could not use it); :func:`spawn_reason` says which, and
+:func:`say_spawned_once` says so once.
 
 Both are driven by the :class:`~waterwave_hpo.workers._manager.WorkerManager`'s thread only,
 and report to it: a worker's pid once it runs (``started(worker, pid)``) and its end
@@ -26,11 +28,13 @@ import logging
 import os
 from pathlib import Path
 import pickle
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
@@ -55,7 +59,7 @@ are spawned."""
 # there before it learns the driver's sys.path (an editable or a source checkout need not be on
 # the default path).
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-# If the library itself cannot be imported, the zygote still tells the driver why.
+# The zygote template. If the library itself cannot be imported, it answers each request with why.
 _ZYGOTE_BOOT = """
 import gc; gc.disable()
 import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -65,7 +69,18 @@ try:
 except BaseException as error:
     import pickle, socket
     why = f"it could not import waterwave_hpo: {{type(error).__name__}}: {{error}}"
-    socket.socket(fileno=int(sys.argv[1])).send(pickle.dumps(("failed", why, False)))
+    answer = pickle.dumps(("failed", why, False))
+    requests = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=int(sys.argv[1]))
+    requests.setblocking(False)
+    while True:  # each request waiting is answered on its own socket
+        try:
+            data, fds, _, _ = socket.recv_fds(requests, 1 << 20, 1)
+        except OSError:
+            break
+        if not data:
+            break
+        for fd in fds:
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd).send(answer)
     raise
 zygote_main(int(sys.argv[1]), int(sys.argv[2]))
 """
@@ -123,23 +138,71 @@ def worker_environment() -> dict[str, str]:
     return environment
 
 
-def _exit_description(returncode: int | None) -> str:
-    if returncode is None:
-        return "ended"
-    if returncode < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
+class _ZygoteTemplate:
+    """The driver process's zygote template: started on first use, again if it ended.
+
+    A process that forks (the user's ``os.fork()``, a ``multiprocessing`` fork) starts its own
+    on its first use: the template serves the process that started it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = os.getpid()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+
+    def fork_zygote(self, fd: int) -> None:
+        """Ask for a zygote answering on socket ``fd`` (a ``SOCK_SEQPACKET`` end); never waits.
+
+        Raises:
+            OSError: If no template can be reached (it cannot be started).
+        """
+        with self._lock:
+            if self._owner != os.getpid():  # a forked copy of the driver: not its template
+                self._owner, self._process, self._sock = os.getpid(), None, None
+            for _ in range(2):
+                if self._process is None or self._process.poll() is not None:
+                    self._start()
+                assert self._sock is not None
+                try:
+                    socket.send_fds(self._sock, [pickle.dumps(("zygote",))], [fd])
+                    return
+                except OSError:  # it ended since: once more, with a new one
+                    self._process = None
+            raise OSError("the zygote template could not be reached")
+
+    def _start(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _ZYGOTE_BOOT.format(root=_PACKAGE_ROOT),
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    ZYGOTE_MARK,
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=worker_environment(),
+            )
+        ours.settimeout(30.0)  # its requests wait in its socket while it imports
+        self._sock = ours
+
+
+_TEMPLATE = _ZygoteTemplate()
 
 
 class ZygoteStarter:
-    """Workers forked by the executor's zygote, which this starts at once (not waiting for it).
+    """Workers forked by the executor's own zygote, asked for at once (not waited for).
 
-    Fork requests made while the zygote still imports wait in its socket. If the zygote
-    cannot start, every worker it was to fork ends with the reason (``fallback`` is called
-    first when a spawned worker could still serve: CUDA loaded at import).
+    Fork requests made while the zygote (or its template) still starts wait in its socket. If
+    it cannot start, every worker it was to fork ends with the reason (``zygote_lost`` is
+    called first when a spawned worker could still serve: CUDA loaded at import).
 
     Args:
         manager: The thread that drives it.
@@ -169,40 +232,28 @@ class ZygoteStarter:
         self._stopping = False
         self._gone = False
         self.failure: str | None = None
-        self.ready = False
+        self.pid: int | None = None  # the zygote's, once it is ready
+        self._pidfd: int | None = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _ZYGOTE_BOOT.format(root=_PACKAGE_ROOT),
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    ZYGOTE_MARK,
-                ],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=worker_environment(),
-            )
+        try:
+            _TEMPLATE.fork_zygote(theirs.fileno())
+        except OSError as error:
+            self.failure = f"The worker processes' zygote could not be started: {error}"
+        finally:
+            theirs.close()  # the template's request holds its own reference
         ours.setblocking(False)
         self._sock = ours
         manager.register(ours, self._serve)
 
-    @property
-    def pid(self) -> int:
-        """The zygote's pid."""
-        return int(self.process.pid)
-
     def start(self, worker: WorkerProcess, theirs: socket.socket, env: dict[str, str]) -> None:
-        if self._gone:  # its end is being reported; the caller's replacement comes later
-            theirs.close()
+        if self._gone or (self.failure is not None and self.pid is None):
+            theirs.close()  # it cannot serve: the worker ends with the reason
             self._manager.call(lambda: self._exited(worker, None, [], self.failure))
             return
         tag = next(self._tags)
         self._pending[tag] = worker
         worker.tag = tag
-        self._send(("fork", tag, env), [theirs.fileno()])
+        self._send(("fork", tag, env, os.getcwd()), [theirs.fileno()])
         theirs.close()  # the message holds its own reference while in flight
 
     def kill(self, worker: WorkerProcess) -> None:
@@ -214,16 +265,19 @@ class ZygoteStarter:
             return
         self._stopping = True
         self._send(("stop",), [])
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout_s
+        while not self._gone and time.monotonic() < deadline:  # its socket closes as it exits
+            select.select([self._sock], [], [], max(0.0, deadline - time.monotonic()))
+            self._serve(True, False)
+        if not self._gone and self._pidfd is not None:
             with contextlib.suppress(OSError):
-                self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=EXIT_WAIT_S)
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._manager.unregister(self._sock)
         with contextlib.suppress(OSError):
             self._sock.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def _send(self, message: tuple[Any, ...], fds: list[int]) -> None:
         data = pickle.dumps(message)
@@ -272,7 +326,10 @@ class ZygoteStarter:
     def _receive(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "ready":
-            self.ready = True
+            self.pid = message[1]
+            if hasattr(os, "pidfd_open"):
+                with contextlib.suppress(OSError):
+                    self._pidfd = os.pidfd_open(message[1])
         elif kind == "forked":
             _, tag, pid = message
             worker = self._pending.pop(tag, None)
@@ -291,9 +348,7 @@ class ZygoteStarter:
                 self._exited(worker, returncode, ended, None)
         elif kind == "failed":
             _, reason, fallback = message
-            self.failure = (
-                f"The worker processes' zygote (pid {self.pid}) could not start: {reason}"
-            )
+            self.failure = f"The worker processes' zygote could not start: {reason}"
             if fallback:
                 self._zygote_lost(True)
 
@@ -303,14 +358,11 @@ class ZygoteStarter:
         if self._gone:
             return
         self._gone = True
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=EXIT_WAIT_S)
         if self._stopping:
             return
         if self.failure is None:
             self.failure = (
-                f"the executor's zygote (pid {self.pid}), which forks the worker processes, "
-                f"{_exit_description(self.process.returncode)}"
+                f"the executor's zygote (pid {self.pid}), which forks the worker processes, ended"
             )
             self._zygote_lost(False)
         lost = list(self._workers.values()) + list(self._pending.values())

@@ -1,34 +1,42 @@
 """The zygote: an executor's private fork server, which starts its worker processes.
 
 A worker used to be a fresh interpreter that imported torch, Optuna and this package itself:
-seconds per worker, and hundreds of MiB of private memory each. The zygote is that interpreter
-once per executor (``python -c``, started by :mod:`waterwave_hpo.workers._starters`; never the
-user's script, so a script without ``if __name__ == "__main__":`` is not run again). It imports
-what every worker needs, runs one tiny CPU training step (PyTorch starts autograd and its
-optimizers lazily), freezes what it built (``gc.freeze()``: a worker's garbage collections then
-never write to the pages it shares with the zygote), and forks a worker per request. A fork
-takes milliseconds and shares every page the worker does not write: the Android zygote's idea,
-and Python's own ``multiprocessing`` forkserver's, but private to one executor (that one is
-shared with the user's code, imports the user's ``__main__`` and its preload is process-wide).
+seconds per worker, and hundreds of MiB of private memory each. Here that interpreter is started
+once per driver process: the *zygote template* (``python -c``, started by
+:mod:`waterwave_hpo.workers._starters` when the first executor needs workers; never the user's
+script, so a script without ``if __name__ == "__main__":`` is not run again). It imports what
+every worker needs, runs one tiny CPU training step (PyTorch starts autograd and its optimizers
+lazily), freezes what it built (``gc.freeze()``: a later process's garbage collections never
+write to the pages it shares with the template) and then only forks: each executor gets a
+*zygote* of its own, forked from the template in milliseconds, and the zygote forks that
+executor's workers. A fork takes milliseconds and shares every page the child does not write:
+the Android zygote's idea, and Python's own ``multiprocessing`` forkserver's, but private to
+the library (that one is shared with the user's code, imports the user's ``__main__`` and its
+preload is process-wide); an executor's workers, their lives and their strays are its own
+zygote's alone.
 
-The zygote never initialises CUDA: each worker creates its own context after the fork (a CUDA
-context does not survive ``fork``). It runs one thread, so no lock is held by another thread
-when it forks.
+Neither ever initialises CUDA: each worker creates its own context after the fork (a CUDA
+context does not survive ``fork``), and the template refuses to serve if an import loaded
+NVIDIA's driver. Each runs one thread, so no lock is held by another thread when it forks.
 
-Its lives, and the workers':
+Their lives, and the workers':
 
-- The driver sends ``("fork", tag, env)`` with the worker's end of a socket pair (``SCM_RIGHTS``,
-  :func:`socket.send_fds`) over a ``SOCK_SEQPACKET`` socket; the zygote forks and answers
-  ``("forked", tag, pid)``. The worker runs in a process group of its own, dies with the zygote
-  (``PR_SET_PDEATHSIG``: the zygote's one thread forked it) and adopts the orphans of the
+- The driver sends the template ``("zygote",)`` with one end of a ``SOCK_SEQPACKET`` socket pair
+  (``SCM_RIGHTS``, :func:`socket.send_fds`); the new zygote answers ``("ready", pid)`` on it.
+  If the template cannot start, it answers ``("failed", reason, retry_with_spawn)`` there.
+- The driver sends a zygote ``("fork", tag, env, cwd)`` with the worker's end of a socket pair;
+  the zygote forks and answers ``("forked", tag, pid)``. The worker runs in a process group of
+  its own, in the driver's working directory and environment of the moment, dies with the
+  zygote (``PR_SET_PDEATHSIG``: the zygote's one thread forked it) and adopts the orphans of the
   processes its trials start (``PR_SET_CHILD_SUBREAPER``), so that none escapes it.
-- The zygote is the workers' parent: it reaps each one and sends ``("exited", tag, pid,
-  exitcode, ended)``: Python's ``Popen.returncode`` convention, and the processes the worker
-  left behind, which the zygote ended (it is a subreaper too: a dead worker's orphans come to
-  it). ``("kill", pid)`` ends a worker and its process group, by the one process that knows
-  whether the pid still names that worker.
+- A zygote is its workers' parent: it reaps each one and sends ``("exited", tag, pid, exitcode,
+  ended)``: Python's ``Popen.returncode`` convention, and the processes the worker left behind,
+  which the zygote ended (it is a subreaper too: a dead worker's orphans come to it).
+  ``("kill", pid)`` ends a worker and its process group, by the one process that knows whether
+  the pid still names that worker.
 - When the driver process ends (its pid's file descriptor, else its pid polled) or asks
-  (``("stop",)``), the zygote ends every worker and everything they left, then exits.
+  (``("stop",)``), a zygote ends every worker and everything they left, then exits; the
+  template exits when the driver does.
 """
 
 from __future__ import annotations
@@ -46,8 +54,8 @@ import time
 from typing import Any
 
 ZYGOTE_MARK = "waterwave_hpo.workers._zygote"
-"""The last argument of the zygote's command line. A worker it forks rewrites it in place to
-``WORKER_MARK`` (the same length), so that tools (and tests) tell the zygote from its workers."""
+"""The last argument of the template's (and so every zygote's) command line. A worker rewrites
+it in place to ``WORKER_MARK`` (the same length), so that tools (and tests) tell them apart."""
 WORKER_MARK = "waterwave_hpo.workers._worker"
 """A string in every worker process's command line (to find them, e.g. with psutil)."""
 MAX_MESSAGE_BYTES = 1 << 20
@@ -182,7 +190,7 @@ class _Zygote:
                 ready = []
             if self.driver_fd is not None and self.driver_fd in ready:
                 self.end()
-            if os.getppid() != self.driver_pid:  # without a pid fd: the driver is gone
+            if self.driver_fd is None and not _alive(self.driver_pid):
                 self.end()
             if self.wake_read in ready:
                 with contextlib.suppress(OSError):
@@ -205,11 +213,11 @@ class _Zygote:
         request = pickle.loads(data)
         kind = request[0]
         if kind == "fork":
-            _, tag, env = request
+            _, tag, env, cwd = request
             if not fds:
                 self.send(("fork_failed", tag, "the request carried no socket"))
                 return
-            self.fork(tag, env, fds[0])
+            self.fork(tag, env, cwd, fds[0])
         elif kind == "kill":
             self.kill(request[1])
         elif kind == "stop":
@@ -217,7 +225,7 @@ class _Zygote:
         for fd in fds[1:] if kind == "fork" else fds:
             os.close(fd)
 
-    def fork(self, tag: Any, env: dict[str, str], fd: int) -> None:
+    def fork(self, tag: Any, env: dict[str, str], cwd: str, fd: int) -> None:
         try:
             pid = os.fork()
         except OSError as error:
@@ -225,14 +233,14 @@ class _Zygote:
             self.send(("fork_failed", tag, f"fork() failed: {error}"))
             return
         if pid == 0:
-            self.become_worker(fd, env)  # never returns
+            self.become_worker(fd, env, cwd)  # never returns
         os.close(fd)
         with contextlib.suppress(OSError):  # also done by the child: whichever runs first
             os.setpgid(pid, pid)
         self.workers[pid] = tag
         self.send(("forked", tag, pid))
 
-    def become_worker(self, fd: int, env: dict[str, str]) -> None:
+    def become_worker(self, fd: int, env: dict[str, str], cwd: str) -> None:
         """The forked child: leave the zygote's duties behind and serve the driver as a worker."""
         code = 1
         try:
@@ -251,6 +259,8 @@ class _Zygote:
             rename_process(ZYGOTE_MARK, WORKER_MARK)
             os.environ.clear()
             os.environ.update(env)
+            with contextlib.suppress(OSError):  # gone since: the zygote's, as a spawn would fail
+                os.chdir(cwd)
             gc.enable()
             from waterwave_hpo.workers._worker import serve_driver
 
@@ -359,37 +369,147 @@ def _name(pid: int) -> str:
         return "gone"
 
 
-def zygote_main(fd: int, driver_pid: int) -> None:
-    """The zygote's body (``python -c`` calls it with its socket). Never returns.
+class _Template:
+    """The zygote template: forks a private zygote per request, nothing else."""
 
-    Answers ``("ready", pid)`` once it can fork, or ``("failed", reason, retry_with_spawn)``
-    and exits: ``retry_with_spawn`` when forking would not be safe here (CUDA was touched
-    while importing), so the driver starts fresh interpreters instead.
+    def __init__(self, sock: socket.socket, driver_pid: int) -> None:
+        self.sock = sock
+        self.driver_pid = driver_pid
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        self.driver_fd: int | None = None
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self.driver_fd = os.pidfd_open(driver_pid)
+
+    def refuse_all(self, reason: str, retry_with_spawn: bool) -> None:
+        """Answer every queued request on its own socket: the template cannot serve. Exits."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE_BYTES, 1)
+            except OSError:
+                break
+            if not data:
+                break
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    answer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
+                    answer.send(pickle.dumps(("failed", reason, retry_with_spawn)))
+                    answer.close()
+        os._exit(1)
+
+    def serve(self) -> None:
+        """Fork a zygote per request until the driver ends. Never returns."""
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self.wake_write)
+        watched: list[Any] = [self.sock, self.wake_read]
+        if self.driver_fd is not None:
+            watched.append(self.driver_fd)
+        while True:
+            try:
+                ready, _, _ = select.select(watched, [], [], _POLL_S)
+            except InterruptedError:
+                ready = []
+            if (self.driver_fd is not None and self.driver_fd in ready) or (
+                self.driver_fd is None and not _alive(self.driver_pid)
+            ):
+                os._exit(0)  # each zygote ends its own workers when it sees the driver gone
+            if self.wake_read in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self.wake_read, 4096)
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0] != 0:  # zygotes that ended
+                    pass
+            if self.sock in ready:
+                self.receive()
+
+    def receive(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE_BYTES, 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            os._exit(0)
+        if not data:  # the driver closed its end: it is gone
+            os._exit(0)
+        if fds:
+            self.fork_zygote(fds[0])
+        for fd in fds[1:]:
+            os.close(fd)
+
+    def fork_zygote(self, fd: int) -> None:
+        try:
+            pid = os.fork()
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                answer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
+                answer.send(pickle.dumps(("failed", f"fork() failed: {error}", False)))
+                answer.close()
+            return
+        if pid != 0:
+            os.close(fd)
+            return
+        code = 1
+        try:  # the new zygote: leave the template's duties behind
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for own in (self.sock.fileno(), self.wake_read, self.wake_write, self.driver_fd):
+                if own is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(own)
+            adopt_orphans()
+            zygote = _Zygote(
+                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd), self.driver_pid
+            )
+            zygote.send(("ready", os.getpid()))
+            zygote.serve()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (without a pid file descriptor to watch)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def zygote_main(fd: int, driver_pid: int) -> None:
+    """The zygote template's body (``python -c`` calls it with its socket). Never returns.
+
+    Prepares the process once, then forks a private zygote per request. If it cannot serve,
+    every request gets ``("failed", reason, retry_with_spawn)``: ``retry_with_spawn`` when
+    forking would not be safe here (CUDA was loaded while importing), so the driver starts
+    fresh interpreters instead.
     """
-    sock = socket.socket(fileno=fd)
-    if os.getppid() != driver_pid:  # the driver died before the zygote started
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
+    if os.getppid() != driver_pid:  # the driver died before the template started
         os._exit(0)
-    adopt_orphans()
-    zygote = _Zygote(sock, driver_pid)
+    template = _Template(sock, driver_pid)
     try:
         prepare_process()
         import torch
 
         if torch.cuda.is_initialized() or cuda_driver_loaded():  # type: ignore[no-untyped-call]
-            zygote.send(
-                (
-                    "failed",
-                    "CUDA's driver was loaded while the worker processes' modules were imported "
-                    "(a module that asks CUDA at import, e.g. torch.cuda.is_available()); a "
-                    "process forked after that cannot use CUDA",
-                    True,
-                )
+            template.refuse_all(
+                "CUDA's driver was loaded while the worker processes' modules were imported "
+                "(a module that asks CUDA at import, e.g. torch.cuda.is_available()); a "
+                "process forked after that cannot use CUDA",
+                True,
             )
-            os._exit(1)
     except BaseException as error:
-        zygote.send(("failed", f"{type(error).__name__}: {error}", False))
-        os._exit(1)
+        template.refuse_all(f"{type(error).__name__}: {error}", False)
     gc.collect()
-    gc.freeze()  # what the zygote built stays shared: a worker's collections never touch it
-    zygote.send(("ready", os.getpid()))
-    zygote.serve()
+    gc.freeze()  # what the template built stays shared: no later collection touches it
+    template.serve()
