@@ -12,7 +12,8 @@ Measured per mode (``--k`` slots, default 4):
 
 * ``new_executor_s``: seconds from a new executor's construction to the end of ``optimize``
   with ``--trials`` (8) trivial trials, for the process's first executor and for a second new
-  executor of the same process (the library's zygote template is warm then);
+  executor of the same process (the library's zygote template is warm then); the library is
+  imported before the clock starts;
 * ``memory``: each worker's private memory (``psutil``'s ``memory_full_info().uss``) and its
   proportional share of shared pages (``pss``) while K trials run (all K inside at once: trials
   that sleep, then trials that train a small MLP), the zygote's and its template's, and the sum
@@ -141,6 +142,8 @@ def child(mode: str, k: int, n_trials: int, rate: int) -> dict[str, Any]:
     if mode == "spawn":
         os.environ["WATERWAVE_WORKER_START"] = "spawn"
     import optuna
+
+    import waterwave_hpo  # noqa: F401  (imported before the clock starts, as a script would)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     row: dict[str, Any] = {"mode": mode, "k": k}

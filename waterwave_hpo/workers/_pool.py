@@ -911,9 +911,7 @@ class _Supervisor:
         """The starter new workers get (the manager's thread): made on first use."""
         starter = self._starter
         if starter is None or (isinstance(starter, ZygoteStarter) and starter.failure):
-            if starter is not None and isinstance(starter, ZygoteStarter):
-                # It could not start (it says why to the workers it was to fork): once more.
-                self._zygote_starts += 1
+            # None yet, or one that could not start (its workers were told why): a new one.
             starter = self._starter = self._new_starter()
         return starter
 
