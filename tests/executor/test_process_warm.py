@@ -248,3 +248,20 @@ def test_without_mps_the_executor_says_once_that_processes_time_slice(
     lines = [r.getMessage() for r in caplog.records if "time-slices" in r.getMessage()]
     assert len(lines) == 1
     assert "never overlap" in lines[0] and "nvidia-cuda-mps-control -d" in lines[0]
+
+
+def test_workers_spawned_when_asked_run_the_trials_and_say_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from waterwave_hpo.workers import _starters
+
+    monkeypatch.setenv("WATERWAVE_WORKER_START", "spawn")
+    monkeypatch.setattr(_starters, "_said", __import__("threading").Event())
+    study = optuna.create_study()
+    with caplog.at_level("WARNING", logger="waterwave_hpo"):
+        with ww.WaterwaveExecutor("cpu", 1, isolation="process") as executor:
+            executor.optimize(study, _pid, n_trials=2)
+            executor.optimize(study, _pid, n_trials=1)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    said = [r.getMessage() for r in caplog.records if "fresh interpreters" in r.getMessage()]
+    assert len(said) == 1 and "WATERWAVE_WORKER_START=spawn" in said[0]
