@@ -519,7 +519,7 @@ def _setup_error(error: BaseException) -> BaseException:
 
     wrapped = RuntimeError(
         f"The worker process {os.getpid()} could not start: {type(error).__name__}: {error}. "
-        "A worker is a fresh interpreter: the objective's module must be importable there "
+        "A worker never runs your script: the objective's module must be importable there "
         "(on sys.path, or the objective defined in the script run)."
     )
     return picklable_error(wrapped) or wrapped
