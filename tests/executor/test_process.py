@@ -519,34 +519,112 @@ def test_an_objective_may_start_dataloader_workers() -> None:
     assert trial.value == float(torch.arange(64.0).sum())
 
 
-@pytest.mark.slow  # over 10 s on the 2-core CI machine
-def test_a_dead_worker_ends_its_trial_while_a_process_it_started_lives_on(
-    tmp_path: Path,
+def test_a_dead_workers_processes_are_ended_with_it_and_its_trial_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pid_file = tmp_path / "child.pid"
+    pids = tmp_path / "pids"
 
     def objective(trial: optuna.trial.Trial) -> float:
         if trial.number == 0:
-            child = os.fork()  # e.g. a fork-started helper that outlives it, holding the pipe
+            child = os.fork()  # a helper that would outlive it, holding the pipe
             if child == 0:
                 time.sleep(300)
                 os._exit(0)
-            pid_file.write_text(str(child))
+            # A process detached from it (its own session), as `setsid cmd &` makes.
+            detached = subprocess.run(
+                "setsid sleep 300 >/dev/null 2>&1 </dev/null & echo $!",
+                shell=True,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            pids.write_text(f"{child} {detached.stdout.strip()}")
             os.kill(os.getpid(), signal.SIGKILL)
         return 1.0
 
     study = optuna.create_study()
+    started: list[int] = []
     try:
-        _process(1).optimize(study, objective, n_trials=2)
-        child = psutil.Process(int(pid_file.read_text()))
-        # optimize did not wait for the child to exit (before: until its 300 s were over).
-        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        with caplog.at_level("WARNING", logger="waterwave_hpo"):
+            _process(1).optimize(study, objective, n_trials=2)
+        started = [int(pid) for pid in pids.read_text().split()]
         assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE]
         assert "killed by signal SIGKILL" in study.trials[0].system_attrs["waterwave:fail_reason"]
+        # Ended with their worker (optimize did not wait for their 300 s), and named.
+        _, alive = psutil.wait_procs(
+            [psutil.Process(pid) for pid in started if psutil.pid_exists(pid)], timeout=_WAIT_S
+        )
+        assert alive == []
+        for pid in started:
+            assert f"{pid} (" in caplog.text
     finally:
-        if pid_file.exists():
+        for pid in started:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+
+
+class _DriverOnly:
+    """A value that can be pickled in the driver but not loaded in a worker process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_in, (self.pid,))
+
+
+def _rebuild_in(pid: int) -> _DriverOnly:
+    if os.getpid() != pid:
+        raise RuntimeError("this value cannot be rebuilt outside the driver")
+    return _DriverOnly(pid)
+
+
+def test_a_trial_the_worker_cannot_read_fails_with_the_reason_and_the_worker_goes_on() -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        trial.set_user_attr("pid", os.getpid())
+        return 1.0
+
+    study = optuna.create_study()
+    study.enqueue_trial({}, user_attrs={"blob": _DriverOnly(os.getpid())})
+    _process(1, record_trial_attrs=True).optimize(study, objective, n_trials=3)
+    assert _states(study) == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    reason = study.trials[0].system_attrs["waterwave:fail_reason"]
+    assert "could not read the trial the driver sent" in reason
+    assert "cannot be rebuilt outside the driver" in reason
+    assert study.trials[1].user_attrs["pid"] == study.trials[2].user_attrs["pid"]
+
+
+_THREAD_LEFT_RUNNING = """
+import sys, threading, optuna, waterwave_hpo as ww
+
+def objective(trial):
+    return trial.suggest_float("x", 0.0, 1.0)
+
+def run():
+    study = optuna.create_study(storage="sqlite:///{db}", study_name="left")
+    with ww.WaterwaveExecutor("cpu", 2, isolation="process") as executor:
+        executor.optimize(study, objective, n_trials=6)
+
+threading.Thread(target=run).start()  # a service's or a notebook helper's
+"""
+
+
+def test_an_optimize_in_a_thread_the_main_thread_left_runs_every_trial(tmp_path: Path) -> None:
+    # The main thread returns at once: the interpreter's exit waits for the thread (it is not
+    # a daemon), and the workers must serve it until it ends.
+    script = tmp_path / "left.py"
+    script.write_text(_THREAD_LEFT_RUNNING.format(db=tmp_path / "study.db"))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="left", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert _states(study) == [TrialState.COMPLETE] * 6, done.stderr[-3000:]
 
 
 @pytest.mark.slow  # over 10 s on the 2-core CI machine

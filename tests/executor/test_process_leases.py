@@ -1,22 +1,23 @@
 """Memory leases of process isolation's workers (``workers/_lease_service.py``), with the CUDA
-fakes: the driver's book splits the device's budget, a worker waits for room, and a held lease
-bounds the trial's pool account, PyTorch's memory fraction and CuPy's pool."""
+fakes: the device's budget is split over the workers once, a worker's lease bounds each of its
+trials (the trial's pool account, PyTorch's memory fraction, CuPy's pool) without a call to the
+driver, and a trial over its lease fails at once, never re-run with fewer neighbours."""
 
 from __future__ import annotations
 
-import threading
-import time
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
 from fakes import fake_cupy
 from fakes.cuda_init import FakeCuda
+import optuna
 import pytest
 import torch
 
 from waterwave_hpo.host._memory import _TRIAL_ACCOUNT
-from waterwave_hpo.workers._lease_service import LeaseServer
-from waterwave_hpo.workers._lease_service import hold_lease
+from waterwave_hpo.workers._lease_service import DeviceLeases
+from waterwave_hpo.workers._lease_service import leased
 
 pytestmark = pytest.mark.filterwarnings("ignore::waterwave_hpo.ExperimentalWarning")
 CUDA0 = torch.device("cuda", 0)
@@ -41,79 +42,46 @@ def _no_real_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any]]:
         torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append((f, d))
     )
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 777)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 900)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     return fractions
 
 
-def _call(server: LeaseServer) -> Any:
-    return lambda target, method, args: server.run(method, args)
-
-
 def test_on_the_cpu_no_lease_is_taken() -> None:
-    server = LeaseServer(torch.device("cpu"), 4, None)
-    assert not server.enabled
-    ok, error = server.run("request", ("w", None))
-    assert not ok and isinstance(error, PermissionError)
+    leases = DeviceLeases(torch.device("cpu"), 4, None)
+    assert not leases.enabled
+    assert leases.share_bytes is None
 
 
-def test_leases_split_the_budget_and_a_third_worker_waits_for_room(
+def test_the_budget_is_split_over_the_workers_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda().install(monkeypatch)
+    assert DeviceLeases(CUDA0, 2, budget_bytes=1000).share_bytes == 500
+    assert DeviceLeases(CUDA0, 3, budget_bytes=1000).share_bytes == 333
+    # A lease is the worker's, not asked per trial: the bound takes no transport to the driver.
+    assert "call" not in inspect.signature(leased).parameters
+
+
+def test_a_lease_bounds_each_trial_account_and_cupys_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     FakeCuda().install(monkeypatch)
     _no_real_cuda(monkeypatch)
-    server = LeaseServer(CUDA0, 2, budget_bytes=1000)
-    call = _call(server)
-    release_first = threading.Event()
-    held: dict[str, int | None] = {}
-
-    def hold(name: str, until: threading.Event) -> None:
-        with hold_lease(call, name, CUDA0) as nbytes:
-            held[name] = nbytes
-            until.wait(timeout=30)
-
-    first = threading.Thread(target=hold, args=("a", release_first))
-    first.start()
-    while "a" not in held:
-        time.sleep(0.01)
-    second = threading.Event()
-    threading.Thread(target=hold, args=("b", second)).start()
-    while "b" not in held:
-        time.sleep(0.01)
-    assert held == {"a": 500, "b": 500}  # budget // trials_per_device
-    third_done = threading.Event()
-    third = threading.Thread(target=hold, args=("c", third_done))
-    third.start()
-    assert server.book is not None
-    while server.book.n_waiting == 0:  # its request is in
-        time.sleep(0.01)
-    time.sleep(0.2)  # a few of its polls
-    assert "c" not in held  # the two leases fill the budget: it waits
-    release_first.set()
-    first.join(timeout=30)
-    third_done.set()
-    third.join(timeout=30)
-    second.set()
-    assert held["c"] == 500
-
-
-def test_a_held_lease_bounds_the_trial_account_and_cupys_pool(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    FakeCuda().install(monkeypatch)
     cupy = fake_cupy.install(monkeypatch)
-    server = LeaseServer(CUDA0, 4, budget_bytes=4000)
-    account = _Account()
-    token = _TRIAL_ACCOUNT.set(account)
-    try:
-        with hold_lease(_call(server), "w", CUDA0) as nbytes:
-            assert nbytes == 1000
-            assert account.quota == 1000
-            assert cupy.get_default_memory_pool().get_limit() == 1000
-            assert server.book is not None and server.book.n_held == 1
-    finally:
-        _TRIAL_ACCOUNT.reset(token)
-    assert server.book.n_held == 0
-    assert list(server.book._peaks) == [321]  # released with the account's measured peak
+    seen: list[tuple[int | None, int]] = []
+
+    def objective(trial: object) -> float:
+        seen.append((account.quota, cupy.get_default_memory_pool().get_limit()))
+        return 1.0
+
+    run = leased(objective, CUDA0, 1000)
+    for _ in range(2):  # each trial has an account of its own: each gets the quota
+        account = _Account()
+        token = _TRIAL_ACCOUNT.set(account)
+        try:
+            assert run(None) == 1.0
+        finally:
+            _TRIAL_ACCOUNT.reset(token)
+    assert seen == [(1000, 1000), (1000, 1000)]
 
 
 def test_without_the_pool_the_lease_is_pytorchs_memory_fraction(
@@ -121,33 +89,63 @@ def test_without_the_pool_the_lease_is_pytorchs_memory_fraction(
 ) -> None:
     fake = FakeCuda(total_memory=8000).install(monkeypatch)
     fractions = _no_real_cuda(monkeypatch)
-    server = LeaseServer(CUDA0, 2, budget_bytes=None)  # the device's total less a reserve
-    assert server.book is not None and server.book.budget_bytes is not None
-    assert server.book.budget_bytes <= fake.total_memory
-    with hold_lease(_call(server), "w", CUDA0) as nbytes:
-        assert nbytes == server.book.budget_bytes // 2
-    assert fractions == [(nbytes / 8000, CUDA0)]
-    assert list(server.book._peaks) == [777]
+    leases = DeviceLeases(CUDA0, 2, budget_bytes=None)  # the device's total less a reserve
+    assert leases.budget_bytes is not None and leases.budget_bytes <= fake.total_memory
+    share = leases.share_bytes
+    assert share is not None
+    leased(lambda trial: 0.0, CUDA0, share)(None)
+    assert fractions == [(share / 8000, CUDA0)]
 
 
-def test_a_dead_workers_leases_are_released_at_once_for_the_next_worker(
+def test_a_trial_over_its_lease_fails_at_once_naming_the_lease_and_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from waterwave_hpo.host import OnOOM
+    from waterwave_hpo.host import OutcomeKind
+    from waterwave_hpo.host import TrialJob
+    from waterwave_hpo.host import is_out_of_memory
+    from waterwave_hpo.host._attempt import cannot_fit
+    from waterwave_hpo.host._attempt import classify
+
     FakeCuda().install(monkeypatch)
-    server = LeaseServer(CUDA0, 2, budget_bytes=1000)
-    call = _call(server)
-    for holder in ("pid11-0", "pid12-0"):  # two workers hold the budget (leased()'s names)
-        call("lease", "request", (holder, None))
-        assert call("lease", "poll", (holder,))[1] is not None
-    call("lease", "request", ("pid13-0", None))  # the replacement of worker 11
-    assert call("lease", "poll", ("pid13-0",)) == (True, None)  # no room
-    server.holder_died(11)  # worker 11 was SIGKILLed: it never releases nor renews
-    ok, lease = call("lease", "poll", ("pid13-0",))
-    assert ok and lease is not None and lease.nbytes == 500  # not after LEASE_TTL_S
-    assert server.book is not None and sorted(server.book.holders()) == ["pid12-0", "pid13-0"]
-    server.holder_died(None)  # a worker that never started: nothing to release
-    server.holder_died(12)
-    assert server.book.holders() == ["pid13-0"]
+    _no_real_cuda(monkeypatch)
+
+    def greedy(trial: object) -> float:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        leased(greedy, CUDA0, 64 << 20)(None)
+    error = raised.value
+    assert is_out_of_memory(error)  # still an OOM for on_oom
+    assert "lease of 64.0 MiB" in str(error)
+    assert "peak: 900" in str(error)
+    assert "a larger memory_budget_bytes or a smaller trials_per_device" in str(error)
+    # Its neighbours do not change its lease: never re-run "with fewer neighbours", however
+    # many ran beside it, while the other slots would be held idle for the re-run.
+    context = SimpleNamespace(batch=(), planning=None)
+    memory = SimpleNamespace(budget_bytes=None, pool=None)
+    reason = cannot_fit(error, None, context, memory)  # type: ignore[arg-type]
+    assert reason is not None and "lease of 64.0 MiB" in reason
+    settings = SimpleNamespace(on_oom=OnOOM.RETRY, max_oom_retries=2, catch=())
+    job = TrialJob(optuna.trial.FixedTrial({}), 0, None, None)  # type: ignore[arg-type]
+    kind = classify(settings, job, error, 3, True, cannot_fit=reason)  # type: ignore[arg-type]
+    assert kind is OutcomeKind.OOM_FAILED
+
+
+def test_a_plain_oom_beside_neighbours_is_still_re_run() -> None:
+    from waterwave_hpo.host import OnOOM
+    from waterwave_hpo.host import OutcomeKind
+    from waterwave_hpo.host import TrialJob
+    from waterwave_hpo.host._attempt import cannot_fit
+    from waterwave_hpo.host._attempt import classify
+
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory.")
+    context = SimpleNamespace(batch=(), planning=None)
+    memory = SimpleNamespace(budget_bytes=None, pool=None)
+    assert cannot_fit(error, None, context, memory) is None  # type: ignore[arg-type]
+    settings = SimpleNamespace(on_oom=OnOOM.RETRY, max_oom_retries=2, catch=())
+    job = TrialJob(optuna.trial.FixedTrial({}), 0, None, None)  # type: ignore[arg-type]
+    assert classify(settings, job, error, 3, True) is OutcomeKind.OOM_RETRY  # type: ignore[arg-type]
 
 
 def test_without_a_budget_each_worker_plans_for_its_lease_share(
@@ -156,7 +154,6 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
     import queue
 
     import cloudpickle
-    import optuna
 
     from waterwave_hpo.host._device_host import RunSettings
     from waterwave_hpo.host._memory import MemoryPoolMode
@@ -184,7 +181,7 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
 
     class Pools:  # the devices' pools, without worker processes (the CUDA here is fake)
         def pool(self, device: Any, n: int, budget: int | None, memory_pool: str) -> Any:
-            return SimpleNamespace(device=device, leases=LeaseServer(device, n, budget))
+            return SimpleNamespace(device=device, leases=DeviceLeases(device, n, budget))
 
     monkeypatch.setattr(_payload, "ProcessHostHandle", Handle)
 
@@ -199,13 +196,11 @@ def test_without_a_budget_each_worker_plans_for_its_lease_share(
             policy="waterwave",
             memory_plan=PlanSettings(),
         )
-        budgets = []
-        for host in hosts:  # a worker's budget, and the lease its trial would hold
-            host.leases.run("request", ("pid1-0", None))
-            ok, lease = host.leases.run("poll", ("pid1-0",))
-            assert ok
-            budgets.append((cloudpickle.loads(host.payload)[0].memory_budget_bytes, lease.nbytes))
-        return budgets
+        # A worker's budget (its lease: the worker bounds its trials by it), and its share.
+        return [
+            (cloudpickle.loads(host.payload)[0].memory_budget_bytes, host.leases.share_bytes)
+            for host in hosts
+        ]
 
     # Not the whole device's budget; and each worker's own CUDA context is left out.
     share = (default_budget_bytes(8 << 30) - 4 * CONTEXT_RESERVE_BYTES) // 4

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 import pytest
 
 import waterwave_hpo as ww
-from waterwave_hpo.workers._pool import WorkerProcess
+from waterwave_hpo.workers._pool import WorkerPool
 
 _WAIT_S = 120.0  # a worker's first trial waits for its interpreter and torch to import
 
@@ -77,17 +77,21 @@ def test_a_worker_that_dies_just_before_its_next_trial_is_sent_loses_no_trial(
     # handed to it (SIGKILL from outside, the OOM killer: at any moment), and the driver sees
     # the death first: the trial must still run (on the slot's next worker) or fail, never
     # stay RUNNING with nobody to end it.
-    run = WorkerProcess.run
+    submit = WorkerPool.submit
     killed: list[int] = []
 
-    def run_after_a_death(self: WorkerProcess, job: Any, frozen: list[Any]) -> Any:
-        if job.trial.number == 1 and not killed:
-            killed.append(self.pid)
-            os.kill(self.pid, signal.SIGKILL)
-            self.served.wait()  # the driver has seen it die and failed what it ran (nothing)
-        return run(self, job, frozen)
+    def submit_after_a_death(
+        self: WorkerPool, index: int, host: Any, job: Any, frozen: bytes
+    ) -> None:
+        worker = self.workers[index]
+        if job.trial.number == 1 and not killed and worker is not None and worker.pid:
+            killed.append(worker.pid)
+            os.kill(worker.pid, signal.SIGKILL)
+            # The driver has seen it die and failed what it ran (nothing).
+            assert worker.served.wait(_WAIT_S)
+        submit(self, index, host, job, frozen)
 
-    monkeypatch.setattr(WorkerProcess, "run", run_after_a_death)
+    monkeypatch.setattr(WorkerPool, "submit", submit_after_a_death)
     study = optuna.create_study()
     assert _optimize_or_hang(_process(1), study, _x, n_trials=3) is None
     assert killed
@@ -95,19 +99,22 @@ def test_a_worker_that_dies_just_before_its_next_trial_is_sent_loses_no_trial(
 
 
 def test_a_worker_attached_twice_to_one_run_opens_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A slot's new worker can be attached to the run by two threads at once: the death
-    # handler's replacement and the slot's next submit. The worker must open the run once
-    # (one begin): a second would open a second study in it and, on CUDA, a second stream.
-    run = WorkerProcess.run
+    # A slot's new worker can be attached to the run twice: by the death handler's replacement
+    # and again when the slot's next job comes. The worker must open the run once (one
+    # begin): a second would open a second study in it and, on CUDA, a second stream.
+    submit = WorkerPool.submit
     begins: list[int] = []
 
-    def run_after_a_second_attach(self: WorkerProcess, job: Any, frozen: list[Any]) -> Any:
-        assert self.host is not None
-        self.attach(self.host)  # as the other thread would
-        begins.append(self.counts["to:begin"])
-        return run(self, job, frozen)
+    def submit_after_a_second_attach(
+        self: WorkerPool, index: int, host: Any, job: Any, frozen: bytes
+    ) -> None:
+        worker = self.workers[index]
+        assert worker is not None and worker.host is host
+        self._in_manager(lambda: self._attach(worker, host))  # as a second attach would
+        begins.append(worker.counts["to:begin"])
+        submit(self, index, host, job, frozen)
 
-    monkeypatch.setattr(WorkerProcess, "run", run_after_a_second_attach)
+    monkeypatch.setattr(WorkerPool, "submit", submit_after_a_second_attach)
     study = optuna.create_study()
     assert _optimize_or_hang(_process(2), study, _x, n_trials=4) is None
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
@@ -187,50 +194,165 @@ def test_a_thread_the_trial_left_running_gets_its_answer_while_the_worker_waits_
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
 
 
-_FAKE_WORKERS = r"""
-import itertools, os, pickle, socket, struct, subprocess, sys, threading
-import torch
-from waterwave_hpo.workers._lease_service import LeaseServer
-from waterwave_hpo.workers._pool import WorkerPool, WorkerProcess
+def _hang_outside(pid: int) -> int:
+    if os.getpid() != pid:
+        time.sleep(600)  # a worker opening the run hangs (here: loading the objective)
+    return pid
 
-# Fake workers: the first writes a frame header no message has (size -4), as a stream
-# corrupted by a second writer would; the second says it is warm, as a worker does.
-PEERS = [
-    "import os, struct, sys, time; os.write(int(sys.argv[1]), struct.pack('!i', -4) + b'abcd');"
-    " time.sleep(600)",
+
+class _HangsInWorkers:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_hang_outside, (os.getpid(),))
+
+
+def test_a_worker_that_hangs_opening_the_run_fails_optimize_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from waterwave_hpo.workers import _pool
+
+    state = _HangsInWorkers()
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        assert state is not None
+        return trial.suggest_float("x", 0.0, 1.0)
+
+    executor = _process(1)
+    executor.optimize(optuna.create_study(), _x, n_trials=1)  # its worker is warm
+    monkeypatch.setattr(_pool, "ANSWER_TIMEOUT_S", 5.0)
+    study = optuna.create_study()
+    error = _optimize_or_hang(executor, study, objective, n_trials=2)
+    assert isinstance(error, RuntimeError), error
+    assert "did not answer within 5 s" in str(error)
+    assert study.trials == []  # refused before any trial was asked
+
+
+def test_a_slow_storage_call_of_one_worker_holds_up_no_other_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Trial 0's read of the study waits in the driver's storage until trial 1 (the other
+    # worker) has been told; the driver must serve the other worker meanwhile.
+    from waterwave_hpo import _optuna_compat
+
+    study = optuna.create_study()
+    storage = _optuna_compat.storage_of(study)
+    original = storage.get_study_user_attrs
+    released = threading.Event()
+    waited: list[bool] = []
+
+    def slow(study_id: int) -> dict[str, Any]:
+        if threading.current_thread() is not threading.main_thread() and not waited:
+            waited.append(released.wait(_WAIT_S))
+        return original(study_id)
+
+    monkeypatch.setattr(storage, "get_study_user_attrs", slow)
+
+    def objective(trial: optuna.trial.Trial) -> float:
+        if trial.number == 0:
+            return float(len(trial.study.user_attrs))
+        return 1.0
+
+    def callback(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+        if frozen.number == 1:
+            released.set()
+
+    _process(2).optimize(study, objective, n_trials=2, callbacks=[callback])
+    assert waited == [True]  # trial 1 was told while trial 0's call waited
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+
+
+_FAKE_WORKERS = r"""
+import itertools, os, subprocess, sys, threading, time
+import torch
+from waterwave_hpo.workers import _pool
+from waterwave_hpo.workers._lease_service import DeviceLeases
+from waterwave_hpo.workers._starters import SpawnStarter
+
+# Fake workers: BAD writes a frame header no message has (size -4), as a stream corrupted by a
+# second writer would; GOOD says it is warm, as a worker does, and answers each message after
+# the init with "ended"; DEAF says it is warm and never reads; DIES is killed before it warms.
+WARM = (
     "import os, pickle, sys, time; from multiprocessing.connection import Connection;"
     " c = Connection(int(sys.argv[1])); c.send_bytes(pickle.dumps(('warm', os.getpid())));"
-    " time.sleep(600)",
-]
-launched = itertools.count()
+)
+BAD = (
+    "import os, struct, sys, time; os.write(int(sys.argv[1]), struct.pack('!i', -4) + b'abcd');"
+    " time.sleep(600)"
+)
+GOOD = WARM + (
+    " c.recv_bytes()\nwhile True: c.recv_bytes(); c.send_bytes(pickle.dumps(('ended',)))"
+)
+DEAF = WARM + " time.sleep(600)"
+DIES = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+launched = []
 
-def launch(fd):
-    return subprocess.Popen(
-        [sys.executable, "-c", PEERS[next(launched)], str(fd)], pass_fds=(fd,)
+class FakeStarter(SpawnStarter):
+    def __init__(self, peers, *args):
+        super().__init__(*args)
+        self.peers = peers
+    def command(self, fd):
+        launched.append(fd)
+        peer = self.peers[min(len(launched) - 1, len(self.peers) - 1)]
+        return [sys.executable, "-c", peer, str(fd)]
+
+def make_pool(peers, n):
+    supervisor = _pool._Supervisor()
+    supervisor._starter = FakeStarter(
+        peers, supervisor.manager, supervisor._started, supervisor._exited
     )
+    cpu = torch.device("cpu")
+    pool = _pool.WorkerPool(supervisor, cpu, n, DeviceLeases(cpu, n, None), "off", {})
+    supervisor.pools["cpu"] = pool
+    deadline = time.monotonic() + 60
+    while any(w is None for w in pool.workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return supervisor, pool
 
-cpu = torch.device("cpu")
-pool = WorkerPool(cpu, 1, LeaseServer(cpu, 1, None), "off", launch)
-bad = pool.workers[0]
+def wait_for(condition):
+    deadline = time.monotonic() + 60
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+supervisor, pool = make_pool([BAD, GOOD, DEAF], 3)
+bad, good, deaf = pool.workers
 served = bad.served.wait(60)
 print("bad served:", served, flush=True)
 if not served:
     os._exit(1)
 print("bad reason:", bad.exit_reason(), flush=True)
-good = WorkerProcess(pool, 1)
-print("good warm:", good.warm.wait(60) and good.is_warm, flush=True)
-pool.workers.append(good)
-pool.close()
+print("good warm:", wait_for(lambda: good.is_warm and deaf.is_warm), flush=True)
+# A message far larger than the pipe's buffer to a worker that does not read: the sender
+# returns at once, and the manager goes on serving the others.
+big = threading.Thread(target=deaf.send, args=(("begin", b"x" * (16 << 20)),), daemon=True)
+big.start()
+big.join(30)
+print("big send returned:", not big.is_alive(), flush=True)
+good.send(("end",))
+print("others served:", wait_for(lambda: good.ended_run), flush=True)
+supervisor.close()
+
+# A worker killed before it warms up, every time: started a few times, not without end.
+launched.clear()
+supervisor, pool = make_pool([DIES], 1)
+host = type("Host", (), {"payload": b""})()
+try:
+    pool.bind(host, 60)
+except RuntimeError as error:
+    print("bind:", error, flush=True)
+print("starts:", len(launched), flush=True)
+supervisor.close()
 os._exit(0)
 """
 
 
-def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still_served(
+def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_worker(
     tmp_path: Path,
 ) -> None:
-    # The pool's one pipe server must not spin on a malformed frame (a size of -4 once made it
-    # loop without end, and then no worker of the pool was served): the driver ends the
-    # worker that sent it, as a message it cannot read, and serves the others.
+    # The manager must not spin on a malformed frame (a size of -4 once made it loop without
+    # end, and then no worker of the pool was served): the driver ends the worker that sent
+    # it, as a message it cannot read, and serves the others. A send larger than the pipe's
+    # buffer to a worker that does not read never blocks the sender nor the manager. A worker
+    # killed before it warms up is started again a few times, then its slot is given up.
     done = subprocess.run(
         [sys.executable, "-c", _FAKE_WORKERS],
         capture_output=True,
@@ -243,3 +365,7 @@ def test_a_frame_header_no_message_has_ends_that_worker_and_the_others_are_still
     assert "bad served: True" in out, out + done.stderr
     assert "could not read" in out, out + done.stderr
     assert "good warm: True" in out, out + done.stderr
+    assert "big send returned: True" in out, out + done.stderr
+    assert "others served: True" in out, out + done.stderr
+    assert "bind: Every worker process of cpu died at start" in out, out + done.stderr
+    assert "starts: 3" in out, out + done.stderr

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -137,3 +138,57 @@ def test_a_dataloaders_persistent_workers_are_left_alone_while_its_trial_runs(
         epochs = trial.user_attrs["worker_pids"]
         assert len(epochs[0]) == 2 and epochs == [epochs[0]] * 3  # the same two, every epoch
     assert "child process(es) still running" not in worker_log.read_text()
+
+
+def _detaches_a_process(trial: optuna.trial.Trial) -> float:
+    if trial.number == 0:
+        # `setsid cmd &`: the shell exits at once, and the process is in a session of its own.
+        done = subprocess.run(
+            "setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $!",
+            shell=True,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        trial.set_user_attr("detached", int(done.stdout.strip()))
+        return 0.0
+    first = trial.study.get_trials(deepcopy=False)[0].user_attrs["detached"]
+    trial.set_user_attr("detached_alive", _alive(first))
+    return 0.0
+
+
+def test_a_process_the_trial_detached_is_ended_after_it_with_a_warning(worker_log: Path) -> None:
+    study = optuna.create_study()
+    detached = None
+    try:
+        with ww.WaterwaveExecutor(devices="cpu", trials_per_device=1, isolation="process") as ex:
+            ex.optimize(study, _detaches_a_process, n_trials=2)
+        detached = study.trials[0].user_attrs["detached"]
+        assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+        assert study.trials[1].user_attrs["detached_alive"] is False
+        # Named by its pid (and its name then: `setsid` until it has become `sleep`).
+        assert f"Trial 0 ended with 1 child process(es) still running: {detached} (" in (
+            worker_log.read_text()
+        )
+    finally:
+        if detached is not None and _alive(detached):  # without the fix: the test's own cleanup
+            psutil.Process(detached).kill()
+
+
+def _leaves_a_thread(trial: optuna.trial.Trial) -> float:
+    if trial.number == 0:
+        stop = threading.Event()
+        trial.study.set_user_attr("unused", 0)
+        threading.Thread(target=stop.wait, args=(600,), name="left-behind").start()
+    return 0.0
+
+
+def test_a_non_daemon_thread_the_trial_left_running_is_named_once(worker_log: Path) -> None:
+    study = optuna.create_study()
+    with ww.WaterwaveExecutor(devices="cpu", trials_per_device=1, isolation="process") as ex:
+        ex.optimize(study, _leaves_a_thread, n_trials=3)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    log = worker_log.read_text()
+    assert "Trial 0 ended with 1 non-daemon thread(s) still running: 'left-behind'" in log
+    assert "they end with the worker" in log
+    assert log.count("non-daemon thread") == 1  # named once, not after every later trial

@@ -1,5 +1,5 @@
 """Warm worker processes (``workers/_pool.py``): started once per executor, kept across
-``optimize`` calls and studies, ended by ``close()``; fresh interpreters that never run the
+``optimize`` calls and studies, ended by ``close()``; forked from a zygote that never ran the
 user's script; what is refused before any trial; the CUDA cases with the fakes."""
 
 from __future__ import annotations
@@ -122,11 +122,14 @@ def test_a_script_without_the_main_guard_runs_its_trials(tmp_path: Path) -> None
 def test_when_every_worker_dies_at_start_optimize_raises_with_its_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from waterwave_hpo.workers import _pool
+    from waterwave_hpo.workers import _starters
 
-    # A worker whose warm-up cannot import optuna (as a broken environment would).
-    broken = "import sys; sys.modules['optuna'] = None\n" + _pool._BOOT
-    monkeypatch.setattr(_pool, "_BOOT", broken)
+    # Workers that cannot import optuna (as a broken environment would): a new zygote
+    # template, and the fresh interpreters where it cannot serve.
+    for boot in ("_ZYGOTE_BOOT", "_SPAWN_BOOT"):
+        broken = "import sys; sys.modules['optuna'] = None\n" + getattr(_starters, boot)
+        monkeypatch.setattr(_starters, boot, broken)
+    monkeypatch.setattr(_starters, "_TEMPLATE", _starters._ZygoteTemplate())
     study = optuna.create_study()
     with ww.WaterwaveExecutor("cpu", 2, isolation="process") as executor:
         with pytest.raises(RuntimeError, match=r"died at start.*could not start.*optuna"):
@@ -189,30 +192,8 @@ def test_a_non_oom_error_on_cuda_probes_the_context_whatever_its_message(
     assert synchronised == []  # an OOM never poisons: no probe
 
 
-def test_a_trial_over_its_lease_fails_once_naming_the_lease_and_its_peak(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from waterwave_hpo.host import is_out_of_memory
-    from waterwave_hpo.workers._lease_service import LeaseServer
-    from waterwave_hpo.workers._lease_service import leased
-
-    FakeCuda().install(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: None)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 900)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 900)
-    server = LeaseServer(torch.device("cuda", 0), 2, budget_bytes=1000)
-
-    def greedy(trial: object) -> float:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
-
-    run = leased(greedy, lambda t, m, a: server.run(m, a), torch.device("cuda", 0), 1)
-    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
-        run(None)
-    assert is_out_of_memory(raised.value)  # still an OOM for on_oom
-    assert "lease of 500 bytes" in str(raised.value)
-    assert "peak: 900 bytes" in str(raised.value)
-    # Other workers' trials are not its neighbours: no re-run "with fewer neighbours".
+def test_on_cuda_other_workers_trials_are_not_a_trials_neighbours() -> None:
+    # Each trial runs in a lease of its own: no re-run "with fewer neighbours" on CUDA.
     from waterwave_hpo.workers._worker import _Worker
 
     worker = _Worker(SimpleNamespace(), "cuda:0", 0)
@@ -225,13 +206,12 @@ def test_the_default_lease_budget_leaves_a_context_per_worker(
 ) -> None:
     from waterwave_hpo.host import default_budget_bytes
     from waterwave_hpo.workers._lease_service import CONTEXT_RESERVE_BYTES
-    from waterwave_hpo.workers._lease_service import LeaseServer
+    from waterwave_hpo.workers._lease_service import DeviceLeases
 
     fake = FakeCuda(total_memory=80 << 30).install(monkeypatch)
-    four = LeaseServer(torch.device("cuda", 0), 4, None)
-    assert four.book is not None
+    four = DeviceLeases(torch.device("cuda", 0), 4, None)
     expected = default_budget_bytes(fake.total_memory) - 4 * CONTEXT_RESERVE_BYTES
-    assert four.book.budget_bytes == expected
+    assert four.budget_bytes == expected
 
 
 def test_mps_is_detected_from_its_pipe_or_nvidia_smi() -> None:
@@ -268,3 +248,20 @@ def test_without_mps_the_executor_says_once_that_processes_time_slice(
     lines = [r.getMessage() for r in caplog.records if "time-slices" in r.getMessage()]
     assert len(lines) == 1
     assert "never overlap" in lines[0] and "nvidia-cuda-mps-control -d" in lines[0]
+
+
+def test_workers_spawned_when_asked_run_the_trials_and_say_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from waterwave_hpo.workers import _starters
+
+    monkeypatch.setenv("WATERWAVE_WORKER_START", "spawn")
+    monkeypatch.setattr(_starters, "_said", __import__("threading").Event())
+    study = optuna.create_study()
+    with caplog.at_level("WARNING", logger="waterwave_hpo"):
+        with ww.WaterwaveExecutor("cpu", 1, isolation="process") as executor:
+            executor.optimize(study, _pid, n_trials=2)
+            executor.optimize(study, _pid, n_trials=1)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    said = [r.getMessage() for r in caplog.records if "fresh interpreters" in r.getMessage()]
+    assert len(said) == 1 and "WATERWAVE_WORKER_START=spawn" in said[0]

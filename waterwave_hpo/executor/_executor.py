@@ -151,26 +151,29 @@ class WaterwaveExecutor:
             flows between them). ``"process"``: each slot runs its trials in a worker process
             of its own, on the slot's device and its own stream, reaching the study through
             this process (which tells every outcome, runs the callbacks and writes the
-            heartbeats). The workers are fresh interpreters (the user's script is never run
-            in them, so no ``if __name__ == "__main__":`` guard is needed), started in
-            parallel on the first :meth:`optimize` and kept warm for the later ones, of any
-            study, until :meth:`close` (or the ``with`` block's end, the executor's garbage
-            collection, the interpreter's exit). A worker that dies (segmentation fault,
+            heartbeats). The workers are forked by the executor's own zygote, itself forked
+            from one interpreter per process that imported torch and this package and never
+            the user's script (so no ``if __name__ == "__main__":`` guard is needed), on the
+            first :meth:`optimize`, and kept warm for the later ones, of any study, until
+            :meth:`close` (or the ``with`` block's end, the executor's garbage collection, the
+            interpreter's exit); where fork cannot serve they are fresh interpreters, and the
+            executor says so once. A worker that dies (segmentation fault,
             ``abort()``, ``os._exit``, SIGKILL, the OOM killer) fails its trial alone, with
             the signal or exit code in the trial's ``waterwave:fail_reason`` system
-            attribute, and a new worker takes the slot at once; a
-            seeded trial gives the same result as alone, whatever its neighbours do. On CUDA
-            each trial holds a lease of the device's memory (``memory_budget_bytes`` or the
-            device's total less a reserve, split over ``trials_per_device``) and is bounded by
-            it; each worker's pipeline scheduler and memory plans get
+            attribute, and a new worker takes the slot at once, with what that worker
+            started; a seeded trial gives the same result as alone, whatever its neighbours
+            do. On CUDA each worker holds a lease of the device's memory
+            (``memory_budget_bytes`` or the device's total less a reserve, split over
+            ``trials_per_device``) and bounds each of its trials by it (the bytes the trial
+            allocates); each worker's pipeline scheduler and memory plans get
             ``memory_budget_bytes // trials_per_device``. The objective, the sampler, the
             pruner and ``catch`` are pickled (cloudpickle: closures, lambdas and functions of
-            the script run go by value); workers are fresh interpreters that never import
-            the user's script, so no ``if __name__ == "__main__":`` guard is needed.
-            ``trials_per_device="auto"`` is not supported with it. A worker takes about 550 MiB
-            of host memory: ``trials_per_device`` times the devices' workers must fit the host
-            memory available when the executor is made, and ``memory_budget_bytes`` must leave
-            each slot at least one byte; both are refused up front with the figures.
+            the script run go by value). ``trials_per_device="auto"`` is not supported with
+            it. A worker is counted at 550 MiB of host memory (a fresh interpreter's; a
+            forked worker shares most of it): ``trials_per_device`` times the devices' workers
+            must fit the host memory available when the executor is made, and
+            ``memory_budget_bytes`` must leave each slot at least one byte; both are refused up
+            front with the figures.
 
     Raises:
         ValueError: For an argument out of range or a device that does not exist; the message

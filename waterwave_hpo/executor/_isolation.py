@@ -14,8 +14,9 @@ class Isolation(str, enum.Enum):
     pool, memory flowing between trials, Waterwave's design); a crash in native code ends the
     whole study, and process-wide state (torch's random generator, ``os.environ``,
     frameworks' globals) is shared. ``PROCESS``: each slot runs its trials in a worker process
-    of its own (spawned, reused, replaced after a crash): a crash fails its trial alone, and a
-    seeded trial computes as it would alone; memory is leased per trial instead of flowing.
+    of its own (forked from the executor's zygote, reused, replaced after a crash): a crash
+    fails its trial alone, and a seeded trial computes as it would alone; memory is leased per
+    worker instead of flowing.
     """
 
     THREADS = "threads"

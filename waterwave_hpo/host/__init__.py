@@ -41,6 +41,7 @@ from waterwave_hpo.host._memory import default_budget_bytes
 from waterwave_hpo.host._memory import make_device_memory
 from waterwave_hpo.host._memory import trial_memory_stats
 from waterwave_hpo.host._oom import is_out_of_memory
+from waterwave_hpo.host._oom import mark_never_fits
 from waterwave_hpo.host._outcome import OnOOM
 from waterwave_hpo.host._outcome import OutcomeKind
 from waterwave_hpo.host._outcome import TrialJob
@@ -112,6 +113,7 @@ __all__ = [
     "is_batched",
     "is_out_of_memory",
     "make_device_memory",
+    "mark_never_fits",
     "on_trial_stream",
     "picklable_error",
     "plan_settings",

@@ -37,6 +37,7 @@ from waterwave_hpo.host._attrs import ATTR_SLOT
 from waterwave_hpo.host._backward import backward_in_this_thread
 from waterwave_hpo.host._forks import running_trial
 from waterwave_hpo.host._oom import is_out_of_memory
+from waterwave_hpo.host._oom import never_fits_reason
 from waterwave_hpo.host._outcome import OnOOM
 from waterwave_hpo.host._outcome import OutcomeKind
 from waterwave_hpo.host._outcome import TrialJob
@@ -362,7 +363,9 @@ def cannot_fit(
       process the trial's share of it);
     - the smallest peak any memory plan of its registered model reaches, against that budget;
     - the peak its pool account measured before it ran out, against the pool's capacity (the
-      device, or in a worker process its lease): it already held all it could get.
+      device, or in a worker process its lease): it already held all it could get;
+    - a bound its neighbours do not change (a worker process's lease), marked on the error
+      (:func:`~waterwave_hpo.host._oom.mark_never_fits`).
 
     Args:
         error: The attempt's error.
@@ -376,6 +379,9 @@ def cannot_fit(
     """
     if len(context.batch) > 1:
         return None  # a fused batch re-runs unfused, one trial each: a smaller need
+    never = never_fits_reason(error)
+    if never is not None:
+        return never
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, BudgetExceededError) and not cause.evicted:

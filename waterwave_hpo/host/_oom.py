@@ -17,6 +17,37 @@ _OOM_MESSAGES = ("cuda out of memory", "cuda error: out of memory", "out of memo
 _LIBRARY_ALLOC_FAILED = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
 
 
+_NEVER_FITS = "_waterwave_never_fits"
+
+
+def mark_never_fits(error: BaseException, reason: str) -> BaseException:
+    """Mark the out-of-memory ``error`` as one no re-run can cure, ``reason`` saying why.
+
+    For a bound that does not depend on the trial's neighbours (a worker process's lease):
+    the executor then fails the trial at once instead of re-running it with fewer neighbours.
+
+    Returns:
+        ``error`` itself.
+    """
+    setattr(error, _NEVER_FITS, reason)
+    return error
+
+
+def never_fits_reason(error: BaseException | None) -> str | None:
+    """Why no re-run of ``error``'s attempt can fit (:func:`mark_never_fits`), or ``None``.
+
+    The ``__cause__``/``__context__`` chain is followed.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        reason = getattr(error, _NEVER_FITS, None)
+        if isinstance(reason, str):
+            return reason
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or an exception it was raised from) is a device out-of-memory error.
 

@@ -1,7 +1,9 @@
 """What a worker takes from the driver's process so that a trial runs as it would there.
 
-A worker is a fresh interpreter: what the user's script set up at run time (logging levels and
-handlers, warning filters, ``multiprocessing``'s start method) is not there unless it is sent.
+A worker never ran the user's script (it is forked from a zygote that imported only torch,
+Optuna and this package, or a fresh interpreter): what the script set up at run time (logging
+levels and handlers, warning filters, ``multiprocessing``'s start method) is not there unless it
+is sent.
 :func:`capture` takes it in the driver when ``optimize`` starts; :meth:`WorkerEnvironment.apply`
 sets it in the worker before the objective is loaded.
 """
@@ -74,9 +76,8 @@ class WorkerEnvironment:
         capture_warnings: ``logging.captureWarnings(True)`` is in effect.
         start_method: The start method of the worker's own processes (``DataLoader``
             workers, ``multiprocessing.Pool``): the driver's, and ``"fork"`` (where there is
-            one) if the driver chose none. A worker is started with ``spawn`` (a clean
-            interpreter: no CUDA context, no lock held by another thread), which ``multiprocessing``
-            would otherwise pass down as the worker's default: each ``DataLoader`` worker would
+            one) if the driver chose none. A spawned worker (where the zygote cannot serve) would
+            otherwise pass ``spawn`` down as its own default: each ``DataLoader`` worker would
             then start an interpreter, import torch and the user's script, every epoch (seconds
             where a fork takes milliseconds), and could not load a dataset class that came to the
             worker by value.

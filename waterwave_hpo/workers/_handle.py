@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 import logging
-import time
 from typing import Any
 
 from optuna.trial import TrialState
@@ -44,9 +43,11 @@ from waterwave_hpo.host import TrialRecord
 from waterwave_hpo.host import fail_trial
 from waterwave_hpo.host import tell_record
 from waterwave_hpo.relay import StorageService
+from waterwave_hpo.workers import _pool
 from waterwave_hpo.workers._pool import EXIT_WAIT_S
 from waterwave_hpo.workers._pool import WorkerPool
 from waterwave_hpo.workers._pool import WorkerProcess
+from waterwave_hpo.workers._worker import dumps
 
 _logger = logging.getLogger("waterwave_hpo")
 _REASON_MAX_CHARS = 500
@@ -61,20 +62,20 @@ class WorkerSlot:
         self.job: TrialJob | None = None  # owned by the run loop's thread
 
     @property
-    def worker(self) -> WorkerProcess:
+    def worker(self) -> WorkerProcess | None:
         """The slot's worker now (a new one after a crash)."""
         return self.host.pool.workers[self.index]
 
     def interrupt(self) -> None:
         """End this slot's worker (Ctrl+C); the run loop has told its trial FAIL."""
-        self.worker.kill()
+        self.host.pool.interrupt(self.index)
 
 
 class ProcessHostHandle(SlotTable[WorkerSlot]):
     """A device host whose slots run their trials in warm worker processes (process isolation).
 
     Only the run loop's thread calls :meth:`idle_slot`, :meth:`submit`, :meth:`running_jobs`
-    and :meth:`shutdown`; each worker's pipe thread tells the study and reports outcomes.
+    and :meth:`shutdown`; each slot's lane tells the study and reports outcomes.
 
     Args:
         pool: The device's warm workers (one per slot).
@@ -85,7 +86,8 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
 
     Raises:
         RuntimeError: If no worker could start the run (each died, or could not load the
-            objective): the first worker's error, before any trial is asked; or if this
+            objective): the first worker's error, before any trial is asked; if a worker
+            neither answered nor died within ``_pool.ANSWER_TIMEOUT_S`` seconds; or if this
             thread's own run holds the pool's workers already (:meth:`WorkerPool.take`).
 
     Another ``optimize`` call holding the pool's workers (another thread) is waited for.
@@ -115,39 +117,22 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         self._shut_down = False
         pool.take()  # given back by shutdown()
         try:
-            pool.wait_warm()
+            pool.bind(self, _pool.ANSWER_TIMEOUT_S)
         except BaseException:
             self.shutdown(EXIT_WAIT_S)
             raise
-        workers = [pool.worker(index) for index in range(pool.n_workers)]
-        for worker in workers:
-            worker.attach(self)
-        for worker in workers:
-            worker.answered.wait()
-        if not any(worker.ready for worker in workers):
-            self.shutdown(EXIT_WAIT_S)
-            first = workers[0]
-            error = first.setup_error or first.fatal_setup_error
-            raise RuntimeError(
-                f"No worker process of {self.device} could start this run "
-                f"(isolation='process'): {first.exit_reason()}"
-            ) from error
 
     def idle_slot(self) -> WorkerSlot | None:
         """A slot whose last job has been handled, or ``None``."""
         return self.first_idle()
 
     def submit(self, slot: WorkerSlot, job: TrialJob) -> None:
-        """Hand ``job`` to ``slot``'s worker, starting a new worker if it has none alive."""
+        """Hand ``job`` to ``slot``'s worker (its successor, if it is being replaced)."""
         assert slot.job is None, "submit() to a busy slot"
         slot.job = job
         frozen = self._bookkeeping(slot, job)
-        while True:  # again only if the worker died before the job reached it
-            worker = self.pool.worker(slot.index)
-            if worker.host is not self:
-                worker.attach(self)
-            if worker.run(job, frozen):
-                return
+        # The trials apart from the message: a value the worker cannot load fails them there.
+        self.pool.submit(slot.index, self, job, dumps(frozen))
 
     def _bookkeeping(self, slot: WorkerSlot, job: TrialJob) -> list[Any]:
         """Write where the job runs (as the worker's run path would) and read its trials.
@@ -186,29 +171,29 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         self._shut_down = True
         self.active = False
         try:
-            workers = [w for w in self.pool.workers if w.host is self]
-            for worker in workers:
-                worker.detach()
-            deadline = time.monotonic() + timeout_s
-            for worker in workers:
-                if not worker.ended_run.wait(max(0.0, deadline - time.monotonic())):
-                    worker.kill()
-            for worker in workers:
-                if worker.host is self:
-                    worker.host = None
+            self.pool.unbind(self, timeout_s)
         finally:
             self.pool.give_back()  # the next optimize call may take the workers
 
-    # -- the pipes' threads ---------------------------------------------------------------
+    # -- the slots' lanes -----------------------------------------------------------------
 
     def records(
-        self, worker: WorkerProcess, records: list[TrialRecord], snapshot: HostSnapshot
+        self,
+        worker: WorkerProcess,
+        records: list[tuple[TrialJob | None, TrialRecord]],
+        snapshot: HostSnapshot,
     ) -> None:
-        """Tell the study how the worker's attempts ended; report their outcomes."""
+        """Tell the study how the worker's attempts ended; report their outcomes.
+
+        Args:
+            worker: The worker that ran them.
+            records: Each record with the member of the worker's job it is of (``None``: the
+                worker reported a trial it was not running).
+            snapshot: The worker's host as the records left it.
+        """
         if snapshot.stop_requested:
             _optuna_compat.request_stop(self.settings.study)
-        for record in records:
-            job = worker.take_record(record.number)
+        for job, record in records:
             if job is None:
                 _logger.error(
                     "Worker %s reported trial %d, which it was not running.",
@@ -287,8 +272,6 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         """Run one call a worker made: ``(True, result)`` or ``(False, exception)``."""
         if target == "storage":
             return self.service.run(method, args)
-        if target == "lease":
-            return self.leases.run(method, args)
         if target == "neighbours":
             return True, self.running_beside(worker)
         return False, PermissionError(f"A worker may not call {target}.{method}.")
@@ -302,5 +285,9 @@ class ProcessHostHandle(SlotTable[WorkerSlot]):
         return sum(
             1
             for other in self.pool.workers
-            if other is not worker and other.host is self and not other.dead and other.unrecorded
+            if other is not None
+            and other is not worker
+            and other.host is self
+            and not other.dead
+            and other.unrecorded
         )

@@ -1,11 +1,12 @@
 """What a worker process starts from: the objective and the run's settings, pickled by value.
 
-Worker processes are spawned (a fresh interpreter: no CUDA context, no lock, no thread inherited
-from the driver), so everything they run crosses as bytes. ``cloudpickle`` carries closures,
-lambdas and functions defined in ``__main__`` or a notebook by value; a function of an
-importable module goes by reference and is imported in the worker. What cannot be pickled (an
-objective holding a lock, an open file, a database connection) is refused before any trial is
-asked, naming the fix.
+Worker processes never run the user's script (they are forked from a zygote that imported only
+torch, Optuna and this package, or spawned as fresh interpreters: no CUDA context, no lock, no
+thread inherited from the driver), so everything they run crosses as bytes. ``cloudpickle``
+carries closures, lambdas and functions defined in ``__main__`` or a notebook by value; a
+function of an importable module goes by reference and is imported in the worker. What cannot
+be pickled (an objective holding a lock, an open file, a database connection) is refused before
+any trial is asked, naming the fix.
 """
 
 from __future__ import annotations

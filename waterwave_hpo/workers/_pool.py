@@ -1,100 +1,81 @@
 """Warm worker processes: started once per executor and device, kept across ``optimize`` calls.
 
-A :class:`WorkerPool` holds one device's K worker processes (``_worker.py``). They start in
-parallel, each a fresh interpreter (``python -c``: never the user's script, so a script without
-``if __name__ == "__main__":`` works), and warm up once: torch, the library, on CUDA the
-device's context and the stream-aware pool. Each ``optimize`` call then binds them to its
+A :class:`WorkerPool` holds one device's K worker processes (``_worker.py``), forked by the
+executor's zygote (``_zygote.py``, ``_starters.py``: milliseconds per worker; fresh
+interpreters where fork cannot serve). Each ``optimize`` call binds them to its
 :class:`~waterwave_hpo.workers._handle.ProcessHostHandle` (a ``begin`` message: the run's
 pickled objective and settings; the worker opens the study through the relay) and unbinds them
 when it ends (``end``); the processes stay, so the next call, of the same study or another,
-starts its first trial at once. One call holds them at a time (:meth:`WorkerPool.take`): a
-call from a second thread waits for the first to end; nothing of a run (its ``study.stop()``)
-reaches the next. A worker that dies is replaced at once, ahead of the slot's next trial.
-:class:`WorkerPools` (one per executor) ends them all on ``close()``, when the executor is
-garbage-collected, or at interpreter exit.
+starts its first trial at once. One call holds them at a time (:meth:`WorkerPool.take`): a call
+from a second thread waits for the first to end; nothing of a run (its ``study.stop()``)
+reaches the next. A worker that dies is replaced at once by a new fork, ahead of the slot's
+next trial. :class:`WorkerPools` (one per executor) ends them all on ``close()``, when the
+executor is garbage-collected, or at interpreter exit.
 
-The driver's side of one worker is a :class:`WorkerProcess`: the process and its pipe. One
-thread per pool, its :class:`PipeServer`, serves every worker's pipe from one selector (the
-study's storage calls, through the bound run's :class:`~waterwave_hpo.relay.StorageService`;
-memory-lease calls, through the device's
-:class:`~waterwave_hpo.workers._lease_service.LeaseServer`; the records of finished attempts,
-told to the study by the bound run) and notices each worker's death: one thread waking for
-whichever worker wrote, instead of a thread per worker each taking the GIL in turn.
+One owner for each worker's life: the executor's
+:class:`~waterwave_hpo.workers._manager.WorkerManager` thread creates, attaches, replaces and
+ends the workers, serves their pipes and the zygote's socket from one selector, and never
+blocks (sends wait in a worker's outbox until its pipe takes them). What may take long runs in
+the slot's :class:`~waterwave_hpo.workers._manager.Lane`, in order: the study's storage calls
+(through the bound run's :class:`~waterwave_hpo.relay.StorageService`), the writes a worker
+posted, and telling the study how its trials ended. The run loop's thread hands a slot its job
+(:meth:`WorkerPool.submit`, non-blocking) and waits for a run's start and end with deadlines.
+The driver's side of one worker is a :class:`WorkerProcess`: its pipe, its outbox and what it
+runs, changed under its pool's lock.
 """
 
 from __future__ import annotations
 
 import collections
-from concurrent.futures import ThreadPoolExecutor
 import contextlib
-import functools
 import logging
-import multiprocessing.connection
-import os
-from pathlib import Path
 import pickle
-import select
-import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 from typing import Any
 import weakref
 
 import torch
 
-from waterwave_hpo.relay import sendable
 from waterwave_hpo.workers._lease_service import CONTEXT_RESERVE_BYTES
-from waterwave_hpo.workers._lease_service import LeaseServer
+from waterwave_hpo.workers._lease_service import DeviceLeases
+from waterwave_hpo.workers._manager import Lane
+from waterwave_hpo.workers._manager import WorkerManager
 from waterwave_hpo.workers._mps import detect_mps
 from waterwave_hpo.workers._mps import pinned_memory_limit
 from waterwave_hpo.workers._mps import say_how_workers_share
+from waterwave_hpo.workers._starters import ZYGOTE_RESTARTS
+from waterwave_hpo.workers._starters import SpawnStarter
+from waterwave_hpo.workers._starters import Starter
+from waterwave_hpo.workers._starters import ZygoteStarter
+from waterwave_hpo.workers._starters import say_spawned_once
+from waterwave_hpo.workers._starters import spawn_reason
+from waterwave_hpo.workers._starters import worker_environment
 from waterwave_hpo.workers._worker import dumps
+from waterwave_hpo.workers._zygote import WORKER_MARK
 
 if TYPE_CHECKING:
     from waterwave_hpo.host import TrialJob
     from waterwave_hpo.workers._handle import ProcessHostHandle
 
+__all__ = ["EXIT_WAIT_S", "WORKER_MARK", "WorkerPool", "WorkerPools", "WorkerProcess"]
+
 _logger = logging.getLogger("waterwave_hpo")
-EXIT_WAIT_S = 5.0  # how long a worker whose pipe closed may take to be reaped
-_DEATH_POLL_S = 1.0  # without a pidfd: how often the pipe server checks that workers live
+EXIT_WAIT_S = 5.0  # how long an ended or killed worker may take to be reaped
+ANSWER_TIMEOUT_S = 600.0
+"""How long a run waits for its workers to warm up and open the run (a fresh interpreter on a
+loaded machine, a CUDA context, an objective whose module imports a framework): past it the run
+raises instead of waiting for a hung worker."""
 _READ_BYTES = 1 << 16  # read at once from a worker's pipe (whole messages are dispatched)
+_READS_PER_EVENT = 16  # then the other workers' pipes get their turn
 _STOP_WAIT_S = 5.0
-_START_TRIES = 100  # a worker killed (SIGKILL) while it warms up is started again
-# The package's parent directory: the worker imports waterwave_hpo from there before it learns
-# the driver's sys.path (an editable or a source checkout need not be on the default path).
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-# If the library itself cannot be imported, the worker still tells the driver why.
-_BOOT = """
-import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)
-import sys; sys.path.insert(0, {root!r})
-try:
-    from waterwave_hpo.workers._worker import worker_main
-except BaseException as error:
-    import os, pickle
-    from multiprocessing.connection import Connection
-    conn = Connection(int(sys.argv[1]))
-    conn.recv_bytes()
-    why = RuntimeError(
-        f"The worker process {{os.getpid()}} could not start: it could not import "
-        f"waterwave_hpo: {{type(error).__name__}}: {{error}}"
-    )
-    conn.send_bytes(pickle.dumps(("setup_error", why, True)))
-    raise
-worker_main(int(sys.argv[1]), int(sys.argv[2]))
-"""
-WORKER_MARK = "waterwave_hpo.workers._worker"
-"""A string in every worker process's command line (to find them, e.g. with psutil)."""
-
-
-def _trial_id(job: TrialJob) -> int:
-    from waterwave_hpo import _optuna_compat
-
-    return _optuna_compat.trial_id(job.trial)
+_START_TRIES = 3  # a worker killed from outside while it warms up is started again, up to this
+_CALL_WAIT_S = 60.0  # the most a thread waits for the manager to run its call
 
 
 def exit_reason(exitcode: int | None, pid: int | None) -> str:
@@ -107,7 +88,7 @@ def exit_reason(exitcode: int | None, pid: int | None) -> str:
     """
     where = f"its worker process (pid {pid}) died"
     if exitcode is None:
-        return f"{where}: its pipe closed and it did not exit within {EXIT_WAIT_S:g} s"
+        return f"{where}: its exit status is unknown"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -119,347 +100,11 @@ def exit_reason(exitcode: int | None, pid: int | None) -> str:
     return f"{where}: exit code {exitcode}"
 
 
-def _pidfd(pid: int | None) -> int | None:
-    """A file descriptor readable once process ``pid`` has ended (Linux 5.3+), or ``None``."""
-    if pid is None or not hasattr(os, "pidfd_open"):
-        return None
-    try:
-        return int(os.pidfd_open(pid))
-    except OSError:
-        return None
-
-
-class WorkerProcess:
-    """One worker process and its pipe (served by its pool's :class:`PipeServer`).
-
-    Its life: started (:meth:`__init__` returns at once), warm (``warm``), bound to one run at a
-    time (:meth:`attach` ... :meth:`detach`), stopped by its pool or dead. Only the run loop's
-    thread calls :meth:`attach`, :meth:`run` and :meth:`detach`.
-    """
-
-    def __init__(self, pool: WorkerPool, index: int) -> None:
-        self.pool = pool
-        self.index = index
-        ours, theirs = socket.socketpair()
-        with theirs:
-            self.process = pool.launch(theirs.fileno())
-        self.conn = multiprocessing.connection.Connection(ours.detach())
-        self.pid = self.process.pid
-        self.host: ProcessHostHandle | None = None  # the run it is bound to
-        self.warm = threading.Event()  # warmed up, or dead
-        self.is_warm = False
-        self.answered = threading.Event()  # the bound run's begin answered, or dead
-        self.ready = False  # the bound run's study is open here
-        self.setup_error: BaseException | None = None
-        self.fatal_setup_error: BaseException | None = None  # it could not warm up
-        self.ended_run = threading.Event()
-        self.driver_reason: str | None = None  # why the driver ended the worker, if it did
-        self.job: TrialJob | None = None
-        self.unrecorded: list[TrialJob] = []  # members of self.job whose record has not come
-        self.interrupted = False
-        self.stopping = False
-        self.dead = False
-        # Errors the storage raised for the running job's posted writes, by trial id: the
-        # trial fails with it when its record comes (as if the objective had raised it).
-        self.write_errors: dict[int, tuple[str, BaseException]] = {}
-        self.counts: collections.Counter[str] = collections.Counter()
-        """What crossed the pipe: messages by kind, both ways (``"to:submit"``,
-        ``"from:records"``, ``"from:post"``: the messages inside a batch count too),
-        ``"sent"`` and ``"received"`` (messages as sent, a batch once), ``"from:call"``
-        (calls the worker waited on) and ``"from:flush"`` (batches of posted writes alone: the
-        worker's periodic flush, every 0.1 s). Diagnostics (the tests count a trial's cost
-        with it)."""
-        self._send_lock = threading.Lock()
-        self._lock = threading.Lock()
-        # Held across an attach's begin (never by the pipe server): a second attach to the run
-        # returns only once the first one's begin is sent, so a submit never overtakes it.
-        self._attach_lock = threading.Lock()
-        # Read by the pool's PipeServer only: bytes of messages not whole yet, the pid's fd.
-        self._received = bytearray()
-        self._pidfd = _pidfd(self.pid)
-        self._unreadable = False  # it sent a message the driver could not read: ignored now
-        self._ending = False  # the server has seen it end
-        self.served = threading.Event()  # the server is done with it (it ended, all reported)
-        self.send(
-            (
-                "init",
-                list(sys.path),
-                str(pool.device),
-                index,
-                pool.torch_threads,
-                pool.memory_pool,
-            )
-        )
-        pool.server.add(self)
-
-    # -- the run loop's thread ------------------------------------------------------------
-
-    def attach(self, host: ProcessHostHandle) -> None:
-        """Bind the worker to ``host``'s run: it opens the run's study (``begin``).
-
-        Once per run: the slot's next submit and the death handler's replacement may both
-        attach a new worker to the same run, and a second ``begin`` would open the run again in
-        the worker (a second study and, on CUDA, a second stream, kept until the run ends).
-        """
-        with self._attach_lock:
-            with self._lock:
-                if self.host is host:
-                    return
-                self.host = host
-                self.ready = False
-                self.setup_error = None
-                self.answered.clear()
-                self.ended_run.clear()
-                dead = self.dead
-            if dead:
-                self.answered.set()
-                return
-            self.send(("begin", host.payload))
-
-    def detach(self) -> None:
-        """Ask the worker to end the bound run (its host shuts down); it stays warm."""
-        with self._lock:
-            if self.dead or self.host is None:
-                self.ended_run.set()
-                return
-        self.send(("end",))
-
-    def run(self, job: TrialJob, frozen: list[Any]) -> bool:
-        """Send ``job`` (its trials as the driver's storage holds them: ``frozen``).
-
-        Returns:
-            ``False`` if the worker has died (the driver has seen it end, and failed what it
-            ran before): nothing was sent; the slot's next worker takes the job. A worker whose
-            bound run could not begin fails the job at once with its error (it would drop it).
-        """
-        from waterwave_hpo import _optuna_compat
-
-        members = [(_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()]
-        cap = None if job.planning is None else job.planning.cap_bytes
-        with self._lock:
-            # Checked with the job taken in one step: _ended (the death) and the setup_error
-            # (the run's begin failed) take what is unrecorded under this lock; seen here
-            # instead, no one else would end the job.
-            if self.dead:
-                return False
-            setup_error, host = self.setup_error, self.host
-            if setup_error is None:
-                self.job = job
-                self.unrecorded = list(job.members())
-                self.interrupted = False
-                self.write_errors.clear()
-        if setup_error is not None:
-            if host is not None:
-                host.lost(list(job.members()), setup_error, None)
-            return True
-        self.send(("submit", members, bool(job.batch), cap, frozen))
-        return True
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        """Send ``message``; never raises (a dead worker: its pipe thread reports)."""
-        with contextlib.suppress(Exception), self._send_lock:
-            self.counts["to:" + message[0]] += 1
-            self.counts["sent"] += 1
-            self.conn.send_bytes(dumps(message))
-
-    def kill(self) -> None:
-        """End the worker now (SIGKILL); its running trial has been told FAIL."""
-        with self._lock:
-            self.interrupted = True
-        with contextlib.suppress(Exception):
-            self.process.kill()
-
-    def stop(self) -> None:
-        """Ask the worker to exit (it is idle); :meth:`join` waits for it."""
-        with self._lock:
-            self.stopping = True
-        self.send(("stop",))
-
-    def join(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` seconds for the worker to exit, then kill it."""
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(Exception):
-                self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=EXIT_WAIT_S)
-        self.served.wait(timeout=EXIT_WAIT_S)
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-    # -- the pool's pipe server's thread -------------------------------------------------
-
-    def receive(self) -> bool:
-        """Read what the pipe holds now; dispatch each whole message. ``False``: it has closed.
-
-        Called when the pipe is readable (one read, which does not wait). A message that
-        cannot be read makes the worker unusable: the driver ends it (its death is noticed as
-        any other), and ignores what it sends meanwhile.
-        """
-        try:
-            data = os.read(self.conn.fileno(), _READ_BYTES)
-        except OSError:
-            return False
-        if not data:
-            return False
-        if self._unreadable:
-            return True
-        self._received += data
-        try:
-            frames = _whole_frames(self._received)
-        except ValueError as error:  # a header no message has: the stream is lost
-            self._cannot_read(error)
-            return True
-        for frame in frames:
-            try:
-                message = pickle.loads(frame)
-                self.counts["received"] += 1
-                self._dispatch(message)
-            except Exception as error:  # a message that cannot be read or served
-                self._cannot_read(error)
-                return True
-        return True
-
-    def receive_rest(self) -> None:
-        """Read and dispatch what it sent before it ended, without waiting.
-
-        Nothing here waits for more: a process the worker forked may hold the pipe open long
-        after the worker died.
-        """
-        poller = select.poll()
-        poller.register(self.conn.fileno(), select.POLLIN)
-        with contextlib.suppress(Exception):
-            while poller.poll(0) and self.receive():
-                pass
-
-    def _cannot_read(self, error: BaseException) -> None:
-        _logger.error("Worker %s sent a message that cannot be read: %r", self.pid, error)
-        self._unreadable = True
-        self._received.clear()
-        self.driver_reason = (
-            f"its worker process (pid {self.pid}) sent a message the driver "
-            f"could not read: {type(error).__name__}: {error}; the driver ended the worker"
-        )
-        with contextlib.suppress(Exception):
-            self.process.kill()
-
-    def _dispatch(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        self.counts["from:" + kind] += 1
-        if kind == "batch":  # posted writes, then (maybe) the message that followed them
-            inner = [pickle.loads(data) for data in message[1]]
-            if inner and inner[-1][0] == "post":  # the worker's periodic flush
-                self.counts["from:flush"] += 1
-            for each in inner:
-                self._dispatch(each)
-        elif kind == "post":
-            _, target, method, args = message
-            ok, payload = self._serve_call(target, method, args)
-            if not ok:
-                self._write_failed(method, args, payload)
-        elif kind == "call":
-            _, call_id, target, method, args = message
-            ok, payload = self._serve_call(target, method, args)
-            self.send(("answer", call_id, *sendable(ok, payload, dumps)))
-        elif kind == "records":
-            _, records, snapshot, retire = message
-            if retire:  # before the outcomes: the slot's next job must go to a new worker
-                with self._lock:
-                    self.dead = True
-            host = self.host
-            if host is not None:
-                host.records(self, records, snapshot)
-        elif kind == "warm":
-            self.is_warm = True
-            self.warm.set()
-        elif kind == "ready":
-            self.ready = True
-            self.answered.set()
-        elif kind == "setup_error":
-            _, error, fatal = message
-            if fatal:
-                self.fatal_setup_error = error
-            else:
-                host = self.host
-                with self._lock:  # with the job taken, as run() reads them (see there)
-                    self.setup_error = error
-                    lost, self.unrecorded = self.unrecorded, []
-                if host is not None and lost:
-                    host.lost(lost, error, None)
-                self.answered.set()
-        elif kind == "ended":
-            self.ended_run.set()
-
-    def _serve_call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
-        host = self.host
-        if target == "lease":
-            return self.pool.leases.run(method, args)
-        if host is not None:
-            return host.serve_call(self, target, method, args)
-        return False, ConnectionError("The run this worker served has ended.")
-
-    def _write_failed(self, method: str, args: tuple[Any, ...], error: BaseException) -> None:
-        """A posted write failed: its trial fails with ``error`` when its record comes.
-
-        Only the first error of a trial is kept (the objective would have stopped there).
-        A write to a trial the worker no longer runs (the driver failed it: Ctrl+C) is dropped.
-        """
-        trial_id = args[0] if args else None
-        with self._lock:
-            if not isinstance(trial_id, int) or trial_id in self.write_errors:
-                return
-            if not any(_trial_id(m) == trial_id for m in self.unrecorded):
-                return
-            self.write_errors[trial_id] = (method, error)
-
-    def take_write_error(self, trial_id: int) -> tuple[str, BaseException] | None:
-        """The failed posted write of trial ``trial_id`` (its method and error), once."""
-        with self._lock:
-            return self.write_errors.pop(trial_id, None)
-
-    def take_record(self, number: int) -> TrialJob | None:
-        """The member of the running job numbered ``number`` (once), or ``None``."""
-        with self._lock:
-            job = next((m for m in self.unrecorded if m.trial.number == number), None)
-            if job is not None:
-                self.unrecorded.remove(job)
-        return job
-
-    def _ended(self) -> None:
-        """The worker exited. Fail (or, after Ctrl+C, drop) what it ran; replace it."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=EXIT_WAIT_S)
-        self.pool.leases.holder_died(self.pid)
-        with self._lock:
-            self.dead = True
-            lost, self.unrecorded = self.unrecorded, []
-            interrupted = self.interrupted
-            host = self.host
-        self.warm.set()
-        self.answered.set()
-        self.ended_run.set()
-        self.served.set()
-        if host is not None and lost:
-            if interrupted:
-                host.lost(lost, None, None)
-            else:
-                error = self.fatal_setup_error
-                if error is not None:
-                    reason = f"waterwave-hpo could not start the worker process: {error}"
-                elif self.driver_reason is not None:
-                    reason = self.driver_reason
-                else:
-                    reason = exit_reason(self.process.returncode, self.pid)
-                host.lost(lost, error, reason)
-        self.pool.replace(self)
-
-    def exit_reason(self) -> str:
-        """Why it could not serve: its start-up error, or how it died."""
-        error = self.fatal_setup_error or self.setup_error
-        if error is not None:
-            return str(error)
-        return self.driver_reason or exit_reason(self.process.returncode, self.pid)
+def _frame(data: bytes) -> bytes:
+    """``data`` with ``Connection.send_bytes``' header (the worker reads with ``recv_bytes``)."""
+    if len(data) > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, len(data)) + data
+    return struct.pack("!i", len(data)) + data
 
 
 def _whole_frames(buffer: bytearray) -> list[bytes]:
@@ -494,154 +139,265 @@ def _whole_frames(buffer: bytearray) -> list[bytes]:
     return frames
 
 
-class PipeServer:
-    """One thread that serves the pipes of a pool's workers, all from one selector.
+def _trial_id(job: TrialJob) -> int:
+    from waterwave_hpo import _optuna_compat
 
-    It reads whatever a worker sent (a storage call, posted writes, records), serves it in
-    order (:meth:`WorkerProcess.receive`) and notices each worker's end: its pid's file
-    descriptor (Linux 5.3+), else a look every ``_DEATH_POLL_S`` seconds. What follows an end
-    (failing the trial the worker ran, starting its successor, which may wait seconds to send
-    it the run) happens in a thread of its own, so the other workers are not kept waiting.
+    return _optuna_compat.trial_id(job.trial)
 
-    Args:
-        name: The thread's name.
+
+class WorkerProcess:
+    """The driver's side of one worker process: its pipe, its outbox, what it runs.
+
+    Its life: started (by the pool's manager; ``pid`` once it runs), warm, bound to one run at
+    a time (``host``: ``begin`` ... ``end``), dead. Its fields change under its pool's lock
+    (the pool's condition is notified); :meth:`send` may be called from any thread and never
+    blocks.
     """
 
-    def __init__(self, name: str) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
-        self._lock = threading.Lock()
-        self._added: list[WorkerProcess] = []
-        self._stopping = False
-        self._polled: list[WorkerProcess] = []  # served workers without a pid fd
-        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self.thread.start()
+    def __init__(self, pool: WorkerPool, index: int, starter: Starter) -> None:
+        self.pool = pool
+        self.index = index
+        self.starter = starter
+        self.sock, theirs = socket.socketpair()
+        self._theirs: socket.socket | None = theirs
+        self.sock.setblocking(False)
+        self.pid: int | None = None
+        self.tag: Any = None  # the starter's
+        self.host: ProcessHostHandle | None = None  # the run it is bound to
+        self.is_warm = False
+        self.answered = False  # the bound run's begin was answered
+        self.ready = False  # the bound run's study is open here
+        self.ended_run = False  # the bound run's end was answered
+        self.setup_error: BaseException | None = None  # the bound run could not begin here
+        self.fatal_setup_error: BaseException | None = None  # it could not warm up
+        self.start_failure: str | None = None  # the starter could not start it
+        self.driver_reason: str | None = None  # why the driver ended the worker, if it did
+        self.returncode: int | None = None
+        self.dead = False
+        self.retiring = False  # it exits after its record (its CUDA context may be poisoned)
+        self.stopping = False
+        self.interrupted = False
+        self.doomed = False  # the driver killed it (or will, once it runs)
+        self.job: TrialJob | None = None
+        self.unrecorded: list[TrialJob] = []  # members of self.job whose record has not come
+        # Errors the storage raised for the running job's posted writes, by trial id: the
+        # trial fails with it when its record comes (as if the objective had raised it).
+        # The slot's lane alone reads and writes it.
+        self.write_errors: dict[int, tuple[str, BaseException]] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+        """What crossed the pipe: messages by kind, both ways (``"to:submit"``,
+        ``"from:records"``, ``"from:post"``: the messages inside a batch count too),
+        ``"sent"`` and ``"received"`` (messages as sent, a batch once), ``"from:call"``
+        (calls the worker waited on) and ``"from:flush"`` (batches of posted writes alone: the
+        worker's periodic flush, every 0.1 s). Diagnostics (the tests count a trial's cost
+        with it)."""
+        self.served = threading.Event()  # its end is handled: what it ran is failed or dropped
+        self._outbox = bytearray()
+        self._out_lock = threading.Lock()
+        self._closed = False
+        self._received = bytearray()  # the manager's: bytes of messages not whole yet
+        self._unreadable = False  # it sent a message the driver could not read: ignored now
 
-    def add(self, worker: WorkerProcess) -> None:
-        """Serve ``worker``'s pipe from now on (until it ends)."""
-        with self._lock:
-            self._added.append(worker)
-        self._wake()
+    def take_theirs(self) -> socket.socket:
+        """The worker's end of the pipe, for its starter (once)."""
+        theirs, self._theirs = self._theirs, None
+        assert theirs is not None
+        return theirs
 
-    def stop(self) -> None:
-        """End the thread (every worker has ended). Idempotent."""
-        with self._lock:
-            if self._stopping:
+    def exit_reason(self) -> str:
+        """Why it could not serve: its start-up error, or how it died."""
+        error = self.fatal_setup_error or self.setup_error
+        if error is not None:
+            return str(error)
+        if self.start_failure is not None:
+            return f"its worker process could not start: {self.start_failure}"
+        return self.driver_reason or exit_reason(self.returncode, self.pid)
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` without blocking; never raises (a dead worker: its end reports).
+
+        What the pipe cannot take now waits in the outbox; the manager sends it when the pipe
+        is writable, in order.
+        """
+        data = _frame(dumps(message))
+        with self._out_lock:
+            self.counts["to:" + message[0]] += 1
+            self.counts["sent"] += 1
+            if self._closed:
                 return
-            self._stopping = True
-        self._wake()
-        self.thread.join(timeout=EXIT_WAIT_S)
-        if not self.thread.is_alive():
-            self._selector.close()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_write, b"!")
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                if not self._serve_ready():
+            if not self._outbox:
+                try:
+                    sent = self.sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
                     return
-            except Exception:  # the driver's own bug: say so, keep serving the others
-                _logger.exception("The pipe server of the worker processes failed")
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            self._outbox += data
+        manager = self.pool.manager
+        if manager.in_thread():
+            manager.want_write(self.sock, True)
+        else:
+            manager.call(lambda: manager.want_write(self.sock, True))
 
-    def _serve_ready(self) -> bool:
-        """Serve what is ready (waiting up to ``_DEATH_POLL_S`` s); ``False`` once stopped."""
-        for key, _ in self._selector.select(timeout=_DEATH_POLL_S):
-            if key.data is None:
-                if not self._take_added():
-                    return False
-                continue
-            worker, is_pidfd = key.data
-            if worker._ending:
-                continue  # ended already (its pipe and its pid were both ready)
-            if is_pidfd or not worker.receive():
-                self._end(worker)
-        for worker in list(self._polled):
-            if not worker._ending and worker.process.poll() is not None:
-                self._end(worker)
+    # -- the manager's thread -----------------------------------------------------------------
+
+    def on_events(self, readable: bool, writable: bool) -> None:
+        """The selector's events of its pipe."""
+        if writable:
+            self._flush()
+        if readable:
+            for _ in range(_READS_PER_EVENT):
+                if not self._receive_once():
+                    break
+
+    def _flush(self) -> None:
+        with self._out_lock:
+            while self._outbox and not self._closed:
+                try:
+                    sent = self.sock.send(self._outbox)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self._outbox.clear()
+                    break
+                del self._outbox[:sent]
+        self.pool.manager.want_write(self.sock, False)
+
+    def _receive_once(self) -> bool:
+        """Read what the pipe holds now, dispatch each whole message; ``False``: nothing more."""
+        try:
+            data = self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:  # it closed its end: its death comes from its starter
+            self.pool.manager.unregister(self.sock)
+            return False
+        if self._unreadable:
+            return True
+        self._received += data
+        try:
+            frames = _whole_frames(self._received)
+        except ValueError as error:  # a header no message has: the stream is lost
+            self._cannot_read(error)
+            return True
+        for frame in frames:
+            try:
+                message = pickle.loads(frame)
+                self.counts["received"] += 1
+                self.pool.dispatch(self, message)
+            except Exception as error:  # a message that cannot be read or served
+                self._cannot_read(error)
+                return True
         return True
 
-    def _take_added(self) -> bool:
-        """Register the workers added since; ``False`` when the server stops."""
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._wake_read, 4096)
-        with self._lock:
-            added, self._added = self._added, []
-            stopping = self._stopping
-        for worker in added:
-            self._selector.register(worker.conn.fileno(), selectors.EVENT_READ, (worker, False))
-            if worker._pidfd is not None:
-                self._selector.register(worker._pidfd, selectors.EVENT_READ, (worker, True))
-            else:
-                self._polled.append(worker)
-        return not stopping
+    def receive_rest(self) -> None:
+        """Read and dispatch what it sent before it ended, without waiting."""
+        with contextlib.suppress(Exception):
+            while self._receive_once():
+                pass
 
-    def _end(self, worker: WorkerProcess) -> None:
-        """``worker`` exited or closed its pipe: read the rest, forget it, report it."""
-        worker._ending = True
-        worker.receive_rest()
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(worker.conn.fileno())
-        if worker._pidfd is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(worker._pidfd)
-            os.close(worker._pidfd)
-            worker._pidfd = None
-        if worker in self._polled:
-            self._polled.remove(worker)
-        threading.Thread(
-            target=worker._ended, name=f"waterwave-ended-{worker.pid}", daemon=True
-        ).start()
+    def close(self) -> None:
+        """Close the driver's end of the pipe (the worker has ended)."""
+        with self._out_lock:
+            self._closed = True
+            self._outbox.clear()
+        self.pool.manager.unregister(self.sock)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self._theirs is not None:
+            self._theirs.close()
+            self._theirs = None
+
+    def _cannot_read(self, error: BaseException) -> None:
+        _logger.error("Worker %s sent a message that cannot be read: %r", self.pid, error)
+        self._unreadable = True
+        self._received.clear()
+        self.driver_reason = (
+            f"its worker process (pid {self.pid}) sent a message the driver "
+            f"could not read: {type(error).__name__}: {error}; the driver ended the worker"
+        )
+        self.pool.kill(self)
+
+    # -- under the pool's lock ----------------------------------------------------------------
+
+    def take_record(self, number: int) -> TrialJob | None:
+        """The member of the running job numbered ``number`` (once), or ``None``."""
+        job = next((m for m in self.unrecorded if m.trial.number == number), None)
+        if job is not None:
+            self.unrecorded.remove(job)
+        return job
+
+    def take_members(self, trial_ids: list[int]) -> list[TrialJob]:
+        """The members of the running job with these trial ids (once each)."""
+        taken = [m for m in self.unrecorded if _trial_id(m) in trial_ids]
+        self.unrecorded = [m for m in self.unrecorded if m not in taken]
+        return taken
+
+    def take_write_error(self, trial_id: int) -> tuple[str, BaseException] | None:
+        """The failed posted write of trial ``trial_id`` (its method and error), once.
+
+        The slot's lane only.
+        """
+        return self.write_errors.pop(trial_id, None)
 
 
 class WorkerPool:
     """One device's worker processes, one per slot, warm across ``optimize`` calls.
 
     Args:
+        workers: The executor's :class:`WorkerPools` state (its manager, its starter).
         device: The device their trials run on.
         n_workers: Worker processes (``trials_per_device``).
-        leases: The device's memory leases, served to its workers.
+        leases: How the device's memory is split over them.
         memory_pool: ``memory_pool=`` of the executor (``"auto"``, ``"on"``, ``"off"``): on
             CUDA the workers install the pool at warm-up, before anything allocates.
-        launch: Starts one worker process given its socket's file descriptor
-            (one thread of :class:`WorkerPools` starts every worker).
+        env: Environment variables of this device's workers (under MPS, their limit).
     """
 
     def __init__(
         self,
+        workers: _Supervisor,
         device: torch.device,
         n_workers: int,
-        leases: LeaseServer,
+        leases: DeviceLeases,
         memory_pool: str,
-        launch: Any,
+        env: dict[str, str],
     ) -> None:
+        self.supervisor = workers
+        self.manager = workers.manager
         self.device = device
         self.n_workers = n_workers
         self.leases = leases
         self.memory_pool = memory_pool
-        self.launch = launch
+        self.env = env
         self.torch_threads = torch.get_num_threads()
         self.closed = False
         self._lock = threading.Lock()
-        # One run at a time: a run binds every worker of the pool (attach), so a second
-        # optimize call of the same executor (another thread) waits for the first to end.
+        self._changed = threading.Condition(self._lock)
+        # One run at a time: a run binds every worker of the pool, so a second optimize call of
+        # the same executor (another thread) waits for the first to end.
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None  # the thread whose run holds the workers
-        self.server = PipeServer(f"waterwave-pipes-{device}")
-        self.workers: list[WorkerProcess] = [WorkerProcess(self, i) for i in range(n_workers)]
+        self.lanes = [Lane(f"waterwave-lane-{device}-{i}") for i in range(n_workers)]
+        self.workers: list[WorkerProcess | None] = [None] * n_workers
+        self.bound: ProcessHostHandle | None = None  # the run holding the workers
+        # Jobs for a slot whose worker is being replaced: (host, job, frozen).
+        self._pending: dict[int, tuple[ProcessHostHandle, TrialJob, bytes]] = {}
+        self._broken: dict[int, WorkerProcess] = {}  # slots whose worker cannot start
+        self._start_failures = [0] * n_workers
+        self.manager.call(self._start_all)
+
+    # -- the run loop's thread ----------------------------------------------------------------
 
     def take(self) -> None:
         """Hold the workers for one run; wait while another ``optimize`` call holds them.
-
-        Every run binds all of the device's workers (:meth:`WorkerProcess.attach`): two
-        ``optimize`` calls of one executor from two threads run one after the other, each
-        with every slot, as the first call started them.
 
         Raises:
             RuntimeError: If this thread's own run holds them (``optimize`` called again from
@@ -668,84 +424,575 @@ class WorkerPool:
         self._run_thread = None
         self._run_lock.release()
 
-    def wait_warm(self) -> None:
-        """Wait until every worker has warmed up or died (one killed meanwhile starts again).
+    def bind(self, host: ProcessHostHandle, timeout_s: float) -> None:
+        """Bind every worker to ``host``'s run and wait (up to ``timeout_s``) until each answered.
+
+        A slot whose worker could not start is retried once here (a new run, a new chance).
 
         Raises:
-            RuntimeError: If no worker warmed up (each died at start): with the first
-                worker's error (an import that fails in a fresh interpreter, a CUDA error).
+            RuntimeError: If no worker could start the run (each died at start, or could not
+                load the objective): the first worker's error; or if a worker neither answered
+                nor died within ``timeout_s`` seconds (a hung warm-up or start).
         """
-        for index in range(self.n_workers):
-            for _ in range(_START_TRIES):
-                worker = self.workers[index]
-                worker.warm.wait()
-                if worker.is_warm or worker.fatal_setup_error is not None:
+        self._in_manager(lambda: self._attach_all(host))
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                waiting = [i for i in range(self.n_workers) if not self._settled(i, host)]
+                if not waiting:
                     break
-                if worker.process.returncode != -signal.SIGKILL:
-                    break  # its own death (an exit code, a fault): it would die again
-                # Killed from outside while it warmed up (kill -9, the OOM killer): again.
-                self.worker(index)
-        if not any(worker.is_warm and not worker.dead for worker in self.workers):
-            first = self.workers[0]
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise RuntimeError(
+                        f"The worker process(es) of {self.device} for slot(s) "
+                        f"{', '.join(map(str, waiting))} did not answer within {timeout_s:g} s "
+                        "(isolation='process'): their warm-up (on CUDA, the device's context) "
+                        "or the run's start (loading the objective) hung. The run is refused "
+                        "and those workers are ended."
+                    )
+                self._changed.wait(left_s)
+            ready = [w for w in self.workers if w is not None and w.ready and not w.dead]
+            if ready:
+                return
+            first = self._broken.get(0) or self.workers[0]
+            assert first is not None
+            everyone_broken = len(self._broken) == self.n_workers
+        if everyone_broken:
             raise RuntimeError(
                 f"Every worker process of {self.device} died at start "
                 f"(isolation='process'); the first: {first.exit_reason()}"
             ) from first.fatal_setup_error
+        error = first.setup_error or first.fatal_setup_error
+        raise RuntimeError(
+            f"No worker process of {self.device} could start this run "
+            f"(isolation='process'): {first.exit_reason()}"
+        ) from error
 
-    def worker(self, index: int) -> WorkerProcess:
-        """Slot ``index``'s live worker, started now if it has none (a crash, a retirement)."""
-        with self._lock:
-            worker = self.workers[index]
-            if worker.dead:
-                worker = self.workers[index] = WorkerProcess(self, index)
-            return worker
+    def submit(self, index: int, host: ProcessHostHandle, job: TrialJob, frozen: bytes) -> None:
+        """Hand ``job`` (its trials pickled: ``frozen``) to slot ``index``'s worker; never waits.
 
-    def replace(self, dead: WorkerProcess) -> None:
-        """A worker died: start its successor now, ahead of the slot's next trial.
-
-        A worker that never warmed up is not replaced here (its successor would fail the same
-        way); the slot's next trial starts one.
+        A worker that is being replaced (it died, or retires) gets it once its successor opened
+        the run; a slot whose worker cannot start fails it with the reason.
         """
         with self._lock:
-            if self.closed or dead.stopping or self.workers[dead.index] is not dead:
+            worker = self.workers[index]
+            if index in self._broken:
+                broken = self._broken[index]
+                self.lanes[index].put(
+                    lambda: host.lost(
+                        list(job.members()),
+                        broken.fatal_setup_error,
+                        f"its worker process could not start: {broken.exit_reason()}",
+                    )
+                )
                 return
-            if not dead.is_warm:
+            if worker is None or worker.dead or worker.retiring or worker.host is not host:
+                self._pending[index] = (host, job, frozen)
                 return
-            worker = self.workers[dead.index] = WorkerProcess(self, dead.index)
-            host = dead.host
-        if host is not None and host.active:
-            worker.attach(host)
+            self._send_job(worker, host, job, frozen)
+
+    def interrupt(self, index: int) -> None:
+        """End slot ``index``'s worker (Ctrl+C); the run loop has told its trial FAIL."""
+        with self._lock:
+            pending = self._pending.pop(index, None)
+            worker = self.workers[index]
+            if worker is not None:
+                worker.interrupted = True
+        if pending is not None:
+            host, job, _ = pending
+            self.lanes[index].put(lambda: host.lost(list(job.members()), None, None))
+        if worker is not None:
+            self.kill(worker)
+
+    def unbind(self, host: ProcessHostHandle, timeout_s: float) -> None:
+        """Unbind the workers from ``host``'s run; kill those that do not end it in time."""
+        ending = self._in_manager(lambda: self._end_run(host))
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                late = [w for w in ending if not (w.ended_run or w.dead)]
+                left_s = deadline - time.monotonic()
+                if not late or left_s <= 0:
+                    break
+                self._changed.wait(left_s)
+        for worker in late:
+            worker.driver_reason = (
+                f"its worker process (pid {worker.pid}) did not end the run within "
+                f"{timeout_s:g} s; the driver ended the worker"
+            )
+            self.kill(worker)
+        with self._lock:
+            for worker in ending:
+                if worker.host is host:
+                    worker.host = None
 
     def pids(self) -> list[int]:
         """The pids of the live workers, slot by slot."""
-        return [worker.pid for worker in self.workers if not worker.dead]
+        with self._lock:
+            return [
+                w.pid for w in self.workers if w is not None and not w.dead and w.pid is not None
+            ]
 
     def close(self) -> None:
-        """Stop every worker; wait up to a few seconds each, then kill. Idempotent."""
+        """Stop every worker; wait a few seconds, then kill. Idempotent."""
+        stopping = self._in_manager(self._stop_all)
+        self._wait_dead(stopping, _STOP_WAIT_S)
+        for worker in stopping:
+            if not worker.dead:
+                self.kill(worker)
+        self._wait_dead(stopping, EXIT_WAIT_S)
+        for lane in self.lanes:
+            lane.stop(EXIT_WAIT_S)
+
+    # -- the manager's thread (and the lanes) ------------------------------------------------
+
+    def kill(self, worker: WorkerProcess) -> None:
+        """SIGKILL ``worker`` and its process group (any thread; done by the manager).
+
+        A worker not started yet is killed as soon as it is.
+        """
+        with self._lock:
+            worker.doomed = True
+        self.manager.call(lambda: worker.starter.kill(worker))
+
+    def _in_manager(self, function: Any) -> Any:
+        """Run ``function`` in the manager's thread; its result. Waits up to a minute."""
+        if self.manager.in_thread():
+            return function()
+        done = threading.Event()
+        result: list[Any] = []
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(function())
+            except BaseException as error:
+                failed.append(error)
+            finally:
+                done.set()
+
+        self.manager.call(run)
+        if not done.wait(_CALL_WAIT_S):
+            raise RuntimeError(
+                f"The manager thread of the worker processes did not answer within "
+                f"{_CALL_WAIT_S:g} s (isolation='process')"
+            )
+        if failed:
+            raise failed[0]
+        return result[0] if result else None
+
+    def _start_all(self) -> None:
+        for index in range(self.n_workers):
+            if self.workers[index] is None:
+                self._start(index)
+
+    def _start(self, index: int) -> WorkerProcess:
+        starter = self.supervisor.current_starter()
+        worker = WorkerProcess(self, index, starter)
+        with self._lock:
+            self.workers[index] = worker
+            self._changed.notify_all()
+        self.manager.register(worker.sock, worker.on_events)
+        worker.send(
+            (
+                "init",
+                list(sys.path),
+                str(self.device),
+                index,
+                self.torch_threads,
+                self.memory_pool,
+            )
+        )
+        starter.start(worker, worker.take_theirs(), {**worker_environment(), **self.env})
+        return worker
+
+    def started(self, worker: WorkerProcess, pid: int) -> None:
+        with self._lock:
+            worker.pid = pid
+            doomed = worker.doomed
+            self._changed.notify_all()
+        if doomed:  # killed before it ran
+            worker.starter.kill(worker)
+
+    def _attach_all(self, host: ProcessHostHandle) -> None:
+        with self._lock:
+            self.bound = host
+            broken, self._broken = self._broken, {}
+            self._start_failures = [0] * self.n_workers
+        for index in range(self.n_workers):
+            worker = self.workers[index]
+            if worker is None or worker.dead or index in broken:
+                worker = self._start(index)
+            self._attach(worker, host)
+
+    def _attach(self, worker: WorkerProcess, host: ProcessHostHandle) -> None:
+        """Send ``worker`` the run's ``begin`` (once per run)."""
+        with self._lock:
+            if worker.host is host:
+                return
+            worker.host = host
+            worker.answered = worker.ready = worker.ended_run = False
+            worker.setup_error = None
+            self._changed.notify_all()
+        worker.send(("begin", host.payload))
+
+    def _settled(self, index: int, host: ProcessHostHandle) -> bool:
+        """Whether slot ``index`` has answered ``host``'s begin, or cannot (pool's lock held)."""
+        if self.bound is not host:
+            return False
+        if index in self._broken:
+            return True
+        worker = self.workers[index]
+        return worker is not None and not worker.dead and worker.host is host and worker.answered
+
+    def _send_job(
+        self, worker: WorkerProcess, host: ProcessHostHandle, job: TrialJob, frozen: bytes
+    ) -> None:
+        """Send ``job`` to ``worker`` (pool's lock held), or fail it: the run did not begin."""
+        from waterwave_hpo import _optuna_compat
+
+        if worker.setup_error is not None:
+            error = worker.setup_error
+            self.lanes[worker.index].put(lambda: host.lost(list(job.members()), error, None))
+            return
+        members = [(_optuna_compat.trial_id(m.trial), m.attempt, m.retry_of) for m in job.members()]
+        cap = None if job.planning is None else job.planning.cap_bytes
+        worker.job = job
+        worker.unrecorded = list(job.members())
+        worker.interrupted = False
+        worker.send(("submit", members, bool(job.batch), cap, frozen))
+
+    def _end_run(self, host: ProcessHostHandle) -> list[WorkerProcess]:
+        with self._lock:
+            if self.bound is host:
+                self.bound = None
+            for index, (pending_host, _, _) in list(self._pending.items()):
+                if pending_host is host:
+                    del self._pending[index]
+            ending = [w for w in self.workers if w is not None and w.host is host and not w.dead]
+        for worker in ending:
+            worker.send(("end",))
+        return ending
+
+    def _stop_all(self) -> list[WorkerProcess]:
         with self._lock:
             self.closed = True
-            workers = list(self.workers)
-        for worker in workers:
-            worker.stop()
-        for worker in workers:
-            worker.join(_STOP_WAIT_S)
-        self.server.stop()
+            stopping = [w for w in self.workers if w is not None and not w.dead]
+            for worker in stopping:
+                worker.stopping = True
+        for worker in stopping:
+            worker.send(("stop",))
+        return stopping
+
+    def _wait_dead(self, workers: list[WorkerProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while any(not w.dead for w in workers):
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return
+                self._changed.wait(left_s)
+
+    def dispatch(self, worker: WorkerProcess, message: tuple[Any, ...]) -> None:
+        """Serve one message of ``worker`` (the manager's thread; slow work to the lane)."""
+        kind = message[0]
+        worker.counts["from:" + kind] += 1
+        lane = self.lanes[worker.index]
+        host = worker.host
+        if kind == "batch":  # posted writes, then (maybe) the message that followed them
+            inner = [pickle.loads(data) for data in message[1]]
+            if inner and inner[-1][0] == "post":  # the worker's periodic flush
+                worker.counts["from:flush"] += 1
+            for each in inner:
+                self.dispatch(worker, each)
+        elif kind == "post":
+            _, target, method, args = message
+            trial_id = args[0] if args else None
+            with self._lock:  # whether the trial still runs, as the write arrives
+                running = any(_trial_id(m) == trial_id for m in worker.unrecorded)
+            lane.put(lambda: self._post(worker, host, running, target, method, args))
+        elif kind == "call":
+            _, call_id, target, method, args = message
+            lane.put(lambda: self._answer(worker, host, call_id, target, method, args))
+        elif kind == "records":
+            _, records, snapshot, retire = message
+            with self._lock:
+                if retire:  # the slot's next job must go to a new worker
+                    worker.retiring = True
+                pairs = [(worker.take_record(record.number), record) for record in records]
+            if host is not None:
+                lane.put(lambda: host.records(worker, pairs, snapshot))
+        elif kind == "refused":
+            _, trial_ids, reason = message
+            with self._lock:
+                members = worker.take_members(list(trial_ids))
+            if host is not None and members:
+                lane.put(lambda: host.lost(members, None, reason))
+        elif kind == "warm":
+            with self._lock:
+                worker.is_warm = True
+                self._changed.notify_all()
+        elif kind == "ready":
+            with self._lock:
+                worker.ready = worker.answered = True
+                self._changed.notify_all()
+        elif kind == "setup_error":
+            _, error, fatal = message
+            with self._lock:
+                if fatal:
+                    worker.fatal_setup_error = error
+                    lost: list[TrialJob] = []
+                else:
+                    worker.setup_error = error
+                    worker.answered = True
+                    lost, worker.unrecorded = worker.unrecorded, []
+                self._changed.notify_all()
+            if host is not None and lost:
+                lane.put(lambda: host.lost(lost, error, None))
+        elif kind == "ended":
+            with self._lock:
+                worker.ended_run = True
+                self._changed.notify_all()
+
+    def _post(
+        self,
+        worker: WorkerProcess,
+        host: ProcessHostHandle | None,
+        running: bool,
+        target: str,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> None:
+        """Run a posted write (the lane). A refused one fails its trial when its record comes.
+
+        Only the first error of a trial is kept (the objective would have stopped there). A
+        write to a trial the worker no longer runs (the driver failed it: Ctrl+C) is dropped.
+        """
+        ok, payload = self._serve_call(worker, host, target, method, args)
+        trial_id = args[0] if args else None
+        if ok or not running or not isinstance(trial_id, int):
+            return
+        worker.write_errors.setdefault(trial_id, (method, payload))
+
+    def _answer(
+        self,
+        worker: WorkerProcess,
+        host: ProcessHostHandle | None,
+        call_id: int,
+        target: str,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> None:
+        ok, payload = self._serve_call(worker, host, target, method, args)
+        # The payload apart: a value the worker cannot load fails this call there, not the worker.
+        try:
+            data = dumps(payload)
+        except Exception as error:
+            ok, data = False, dumps(RuntimeError(f"The storage's answer cannot be sent: {error!r}"))
+        worker.send(("answer", call_id, ok, data))
+
+    def _serve_call(
+        self,
+        worker: WorkerProcess,
+        host: ProcessHostHandle | None,
+        target: str,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> tuple[bool, Any]:
+        if host is not None:
+            return host.serve_call(worker, target, method, args)
+        return False, ConnectionError("The run this worker served has ended.")
+
+    def worker_exited(
+        self,
+        worker: WorkerProcess,
+        returncode: int | None,
+        ended: list[tuple[int, str]],
+        start_failure: str | None,
+    ) -> None:
+        """``worker`` ended: fail (or, after Ctrl+C, drop) what it ran; replace it."""
+        worker.receive_rest()
+        worker.close()
+        with self._lock:
+            worker.dead = True
+            worker.returncode = returncode
+            worker.start_failure = start_failure
+            lost, worker.unrecorded = worker.unrecorded, []
+            interrupted = worker.interrupted
+            host = worker.host
+            error = worker.fatal_setup_error
+            if error is not None:
+                reason = f"waterwave-hpo could not start the worker process: {error}"
+            else:
+                reason = worker.exit_reason()
+            self._changed.notify_all()
+        lane = self.lanes[worker.index]
+        if host is not None and lost:
+            if interrupted:
+                lane.put(lambda: host.lost(lost, None, None))
+            else:
+                lane.put(lambda: host.lost(lost, error, reason))
+        lane.put(worker.served.set)
+        if ended:
+            _logger.warning(
+                "Worker process %s ended (%s) leaving %d process(es) it started: %s. They "
+                "were ended with it.",
+                worker.pid,
+                reason,
+                len(ended),
+                ", ".join(f"{pid} ({name})" for pid, name in ended),
+            )
+        self._replace(worker)
+
+    def _replace(self, dead: WorkerProcess) -> None:
+        """Start ``dead``'s successor now, ahead of the slot's next trial, if it may serve.
+
+        A worker that died before it warmed up is started again only when it was killed from
+        outside (kill -9, the OOM killer), up to ``_START_TRIES`` times; one that failed on
+        its own (its error, a start the starter could not make) would fail again: the slot is
+        broken until the next run, and its jobs fail with the reason.
+        """
+        index = dead.index
+        with self._lock:
+            if self.closed or dead.stopping or self.workers[index] is not dead:
+                return
+            # Never started because its starter gave way (to spawned workers, a new zygote):
+            # not its failure.
+            moved = dead.pid is None and dead.starter is not self.supervisor.starter
+            if not dead.is_warm and not moved:
+                self._start_failures[index] += 1
+                killed = dead.returncode == -signal.SIGKILL and dead.fatal_setup_error is None
+                if not killed or self._start_failures[index] >= _START_TRIES:
+                    self._broken[index] = dead
+                    pending = self._pending.pop(index, None)
+                    self._changed.notify_all()
+                    if pending is not None:
+                        host, job, _ = pending
+                        self.lanes[index].put(
+                            lambda: host.lost(
+                                list(job.members()),
+                                dead.fatal_setup_error,
+                                f"its worker process could not start: {dead.exit_reason()}",
+                            )
+                        )
+                    return
+        worker = self._start(index)
+        bound = self.bound
+        if bound is None:
+            return
+        self._attach(worker, bound)
+        with self._lock:
+            waiting = self._pending.pop(index, None)
+            if waiting is not None:
+                pending_host, pending_job, frozen = waiting
+                if pending_host is bound:
+                    self._send_job(worker, bound, pending_job, frozen)
+
+
+class _Supervisor:
+    """What an executor's worker processes share: the manager's thread, the starter, the pools.
+
+    Held by :class:`WorkerPools` and by its finalizer (never the other way round).
+    """
+
+    def __init__(self) -> None:
+        self.manager = WorkerManager("waterwave-workers")
+        self.pools: dict[str, WorkerPool] = {}
+        self._starter: Starter | None = None
+        self._zygote_starts = 0
+        self._closed = False
+
+    @property
+    def starter(self) -> Starter | None:
+        """The starter new workers get now (``None`` before the first)."""
+        return self._starter
+
+    def current_starter(self) -> Starter:
+        """The starter new workers get (the manager's thread): made on first use."""
+        starter = self._starter
+        if starter is None or (isinstance(starter, ZygoteStarter) and starter.failure):
+            # None yet, or one that could not start (its workers were told why): a new one.
+            starter = self._starter = self._new_starter()
+        return starter
+
+    def _new_starter(self) -> Starter:
+        reason = spawn_reason()
+        if reason is None and self._zygote_starts > ZYGOTE_RESTARTS:
+            reason = f"the executor's zygote ended {self._zygote_starts} times"
+        if reason is not None:
+            say_spawned_once(reason)
+            return SpawnStarter(self.manager, self._started, self._exited)
+        self._zygote_starts += 1
+        return ZygoteStarter(self.manager, self._started, self._exited, self._zygote_lost)
+
+    def _zygote_lost(self, fallback: bool) -> None:
+        """The zygote ended unasked: new workers get a new one (or spawned workers)."""
+        if self._closed:
+            return
+        if fallback:
+            failure = getattr(self._starter, "failure", None) or "CUDA was loaded at import"
+            say_spawned_once(failure)
+            self._starter = SpawnStarter(self.manager, self._started, self._exited)
+            return
+        _logger.warning(
+            "%s; its worker processes died with it (their trials fail). A new zygote forks "
+            "their successors.",
+            getattr(self._starter, "failure", "the executor's zygote ended"),
+        )
+        self._starter = self._new_starter()
+
+    def _started(self, worker: WorkerProcess, pid: int) -> None:
+        worker.pool.started(worker, pid)
+
+    def _exited(
+        self,
+        worker: WorkerProcess,
+        returncode: int | None,
+        ended: list[tuple[int, str]],
+        start_failure: str | None,
+    ) -> None:
+        worker.pool.worker_exited(worker, returncode, ended, start_failure)
+
+    def close(self) -> None:
+        """End every worker, then the starter, then the manager's thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in list(self.pools.values()):
+            pool.close()
+        self.pools.clear()
+        starter = self._starter
+        if starter is not None:
+            done = threading.Event()
+
+            def stop() -> None:
+                try:
+                    starter.stop(EXIT_WAIT_S)
+                finally:
+                    done.set()
+
+            self.manager.call(stop)
+            done.wait(EXIT_WAIT_S * 2)
+        self.manager.stop(EXIT_WAIT_S)
 
 
 class WorkerPools:
     """An executor's warm workers: one :class:`WorkerPool` per device, ended on :meth:`close`.
 
-    A finalizer ends them when the owner is garbage-collected or at interpreter exit, whatever
-    the user forgot. Every worker is started from one thread of this object's (Linux ties a
-    worker's life to the thread that started it, ``PR_SET_PDEATHSIG``: a pipe thread that
-    replaces a dead worker ends soon after).
+    A finalizer ends them when the owner is garbage-collected or at interpreter exit (after
+    Python has joined the program's threads, so an ``optimize`` still running in one of them
+    finishes first), whatever the user forgot.
     """
 
     def __init__(self) -> None:
-        self.pools: dict[str, WorkerPool] = {}
+        self._supervisor = _Supervisor()
         self._lock = threading.Lock()  # two threads' first calls start one pool per device
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="waterwave-launcher")
-        self._finalizer = weakref.finalize(self, _close_pools, self.pools, self._launcher)
+        self._finalizer = weakref.finalize(self, _close, self._supervisor)
+
+    @property
+    def pools(self) -> dict[str, WorkerPool]:
+        """The devices' pools, by device name."""
+        return self._supervisor.pools
 
     def pool(
         self,
@@ -760,7 +1007,7 @@ class WorkerPools:
             pool = self.pools.get(key)
             if pool is not None:
                 return pool
-            leases = LeaseServer(device, n_workers, budget_bytes)
+            leases = DeviceLeases(device, n_workers, budget_bytes)
             env: dict[str, str] = {}
             if device.type == "cuda":
                 _build_shim_once()
@@ -770,14 +1017,25 @@ class WorkerPools:
                 if status.running and share is not None:
                     # The driver enforces it, the worker's context included.
                     env = pinned_memory_limit(device.index or 0, share + CONTEXT_RESERVE_BYTES)
-            # The pools must not hold this object (its finalizer holds them).
-            launch = functools.partial(_launch, self._launcher, env)
-            pool = self.pools[key] = WorkerPool(device, n_workers, leases, memory_pool, launch)
+            pool = WorkerPool(self._supervisor, device, n_workers, leases, memory_pool, env)
+            self.pools[key] = pool
             return pool
 
     def close(self) -> None:
         """Stop every worker process. Idempotent."""
         self._finalizer()
+
+
+def _close(supervisor: _Supervisor) -> None:
+    own = supervisor.manager.in_thread() or any(
+        threading.current_thread() is lane.thread
+        for pool in supervisor.pools.values()
+        for lane in pool.lanes
+    )
+    if own:  # collected in a thread that the close waits for: close from another one
+        threading.Thread(target=supervisor.close, name="waterwave-close", daemon=True).start()
+        return
+    supervisor.close()
 
 
 def _build_shim_once() -> None:
@@ -786,45 +1044,3 @@ def _build_shim_once() -> None:
         from waterwave_hpo.memory._internal import build_shim
 
         build_shim()
-
-
-def _launch(launcher: ThreadPoolExecutor, env: dict[str, str], fd: int) -> subprocess.Popen[bytes]:
-    """Start one worker process (a fresh interpreter) holding socket ``fd``, from ``launcher``."""
-    return launcher.submit(_popen, fd, env).result()
-
-
-def _popen(fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _BOOT.format(root=_PACKAGE_ROOT),
-            str(fd),
-            str(os.getpid()),
-            WORKER_MARK,
-        ],
-        pass_fds=(fd,),
-        stdin=subprocess.DEVNULL,
-        env={**_worker_environment(), **env},
-    )
-
-
-def _worker_environment() -> dict[str, str]:
-    """The driver's environment, with OpenMP's threads told to sleep when idle.
-
-    K workers each run ``torch.get_num_threads()`` intra-op threads on the same cores; OpenMP
-    threads that spin while they wait then take the cores from the other workers' busy ones
-    (measured on the 2-core VM, K=4, 8 short training trials: 20 s with spinning, 0.2 s with
-    ``OMP_WAIT_POLICY=PASSIVE``). Threads of one process (``isolation="threads"``) share one
-    OpenMP pool and never meet this. A value the user set is kept.
-    """
-    environment = dict(os.environ)
-    environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return environment
-
-
-def _close_pools(pools: dict[str, WorkerPool], launcher: ThreadPoolExecutor) -> None:
-    for pool in pools.values():
-        pool.close()
-    pools.clear()
-    launcher.shutdown(wait=False)

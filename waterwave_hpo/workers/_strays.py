@@ -1,4 +1,4 @@
-"""A trial's stray child processes, ended before its worker takes the next trial.
+"""What a trial leaves running: its child processes, ended before the worker's next trial.
 
 A warm worker runs one job (a trial, or a fused batch) at a time, so every process it has
 started when its job ends was started by that job: a ``multiprocessing.Process`` never joined,
@@ -13,6 +13,14 @@ the driver can send the next trial).
 Not the trial's, so left running: the helpers a library starts once per process and reuses for
 every later caller (``multiprocessing``'s resource tracker and forkserver, PyTorch Inductor's
 compile-worker pool). The processes the forkserver forked for the trial are the trial's.
+
+A worker is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process a trial detaches
+(``setsid cmd &``, a daemon's double fork) becomes the worker's child when its parent exits,
+instead of init's, and is ended here with the others.
+
+A non-daemon thread a trial leaves running would keep an interpreter alive at its exit; a
+worker does not wait for it (its end, at ``close()`` or a crash, ends the thread), so the
+worker names it in a warning when the trial ends (:func:`warn_of_threads_left`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 
 import psutil
@@ -182,3 +191,47 @@ def _name(process: psutil.Process) -> str:
         return str(process.name())
     except psutil.Error:
         return "gone"
+
+
+_warned_threads: set[int] = set()  # idents of the threads already named (a warm worker lives on)
+
+
+def warn_of_threads_left(trial_numbers: Sequence[int], own: Sequence[int] = ()) -> list[str]:
+    """Warn of the non-daemon threads running when the job of ``trial_numbers`` ended.
+
+    Call it only when no trial runs in this process: besides the main thread and ``own``
+    (the worker's slot thread, whose daemon flag a trial's threads inherit as a script's
+    threads inherit the main thread's), a worker's threads are daemons, so every other
+    non-daemon thread was started by a trial (this one, or one before it, whose threads were
+    named then). Each thread is named once.
+
+    Args:
+        trial_numbers: The numbers of the trials of the job that ended.
+        own: Idents of the worker's own non-daemon threads.
+
+    Returns:
+        The names of the threads warned of now.
+    """
+    left = [
+        thread
+        for thread in threading.enumerate()
+        if not thread.daemon
+        and thread is not threading.main_thread()
+        and thread.ident not in own
+        and thread.ident not in _warned_threads
+    ]
+    if not left:
+        return []
+    _warned_threads.update(thread.ident for thread in left if thread.ident is not None)
+    names = [thread.name for thread in left]
+    _logger.warning(
+        "%s %s ended with %d non-daemon thread(s) still running: %s. A worker process "
+        "(isolation='process') does not wait for them as an interpreter does at its exit: "
+        "they end with the worker (at close(), or when it dies). Join the threads a trial "
+        "starts before it returns.",
+        "Trial" if len(trial_numbers) == 1 else "Trials",
+        ", ".join(str(n) for n in trial_numbers),
+        len(left),
+        ", ".join(repr(name) for name in names),
+    )
+    return names

@@ -1,9 +1,11 @@
 """A worker process of process isolation: one slot of a device, over a pipe, across runs.
 
-A worker is a fresh interpreter (``python -c``, started by :mod:`waterwave_hpo.workers._pool`):
-it never imports the user's script, so a script without ``if __name__ == "__main__":`` works,
-and nothing is inherited from the driver (no CUDA context, no lock, no thread). It gets its end
-of a socket pair as a file descriptor, warms up once (torch, the library, on CUDA the device's
+A worker is forked by the executor's zygote (:mod:`waterwave_hpo.workers._zygote`: an
+interpreter that imported torch, Optuna and this package once and never touched CUDA), or,
+where fork cannot serve, it is a fresh interpreter (``python -c``, :func:`worker_main`). Either
+way the user's script is never imported (a script without ``if __name__ == "__main__":``
+works) and nothing of the driver's process is inherited (no CUDA context, no lock, no thread).
+It gets its end of a socket pair as a file descriptor, warms up once (on CUDA the device's
 context and the stream-aware pool), and then serves one ``optimize`` call after another: each
 run sends the cloudpickled :class:`~waterwave_hpo.host._runner.HostSpec` (the objective goes by
 value when it is a closure, a lambda or defined in ``__main__``), the worker opens the study
@@ -13,17 +15,22 @@ path); the records of how they ended go back over the same pipe.
 
 Messages (tuples, first item the kind). Driver to worker: ``("init", sys_path, device, slot,
 torch_threads, memory_pool)`` (first, once), ``("begin", payload)``, ``("submit", members,
-fused, cap, frozen)``, ``("end",)``, ``("stop",)``, ``("answer", call_id, ok, payload)``.
-Worker to driver: ``("warm", pid)``, ``("ready", pid)`` (the run's study is open),
-``("setup_error", error, fatal)`` (``fatal``: the worker exits), ``("records", records,
-snapshot, retire)`` (``retire``: a trial's CUDA error may have poisoned the worker's context,
-so it exits and a new worker takes the slot), ``("ended",)`` (the run's host is shut down; the
-worker waits for the next run), ``("call", call_id, target, method, args)`` (target
-``"storage"``, ``"lease"`` or ``"neighbours"``: the other workers' running trials, asked when a
-trial ran out of memory), ``("post", target, method, args)`` (a storage write to a trial the
-worker runs, answered by nobody: the driver runs it in order; an error fails the trial when
-its record comes) and ``("batch", [pickled message, ...])`` (posted writes and the message that
-followed them, in order, read as one).
+fused, cap, frozen)`` (``frozen``: the trials, pickled apart), ``("end",)``, ``("stop",)``,
+``("answer", call_id, ok, payload)`` (``payload`` pickled apart). Worker to driver: ``("warm",
+pid)``, ``("ready", pid)`` (the run's study is open), ``("setup_error", error, fatal)``
+(``fatal``: the worker exits), ``("records", records, snapshot, retire)`` (``retire``: a
+trial's CUDA error may have poisoned the worker's context, so it exits and a new worker takes
+the slot), ``("refused", trial_ids, reason)`` (a submit whose trials the worker could not
+read: they fail with the reason, the worker goes on), ``("ended",)`` (the run's host is shut
+down; the worker waits for the next run), ``("call", call_id, target, method, args)`` (target
+``"storage"`` or ``"neighbours"``: the other workers' running trials, asked when a trial ran
+out of memory), ``("post", target, method, args)`` (a storage write to a trial the worker
+runs, answered by nobody: the driver runs it in order; an error fails the trial when its record
+comes) and ``("batch", [pickled message, ...])`` (posted writes and the message that followed
+them, in order, read as one). What a driver's message carries of the user's (a trial's
+attributes, a storage's answer) is pickled apart from the message itself, so that a value the
+worker cannot load (a class the worker cannot import) fails that trial or that call with the
+reason, not the worker.
 
 A trivial trial (one ``suggest``, one ``set_user_attr``) so costs one message each way (the
 submit; its writes and record in one batch), no round trip the trial waits on and no thread
@@ -32,12 +39,14 @@ record. Nobody reads the pipe while a trial runs unless it waits for an answer: 
 waits for a message reads the pipe itself when no other thread is reading it, and hands on
 what is not its own (:class:`PipeLink`).
 
-Messages are pickled with :mod:`pickle` (fast) and, when that fails (a lambda, a class defined
-by value), with cloudpickle; either is read by ``pickle.loads``.
+Messages are pickled with :mod:`pickle` (fast) and, when that fails or the message refers to
+``__main__`` (a class of the user's script, which the other process's ``__main__`` is not),
+with cloudpickle; either is read by ``pickle.loads``.
 
 The worker ends with its driver: when the pipe closes (the driver exited or was killed) the
-next read sees EOF and the process exits at once; on Linux the kernel also sends it SIGKILL when
-the driver's thread that started it dies (``PR_SET_PDEATHSIG``), so a worker in a long trial
+next read sees EOF and the process exits at once; the kernel also sends it SIGKILL when its
+parent dies (``PR_SET_PDEATHSIG``: the zygote, which ends its workers when the driver ends, or
+for a spawned worker the driver's thread that started it), so a worker in a long trial
 (nobody reading) ends too.
 """
 
@@ -45,7 +54,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-import ctypes
 import itertools
 import os
 import pickle
@@ -57,20 +65,43 @@ import traceback
 from typing import Any
 
 from waterwave_hpo.workers._strays import end_stray_children
+from waterwave_hpo.workers._strays import warn_of_threads_left
+from waterwave_hpo.workers._zygote import adopt_orphans
+from waterwave_hpo.workers._zygote import die_with_parent
+from waterwave_hpo.workers._zygote import prepare_process
 
-_PR_SET_PDEATHSIG = 1
 _FLUSH_S = 0.1
 _END_TIMEOUT_S = 5.0
 
 
 def dumps(message: Any) -> bytes:
-    """``message`` pickled: with :mod:`pickle` when it can, else by value with cloudpickle."""
-    try:
-        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        import cloudpickle
+    """``message`` pickled: with :mod:`pickle` when it can, else by value with cloudpickle.
 
-        return bytes(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    Also by value when :mod:`pickle`'s bytes name ``__main__``: pickle refers to a class or
+    function of the user's script by its module, and the other process's ``__main__`` is not
+    the user's script.
+    """
+    try:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if b"__main__" not in data:
+            return data
+    except Exception:
+        pass
+    import cloudpickle
+
+    return bytes(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def loads_or_reason(data: bytes, what: str) -> tuple[Any, str | None]:
+    """``(pickle.loads(data), None)``, or ``(None, why it could not be read)``."""
+    try:
+        return pickle.loads(data), None
+    except Exception as error:
+        return None, (
+            f"the worker process (pid {os.getpid()}) could not read {what} the driver sent: "
+            f"{type(error).__name__}: {error} (a class or function the worker cannot import: "
+            "define it in an importable module, or keep such values out of the study)"
+        )
 
 
 class PipeLink:
@@ -134,10 +165,16 @@ class PipeLink:
             self.conn.send_bytes(dumps(("batch", posted)))
 
     def call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
-        """Call ``method`` of the driver's ``target`` with ``args``; ``(ok, result or error)``."""
+        """Call ``method`` of the driver's ``target`` with ``args``; ``(ok, result or error)``.
+
+        An answer the worker cannot read is an error of the call (``RuntimeError``).
+        """
         call_id = next(self._ids)
         self.send(("call", call_id, target, method, args))
-        ok, payload = self._take(lambda: self._answers.pop(call_id, None))
+        ok, data = self._take(lambda: self._answers.pop(call_id, None))
+        payload, unreadable = loads_or_reason(data, f"the answer to {target}.{method}")
+        if unreadable is not None:
+            return False, RuntimeError(unreadable)
         return bool(ok), payload
 
     def next_request(self) -> tuple[Any, ...]:
@@ -160,9 +197,21 @@ class PipeLink:
                         break
                     self._messages.wait()
             try:
-                message = pickle.loads(self.conn.recv_bytes())
-            except BaseException:  # the pipe closed (the driver is gone) or cannot be read
+                data = self.conn.recv_bytes()
+            except BaseException:  # the pipe closed: the driver is gone
                 os._exit(0)
+            try:
+                # The driver's messages hold only builtins (what is the user's is pickled
+                # apart): one that cannot be read is a broken stream, not a value.
+                message = pickle.loads(data)
+            except BaseException as error:
+                print(
+                    f"waterwave-hpo worker {os.getpid()}: a message from the driver cannot be "
+                    f"read ({type(error).__name__}: {error}); the worker exits",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
             kind = message[0]
             if kind == "stop":
                 os._exit(0)
@@ -211,12 +260,13 @@ class _Worker:
             # as they would in the driver), before the run's first trial.
             environment.apply()
             device = torch.device(self.device)
-            if device.type == "cuda":
+            if device.type == "cuda" and spec.memory_budget_bytes is not None:
                 from dataclasses import replace
 
                 from waterwave_hpo.workers._lease_service import leased
 
-                spec = replace(spec, func=leased(spec.func, self.link.call, device, os.getpid()))
+                # The worker's lease: its share of the device's budget, fixed for the run.
+                spec = replace(spec, func=leased(spec.func, device, spec.memory_budget_bytes))
             storage_class = RelayedHeartbeatStorage if heartbeat else RelayedStorage
             # The driver tells each trial from the worker's record (defer_finish), so the
             # user's sampler and callbacks see every end in the driver's process, as with
@@ -268,7 +318,11 @@ class _Worker:
         runner = self.runner
         if runner is None:  # its run failed to begin: the driver failed the trial
             return
-        _, members, fused, cap, frozen = message
+        _, members, fused, cap, frozen_data = message
+        frozen, unreadable = loads_or_reason(frozen_data, "the trial")
+        if unreadable is not None:  # the driver fails the trials with the reason
+            self.link.send(("refused", [trial_id for trial_id, _, _ in members], unreadable))
+            return
         runner.run_here(self.slot, members, fused, cap, frozen)
 
     def outside_counter(self, device: Any) -> Callable[[], int] | None:
@@ -315,6 +369,7 @@ class _Worker:
         self._ended += [record.number for record in records]
         if self._ended and runner is not None and runner.idle():
             end_stray_children(self._ended)
+            warn_of_threads_left(self._ended, own=(threading.get_ident(),))
             self._ended = []
 
     # -- the main thread ----------------------------------------------------------------------
@@ -331,7 +386,9 @@ class _Worker:
 
 
 def worker_main(fd: int, parent: int) -> None:
-    """The worker process's body (``python -c`` calls it). Never returns.
+    """A spawned worker process's body (``python -c`` calls it). Never returns.
+
+    Where the zygote cannot fork workers (:mod:`waterwave_hpo.workers._starters`).
 
     Args:
         fd: Its end of the socket pair to the driver.
@@ -340,9 +397,30 @@ def worker_main(fd: int, parent: int) -> None:
     # Ctrl+C in a terminal reaches every process of the foreground group; the driver decides
     # (it tells the trials FAIL, then ends the workers).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:  # the driver died before the line above took effect
         os._exit(0)
+    adopt_orphans()
+    try:
+        prepare_process()
+    except BaseException as error:  # the driver reports it (and raises if no worker starts)
+        from multiprocessing.connection import Connection
+
+        try:
+            link = PipeLink(Connection(fd))
+            link.conn.recv_bytes()  # the init
+            link.send(("setup_error", _setup_error(error), True))
+        finally:
+            os._exit(1)
+    serve_driver(fd)
+
+
+def serve_driver(fd: int) -> None:
+    """Serve the driver over socket ``fd``: the init, then its runs. Never returns.
+
+    What a forked worker runs (the zygote prepared the process) and a spawned one after its
+    imports.
+    """
     from multiprocessing.connection import Connection
 
     link = PipeLink(Connection(fd))
@@ -356,7 +434,9 @@ def worker_main(fd: int, parent: int) -> None:
         finally:
             os._exit(1)
     worker = _Worker(link, device, slot)
-    threading.Thread(target=worker.serve, name="waterwave-worker-slot", daemon=True).start()
+    # Not a daemon: a thread a trial starts inherits its daemon flag, and in a script a thread
+    # is not a daemon unless asked (the worker exits with os._exit, whoever runs).
+    threading.Thread(target=worker.serve, name="waterwave-worker-slot", daemon=False).start()
     link.send(("warm", os.getpid()))
     try:
         worker.keep_flushing()
@@ -366,29 +446,19 @@ def worker_main(fd: int, parent: int) -> None:
 
 
 def warm_up(device_name: str, torch_threads: int, memory_pool: str) -> None:
-    """What every run of this worker needs, done once: imports, autograd, on CUDA context and pool.
+    """What every run of this worker needs, done once: its threads, on CUDA context and pool.
 
     On CUDA: the device's context (with its default stream), and the stream-aware pool
     installed as PyTorch's allocator before anything allocates (``memory_pool``), so a trial
-    never meets a cold worker.
+    never meets a cold worker. The imports and PyTorch's lazy CPU start are
+    :func:`~waterwave_hpo.workers._zygote.prepare_process`'s, done before.
     """
     import torch
 
-    torch.set_num_threads(torch_threads)
-    import optuna  # noqa: F401  (imported here, not in the first trial)
-
-    from waterwave_hpo.host import HostRunner  # noqa: F401
     from waterwave_hpo.host import MemoryPoolMode
     from waterwave_hpo.host import make_device_memory
-    from waterwave_hpo.relay import RelayedStorage  # noqa: F401
 
-    # One tiny training step on the CPU: PyTorch initialises autograd and its optimizers
-    # lazily (seconds on a busy machine, measured: 4.8 s on the loaded 2-core VM), which
-    # every worker's first trial would otherwise pay.
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.zeros(1, 2)).sum().backward()
-    optimizer.step()
+    torch.set_num_threads(torch_threads)
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -449,18 +519,7 @@ def _setup_error(error: BaseException) -> BaseException:
 
     wrapped = RuntimeError(
         f"The worker process {os.getpid()} could not start: {type(error).__name__}: {error}. "
-        "A worker is a fresh interpreter: the objective's module must be importable there "
+        "A worker never runs your script: the objective's module must be importable there "
         "(on sys.path, or the objective defined in the script run)."
     )
     return picklable_error(wrapped) or wrapped
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it exits."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
