@@ -22,7 +22,10 @@ import waterwave_hpo as ww  # noqa: E402
 BUDGET = 100  # bytes per logical GPU the leases share in these tests
 
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
+pytestmark = [
+    pytest.mark.usefixtures("ray_cluster"),
+    pytest.mark.xdist_group("ray-b"),
+]  # tests/conftest.py
 
 
 def _intervals_overlap(intervals: list[tuple[float, float]]) -> bool:

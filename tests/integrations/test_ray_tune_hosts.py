@@ -18,7 +18,8 @@ from waterwave_hpo.integrations import ray_tune as ww_tune  # noqa: E402
 
 import waterwave_hpo as ww  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
+# tests/conftest.py; this module's xdist worker runs the others of its group on one Ray instance
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
 
 
 def _rendezvous(directory: str, n: int, timeout_s: float = 10.0) -> None:
