@@ -48,7 +48,7 @@ ubsan_runtime="$("$cxx" -print-file-name=libubsan.so)"
   WATERWAVE_HPO_POOL_LIBRARY="$work/asan/libwaterwave_pool.so" \
   LD_PRELOAD="$asan_runtime $ubsan_runtime" \
   ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:verify_asan_link_order=0" \
-    pytest tests/memory -m "not gpu" -q -p no:cacheprovider --capture=sys  # sanitizer reports reach stderr
+    pytest tests/memory -m "not gpu" -q -p no:cacheprovider --capture=sys -n 0  # reports reach stderr; no xdist workers
 )
 
 echo "== sanitizers: building with -fsanitize=thread in $work/tsan"

@@ -1,12 +1,16 @@
-"""Shared test setup: quiet Optuna, the ``gpu`` marker skipped where CUDA is absent, and one
-local Ray instance per test module that asks for it."""
+"""Shared test setup: quiet Optuna, the ``gpu`` marker skipped where CUDA is absent, the order
+and grouping of tests for pytest-xdist, and a local Ray instance for the test modules that ask
+for one, kept between modules that want the same one."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 import os
 import signal
+import time
+from typing import Any
 
+import _xdist_scopes
 import fakes
 import optuna
 import pytest
@@ -15,51 +19,152 @@ import torch
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` (pyproject's addopts): two xdist workers a core, at least 2, at most 8.
 
-
-@pytest.fixture(scope="module")
-def ray_cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """One local Ray instance for the requesting test module: 2 CPUs and ``RAY_GPUS`` (a module
-    global, default 1) logical GPUs, so Ray's placement is real while the work runs on the CPU.
-
-    Use it with ``pytestmark = pytest.mark.usefixtures("ray_cluster")`` in a module that has
-    already done ``pytest.importorskip("ray")``.
+    Most of the suite's time is spent waiting (on worker processes starting, on Ray, on trials
+    that sleep), so more workers than cores keep the cores busy; each worker holds its own
+    torch, Ray and subprocesses, hence the cap. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides.
     """
-    import ray
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(8, 2 * (cores or 1)))
 
-    sigint = signal.getsignal(signal.SIGINT)  # Tune's driver installs its own and keeps it
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    # The longest first: xdist hands out the units of several tests first (an xdist_group, a
+    # module with module-scoped fixtures; the largest first), then the single tests in this
+    # order, slow ones first, so that they start while short ones fill the other workers, not
+    # at the end of the run. A unit's tests stay together (its fixtures are built once); Ray's
+    # modules that want the same instance follow each other.
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], index)
+
+    def order(item: pytest.Item) -> tuple[int, int, int]:
+        if _xdist_scopes.scope_of(item) != item.nodeid:
+            return (0, _ray_gpus(item), first[item.nodeid.split("::")[0]])
+        return (1, item.get_closest_marker("slow") is None, 0)
+
+    items.sort(key=order)
+
+
+def pytest_configure_node(node: Any) -> None:  # xdist's controller, per worker
+    _xdist_scopes.configure_node(node)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reports its collection
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _xdist_scopes.write_scopes(session)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None  # another --dist: xdist's own
+    return _xdist_scopes.make_scheduler(config, log)
+
+
+def _ray_gpus(item: pytest.Item) -> int:
+    module = getattr(item, "module", None)
+    return int(getattr(module, "RAY_GPUS", 1)) if "ray_cluster" in item.fixturenames else -1
+
+
+# The local Ray instance this pytest process started for ray_cluster, kept for the next module
+# that wants the same one: (num_cpus, num_gpus) and the GCS address it runs at.
+_ray_instance: dict[str, Any] = {}
+
+
+def _start_ray(ray: Any, config: tuple[int, int], workdir: str) -> None:
     if ray.is_initialized():
         ray.shutdown()
     # Ray puts the driver's working directory first on its workers' sys.path; from the repo
     # root that would shadow the installed package with the source tree.
     cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray"))
+    os.chdir(workdir)
     try:
         ray.init(
-            # "local": a new instance, never another user's cluster found on this machine
-            # (ray.init() without an address joins one it finds in /tmp/ray, then fails here).
+            # "local": a new instance, never another user's cluster (or another xdist
+            # worker's) found on this machine: ray.init() without an address joins one it
+            # finds in /tmp/ray, then fails here.
             address="local",
-            num_cpus=2,
-            num_gpus=getattr(request.module, "RAY_GPUS", 1),
+            num_cpus=config[0],
+            num_gpus=config[1],
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
         )
     finally:
         os.chdir(cwd)
+    _ray_instance.update(config=config, gcs=ray.get_runtime_context().gcs_address)
+
+
+def _ray_left_as_new(ray: Any, timeout_s: float = 60.0) -> bool:
+    """Whether the kept instance can serve the next module as if new: its named actors (lease
+    brokers and hosts are detached: they outlive the module that made them) are killed, then
+    every CPU and GPU must come back free within ``timeout_s``."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+        except ValueError:  # gone meanwhile
+            pass
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if all(free.get(key, 0.0) >= total.get(key, 0.0) - 1e-6 for key in ("CPU", "GPU")):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def _ray_session() -> Iterator[None]:
+    yield
+    if _ray_instance:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        _ray_instance.clear()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    _ray_session: None,
+) -> Iterator[None]:
+    """A local Ray instance for the requesting test module: 2 CPUs and ``RAY_GPUS`` (a module
+    global, default 1) logical GPUs, so Ray's placement is real while the work runs on the CPU.
+
+    Use it with ``pytestmark = pytest.mark.usefixtures("ray_cluster")`` in a module that has
+    already done ``pytest.importorskip("ray")``. Starting Ray takes seconds (tens on a loaded
+    2-core machine), so the instance the previous module used is kept when it has the same
+    resources and is left as new (no named actor, every CPU and GPU free); otherwise a new one
+    starts. The conftest orders Ray's modules by ``RAY_GPUS``.
+    """
+    import ray
+
+    sigint = signal.getsignal(signal.SIGINT)  # Tune's driver installs its own and keeps it
+    config = (2, int(getattr(request.module, "RAY_GPUS", 1)))
+    kept = (
+        ray.is_initialized()
+        and _ray_instance.get("config") == config
+        and _ray_instance.get("gcs") == ray.get_runtime_context().gcs_address
+        and _ray_left_as_new(ray)
+    )
+    if not kept:
+        _start_ray(ray, config, str(tmp_path_factory.mktemp("ray")))
     # The trainables and objectives live in the test module, and shared test doubles in
     # tests/fakes, neither of which Ray's workers can import.
     ray.cloudpickle.register_pickle_by_value(request.module)
     ray.cloudpickle.register_pickle_by_value(fakes)
     yield
-    ray.shutdown()
     signal.signal(signal.SIGINT, sigint)

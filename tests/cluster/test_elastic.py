@@ -31,7 +31,8 @@ from waterwave_hpo.cluster import RayExecutor  # noqa: E402
 from waterwave_hpo.host._attrs import ATTR_FAIL_REASON  # noqa: E402
 from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# Its own multi-node cluster; one xdist worker runs the Ray modules of its group in turn.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray-a")]
 
 DRIVER_PID = os.getpid()  # pickled by value into the hosts: "am I in a host actor?"
 _GPU_NODE = {"num_cpus": 1, "num_gpus": 1}

@@ -28,7 +28,7 @@ from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
 
 RAY_GPUS = 1  # one logical GPU: K host actors share it (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
 
 CRASHING = {2, 5}
 

@@ -31,7 +31,10 @@ N_GPUS = 2
 
 
 RAY_GPUS = N_GPUS  # logical GPUs of the module's local Ray instance (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
+pytestmark = [
+    pytest.mark.usefixtures("ray_cluster"),
+    pytest.mark.xdist_group("ray-b"),
+]  # tests/conftest.py
 
 
 def _states(study: optuna.Study) -> Counter[TrialState]:

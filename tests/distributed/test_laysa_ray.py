@@ -3,9 +3,7 @@ on a local Ray instance. A worker that dies fails its Tune trial with the reason
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import os
-import signal
 import time
 from typing import Any
 
@@ -16,39 +14,12 @@ tune = pytest.importorskip("ray.tune")
 train = pytest.importorskip("ray.train")
 ray_train_torch = pytest.importorskip("ray.train.torch")
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_local_ray(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """A new local Ray instance (2 CPUs) for this module only.
-
-    Like tests/conftest.py's ``ray_cluster``, but with ``address="local"``: a bare
-    ``ray.init()`` joins any Ray instance another process on this machine has recorded in
-    /tmp/ray/ray_current_cluster, and then refuses ``num_cpus``.
-    """
-    sigint = signal.getsignal(signal.SIGINT)  # Tune's driver installs its own and keeps it
-    if ray.is_initialized():
-        ray.shutdown()
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray"))  # keep the checkout off the workers' sys.path
-    try:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            num_gpus=0,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    finally:
-        os.chdir(cwd)
-    ray.cloudpickle.register_pickle_by_value(request.module)
-    yield
-    ray.shutdown()
-    signal.signal(signal.SIGINT, sigint)
+RAY_GPUS = 0  # tests/conftest.py's ray_cluster: 2 CPUs, no GPU
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_cluster"),
+    pytest.mark.xdist_group("ray-b"),
+]
 
 
 def _train_loop(config: dict[str, Any]) -> None:

@@ -22,7 +22,10 @@ import waterwave_hpo as ww  # noqa: E402
 BUDGET = 100  # bytes per logical GPU the leases share in these tests
 
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
+pytestmark = [
+    pytest.mark.usefixtures("ray_cluster"),
+    pytest.mark.xdist_group("ray-b"),
+]  # tests/conftest.py
 
 
 def _intervals_overlap(intervals: list[tuple[float, float]]) -> bool:
@@ -30,8 +33,10 @@ def _intervals_overlap(intervals: list[tuple[float, float]]) -> bool:
     return any(b[0] < a[1] for a, b in itertools.pairwise(ordered))
 
 
-def _rendezvous(directory: str, n: int, timeout_s: float = 5.0) -> None:
-    # Wait (a while) until n trials are running, so "ran at the same time" is not left to luck.
+def _rendezvous(directory: str, n: int, timeout_s: float = 300.0) -> None:
+    # Wait until n trials are running, so "ran at the same time" is not left to luck; a later
+    # trial finds them there at once. On a loaded machine Tune starts the next trial's process
+    # many seconds later: the deadline is only a backstop.
     Path(directory, f"{os.getpid()}-{time.time_ns()}").touch()
     deadline = time.monotonic() + timeout_s
     while len(os.listdir(directory)) < n and time.monotonic() < deadline:
@@ -140,7 +145,7 @@ def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path) -> None:
     grid = tuner.fit()
     assert grid.num_errors == 0
     assert min(r.metrics["training_iteration"] for r in grid) < 8
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 120.0  # the stopped trials' leases expire after 1 s
     while _broker_stats() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _broker_stats() == (0, 0)
@@ -172,36 +177,54 @@ def test_results_and_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> No
 
 
 def _leased_train(config: dict[str, Any]) -> None:
+    meet = Path(config["meet"])
     resources: Any = config["resources"]
     with resources.lease(nbytes=config["nbytes"]) as lease:
         granted = time.time()
-        # Hold the lease until a second trial is on the GPU, beside us or waiting for us.
-        deadline = time.monotonic() + 3.0
+        holding = meet / f"holding-{os.getpid()}"
+        holding.touch()  # after `granted`; removed before `released`: a mate that sees it
+        # knows both leases were held at that moment, however late either process ran.
+        # Hold the lease until a second trial is on the GPU beside us (seen holding) or waits
+        # for our lease, or every other trial has ended. The deadline is only a backstop: on a
+        # loaded machine Tune starts the next trial's process many seconds later.
+        deadline = time.monotonic() + 300.0
         while time.monotonic() < deadline:
-            stats = ww_tune.lease_stats()
-            if stats.n_held + stats.n_waiting >= 2:
+            if any(p != holding for p in meet.glob("holding-*")):
+                break
+            if ww_tune.lease_stats().n_waiting >= 1:
+                break
+            if len(list(meet.glob("done-*"))) >= config["n_trials"] - 1:
                 break
             time.sleep(0.02)
         time.sleep(0.3)
-        tune.report(
-            {
-                "granted": granted,
-                "released": time.time(),
-                "nbytes": lease.nbytes,
-                "budget": lease.budget_bytes,
-                "waited_s": lease.waited_s,
-            }
-        )
+        holding.unlink()
+        released = time.time()  # before the lease goes back: a waiting mate is granted after
+    (meet / f"done-{os.getpid()}").touch()
+    tune.report(
+        {
+            "granted": granted,
+            "released": released,
+            "nbytes": lease.nbytes,
+            "budget": lease.budget_bytes,
+            "waited_s": lease.waited_s,
+        }
+    )
 
 
 @pytest.mark.parametrize(("nbytes", "overlap"), [(60, False), (50, True)])
 def test_memory_leases_keep_co_placed_trials_peaks_apart(
     tmp_path: Path, nbytes: int, overlap: bool
 ) -> None:
+    (tmp_path / "meet").mkdir()
     resources = ww.shared_gpu(trials_per_gpu=2, memory_budget_bytes=BUDGET)
     analysis = tune.run(
         _leased_train,
-        config={"resources": resources, "nbytes": nbytes},
+        config={
+            "resources": resources,
+            "nbytes": nbytes,
+            "meet": str(tmp_path / "meet"),
+            "n_trials": 3,
+        },
         num_samples=3,
         resources_per_trial=resources,
         storage_path=str(tmp_path),

@@ -25,7 +25,8 @@ from waterwave_hpo.integrations.transformers import SharedGPULease  # noqa: E402
 
 import waterwave_hpo as ww  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py: 1 logical GPU
+# tests/conftest.py: 1 logical GPU
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
 
 
 def test_shared_gpu_reads_as_a_resources_per_trial_mapping() -> None:

@@ -18,16 +18,24 @@ from waterwave_hpo.integrations import ray_tune as ww_tune  # noqa: E402
 
 import waterwave_hpo as ww  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/conftest.py
+# tests/conftest.py; this module's xdist worker runs the others of its group on one Ray instance
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
 
 
-def _rendezvous(directory: str, n: int, timeout_s: float = 10.0) -> None:
-    # Wait (a while) until n trials are running, so "ran at the same time" is not left to luck
-    # (Tune starts its trial processes one after another).
+def _rendezvous(directory: str, n: int, timeout_s: float = 300.0) -> None:
+    # Wait until n trials are running, so "ran at the same time" is not left to luck (Tune
+    # starts its trial processes one after another, many seconds apart on a loaded machine:
+    # the deadline is only a backstop); a later trial finds them there at once.
     Path(directory, f"{os.getpid()}-{time.time_ns()}").touch()
     deadline = time.monotonic() + timeout_s
     while len(os.listdir(directory)) < n and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+# A batch waits for its mates this long: they arrive as soon as Tune starts their processes,
+# which on a loaded 2-core machine can be tens of seconds after the first (a shorter wait ran
+# batches of one there).
+FUSE_WAIT_S = 300.0
 
 
 def _train(config: dict[str, Any]) -> None:
@@ -88,7 +96,7 @@ def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path:
             run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
         )
         grid = tuner.fit()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 120.0  # stopped trials end after heartbeat_ttl_s
         while hosts.stats()[0].running and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = hosts.stats()[0]
@@ -155,7 +163,9 @@ def _fused_train(trials: list[Any]) -> None:
 def test_fused_trials_run_as_one_call_in_the_host_and_each_reports_to_tune(
     tmp_path: Path,
 ) -> None:
-    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=10.0) as hosts:
+    with ww.tune_hosts(
+        trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=FUSE_WAIT_S
+    ) as hosts:
         assert hosts.max_concurrent_trials == 2  # one place, a batch of two in it
         analysis = tune.run(
             hosts.wrap(_fused_train),
@@ -183,7 +193,7 @@ def test_asha_stops_one_trial_of_a_fused_batch_and_its_batch_mate_reports_on(
 
     pairs = {1.0: 0, 0.1: 0, 0.9: 1, 0.2: 1}  # a strong and a weak trial in each batch
     with ww.tune_hosts(
-        trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=10.0, heartbeat_ttl_s=5.0
+        trials_per_gpu=1, cpus_per_trial=0.5, fuse=2, fuse_wait_s=FUSE_WAIT_S, heartbeat_ttl_s=5.0
     ) as hosts:
         tuner = tune.Tuner(
             tune.with_resources(
@@ -199,7 +209,7 @@ def test_asha_stops_one_trial_of_a_fused_batch_and_its_batch_mate_reports_on(
             run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
         )
         grid = tuner.fit()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 120.0  # stopped trials end after heartbeat_ttl_s
         while hosts.stats()[0].running and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = hosts.stats()[0]
@@ -232,7 +242,7 @@ def test_the_hosts_go_with_the_with_block() -> None:
         assert len(hosts.stats()) == 1
     with pytest.raises(RuntimeError, match="once the hosts started"):
         _ = hosts.max_concurrent_trials
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 60.0
     while ray.available_resources().get("GPU", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("GPU", 0) == 1  # the host's GPU is given back
