@@ -84,6 +84,24 @@ def test_a_lease_bounds_each_trial_account_and_cupys_pool(
     assert seen == [(1000, 1000), (1000, 1000)]
 
 
+def test_the_default_budget_leaves_torchs_cuda_uninitialised_for_a_later_threads_study(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from waterwave_hpo import memory
+    from waterwave_hpo.host._memory import default_budget_bytes
+    from waterwave_hpo.workers._lease_service import CONTEXT_RESERVE_BYTES
+
+    total = 8 << 30
+    fake = FakeCuda(total_memory=total).install(monkeypatch)
+    leases = DeviceLeases(CUDA0, 2, budget_bytes=None)
+    assert leases.budget_bytes == default_budget_bytes(total) - 2 * CONTEXT_RESERVE_BYTES
+    # The device's size came from the driver, not torch.cuda: torch's allocator is untouched,
+    # so a threads study later in this process (a notebook) still installs the pool.
+    assert fake.events == []
+    memory.use_pool(memory.StreamAwarePool(device=0))
+    assert fake.events == ["pool 0"]
+
+
 def test_without_the_pool_the_lease_is_pytorchs_memory_fraction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -8,6 +8,7 @@ from fakes.cuda_driver import FakeTorchStreamPool
 import pytest
 import torch
 
+from waterwave_hpo.host import _driver
 from waterwave_hpo.host import _streams
 
 
@@ -15,7 +16,7 @@ from waterwave_hpo.host import _streams
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_streams, "_free", {})
     monkeypatch.setattr(_streams, "_in_use", set())
-    monkeypatch.setattr(_streams, "_driver", None)
+    monkeypatch.setattr(_driver, "_driver", None)
     monkeypatch.setattr(torch.cuda, "ExternalStream", FakeExternalStream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 

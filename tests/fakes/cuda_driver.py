@@ -14,9 +14,10 @@ from typing import Any
 
 
 class FakeDriver:
-    """``cuInit``, the primary context, and ``cuStreamCreate``; see the module docstring."""
+    """``cuInit``, ``cuDeviceTotalMem``, the primary context, ``cuStreamCreate`` (module doc)."""
 
-    def __init__(self, fail: dict[str, int] | None = None) -> None:
+    def __init__(self, fail: dict[str, int] | None = None, total_bytes: int = 141 << 30) -> None:
+        self.total_bytes = total_bytes  # every device's memory (cuDeviceTotalMem)
         self.fail = dict(fail or {})
         self.calls: list[str] = []
         self.context = 0  # the calling thread's current context (one thread is enough here)
@@ -38,6 +39,10 @@ class FakeDriver:
     def cuDeviceGet(self, out: Any, ordinal: int) -> int:
         out._obj.value = ordinal
         return self._call("cuDeviceGet")
+
+    def cuDeviceTotalMem_v2(self, out: Any, device: Any) -> int:
+        out._obj.value = self.total_bytes  # needs no context, as the real one
+        return self._call("cuDeviceTotalMem_v2")
 
     def cuDevicePrimaryCtxRetain(self, out: Any, device: Any) -> int:
         out._obj.value = 0xC000 + int(getattr(device, "value", device))

@@ -69,9 +69,14 @@ class FakeCuda:
         self.events.append(f"pool {pool.device}")
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+        from fakes.cuda_driver import FakeDriver
+        from waterwave_hpo.host import _driver
         import waterwave_hpo.memory as memory
 
         cuda = torch.cuda
+        # The driver API (ctypes) answers for the same devices: without this, a machine with a
+        # real driver would report its own GPU's memory beside the fake's.
+        monkeypatch.setattr(_driver, "_driver", FakeDriver(total_bytes=self.total_memory))
         monkeypatch.setattr(cuda, "is_available", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: self.n)
         monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialised)

@@ -33,6 +33,7 @@ from waterwave_hpo.host._device_host import DeviceHost
 from waterwave_hpo.host._device_host import RunSettings
 from waterwave_hpo.host._devices import DeviceSpec
 from waterwave_hpo.host._devices import resolve_devices
+from waterwave_hpo.host._driver import device_total_bytes
 from waterwave_hpo.host._memory import _TRIAL_ACCOUNT as TRIAL_ACCOUNT
 from waterwave_hpo.host._memory import DeviceMemory
 from waterwave_hpo.host._memory import MemoryPoolMode
@@ -107,6 +108,7 @@ __all__ = [
     "check_fuse_matches",
     "check_pool_device",
     "default_budget_bytes",
+    "device_total_bytes",
     "fail_trial",
     "fit_trial_memory",
     "format_traceback",

@@ -16,45 +16,30 @@ import threading
 
 import torch
 
+from waterwave_hpo.host._driver import DriverError
+from waterwave_hpo.host._driver import check
+from waterwave_hpo.host._driver import load_driver
+
 _CU_STREAM_NON_BLOCKING = 0x1
 _lock = threading.Lock()
 _free: dict[int, list[torch.cuda.Stream]] = {}
 _in_use: set[int] = set()
-_driver: ctypes.CDLL | None = None
-
-
-class _DriverError(RuntimeError):
-    pass
-
-
-def _load_driver() -> ctypes.CDLL:
-    global _driver
-    if _driver is None:
-        driver = ctypes.CDLL("libcuda.so.1")
-        _check(driver.cuInit(0), "cuInit")
-        _driver = driver
-    return _driver
-
-
-def _check(result: int, call: str) -> None:
-    if result != 0:
-        raise _DriverError(f"{call} failed with CUresult {result}")
 
 
 def _driver_stream(device: torch.device) -> torch.cuda.Stream:
-    driver = _load_driver()
+    driver = load_driver()
     context = ctypes.c_void_p()
-    _check(driver.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    check(driver.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
     if not context.value:
         handle = ctypes.c_int()
-        _check(driver.cuDeviceGet(ctypes.byref(handle), device.index), "cuDeviceGet")
-        _check(
+        check(driver.cuDeviceGet(ctypes.byref(handle), device.index), "cuDeviceGet")
+        check(
             driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle),
             "cuDevicePrimaryCtxRetain",
         )
-        _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     raw = ctypes.c_void_p()
-    _check(driver.cuStreamCreate(ctypes.byref(raw), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    check(driver.cuStreamCreate(ctypes.byref(raw), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     return torch.cuda.ExternalStream(raw.value, device=device)  # type: ignore[no-untyped-call]
 
 
@@ -91,7 +76,7 @@ def acquire_stream(device: torch.device) -> torch.cuda.Stream:
         else:
             try:
                 stream = _driver_stream(device)
-            except (OSError, AttributeError, _DriverError):
+            except (OSError, AttributeError, DriverError):
                 stream = _pooled_stream(device)
         _in_use.add(stream.cuda_stream)
         return stream

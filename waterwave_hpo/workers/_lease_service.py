@@ -34,6 +34,7 @@ from waterwave_hpo import _checks
 from waterwave_hpo import _experimental
 from waterwave_hpo.host import TRIAL_ACCOUNT as _TRIAL_ACCOUNT
 from waterwave_hpo.host import default_budget_bytes
+from waterwave_hpo.host import device_total_bytes
 from waterwave_hpo.host import is_out_of_memory
 from waterwave_hpo.host import mark_never_fits
 
@@ -62,7 +63,9 @@ class DeviceLeases:
         self.n_slots = n_slots
         if self.enabled:
             if budget_bytes is None:
-                total = int(torch.cuda.get_device_properties(device).total_memory)
+                # From the driver: torch.cuda here would initialise torch's allocator in the
+                # driver process, and a threads study run after this one would lose the pool.
+                total = device_total_bytes(device)
                 budget_bytes = max(
                     default_budget_bytes(total) - n_slots * CONTEXT_RESERVE_BYTES, total // 4
                 )
