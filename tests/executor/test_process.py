@@ -154,6 +154,26 @@ def test_the_exit_reason_names_the_signal_or_the_code() -> None:
     assert exit_reason(3, 7) == "its worker process (pid 7) died: exit code 3"
 
 
+def test_an_executor_dropped_after_its_optimize_raised_ends_its_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def objective(trial: optuna.trial.Trial) -> float:
+        raise KeyError("the objective's bug")
+
+    executor = ww.WaterwaveExecutor("cpu", trials_per_device=2, isolation="process")
+    # No log record of the failure: pytest keeps records, with the error's traceback (so the
+    # executor), until the test ends; a script's handlers keep none.
+    with (
+        caplog.at_level(logging.CRITICAL + 1, "optuna"),
+        caplog.at_level(logging.CRITICAL + 1, "waterwave_hpo"),
+        pytest.raises(KeyError, match="the objective's bug"),
+    ):
+        executor.optimize(optuna.create_study(), objective, n_trials=2)
+    assert _workers()
+    del executor  # never closed: the user dropped it, as after any failed call
+    assert _workers() == []
+
+
 def test_an_objective_that_cannot_be_pickled_is_refused_before_any_trial() -> None:
     lock = threading.Lock()
 

@@ -164,3 +164,7 @@ class Lane:
                 function()
             except Exception:
                 _logger.exception("A worker process's lane failed")
+            # Not kept while the lane waits for more: what the work closes over (a trial's
+            # record, an optimize's error with its traceback, so the executor) would otherwise
+            # outlive it, and a dropped executor's workers with it.
+            del function
