@@ -138,6 +138,9 @@ def test_timeout_stops_starting_trials_and_lets_running_ones_finish(
 class _SlowToStart(ww.WaterwaveExecutor):
     """An executor whose device hosts take a second to start (as worker processes do)."""
 
+    def _hosts_up(self) -> bool:
+        return False  # they start per call, as cold workers or Ray's host actors
+
     def _make_hosts(self, settings):  # type: ignore[no-untyped-def]
         time.sleep(1.0)
         return super()._make_hosts(settings)

@@ -425,6 +425,17 @@ def test_timeout_stops_asking_and_the_running_trial_finishes() -> None:
     assert _states(study) == [TrialState.COMPLETE]
 
 
+def test_a_tiny_timeout_on_warm_workers_runs_a_trial_per_slot_as_optunas_threads() -> None:
+    # Study.optimize's threads check the timeout as they start: optimize(timeout=0.01) runs
+    # a trial on each (Optuna's test_optimize_with_progbar_timeout wants "Best trial: 0"). The
+    # run's own set-up (pickling the objective for the workers) does not count against it.
+    executor = _process(2)
+    executor.optimize(optuna.create_study(), lambda trial: 0.0, n_trials=2)  # warm workers
+    study = optuna.create_study()
+    executor.optimize(study, lambda trial: 0.0, timeout=0.01)
+    assert len(study.trials) >= 2 and _states(study) == [TrialState.COMPLETE] * len(study.trials)
+
+
 def test_timeout_counts_from_the_call_including_the_workers_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -337,6 +337,9 @@ class RayExecutor(WaterwaveExecutor):
             )
         return n_hosts
 
+    def _hosts_up(self) -> bool:
+        return False  # host actors start per optimize call: their start-up counts
+
     def _make_hosts(self, settings: RunSettings) -> Sequence[HostHandle[Any]]:
         ray = import_ray()
         assert self._server is not None

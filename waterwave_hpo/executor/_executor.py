@@ -305,6 +305,20 @@ class WaterwaveExecutor:
                 "memory_pool", memory_pool, "is not one of 'auto', 'on', 'off'", "pass 'auto'"
             ) from None
 
+    def _hosts_up(self) -> bool:
+        """Whether the next ``optimize`` call's hosts need no start-up.
+
+        True for threads, and for worker processes kept from an earlier call on every device;
+        a subclass whose hosts start per call says ``False``. The run's first asks then check
+        its timeout as of the call, as ``Study.optimize``'s threads do; after a start-up, as of
+        its end.
+        """
+        if self.isolation is not Isolation.PROCESS:
+            return True
+        with self._workers_lock:
+            pools = {} if self._workers is None else self._workers.pools
+            return all(str(device) in pools for device in self.devices)
+
     def _make_hosts(self, settings: RunSettings) -> Sequence[HostHandle[Any]]:
         """The device hosts of one ``optimize`` call.
 

@@ -96,6 +96,12 @@ class OptimizeRun:
         self.n_trials = n_trials
         self.timeout_s = timeout_s
         self.callbacks = callbacks
+        # The first round of asks (one per idle slot) checks the timeout as of the call when the
+        # hosts were up already (threads, warm workers), as Study.optimize's threads check it as
+        # they start: optimize(timeout=0.01) runs a trial per slot there, whatever the run's own
+        # set-up took. Hosts that had to start (worker processes, Ray actors) count their
+        # start-up; every later ask checks the clock.
+        self.first_round = executor._hosts_up()
         self.hosts = executor._make_hosts(settings)
         self.hosts_ready_s = time.monotonic() - self.time_start
         self.n_started = 0  # new trials started (not counting OOM re-runs)
@@ -213,6 +219,7 @@ class OptimizeRun:
         # backward jump outside the enclosing try block of the same frame, escaping the handler.
         while True:
             self._dispatch()
+            self.first_round = False
             if not self._running() and not self._may_start():
                 return
             with self.ctrl_c.interruptible():  # Ctrl+C lands here, never in a storage call
@@ -231,8 +238,10 @@ class OptimizeRun:
             return False
         if _optuna_compat.stop_requested(self.study):
             return False
-        if self.timeout_s is not None and time.monotonic() - self.time_start >= self.timeout_s:
-            return False
+        if self.timeout_s is not None:
+            elapsed = 0.0 if self.first_round else time.monotonic() - self.time_start
+            if elapsed >= self.timeout_s:
+                return False
         if self.retries:
             return True
         return self.n_trials is None or self.n_started < self.n_trials
