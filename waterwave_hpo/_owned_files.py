@@ -214,9 +214,9 @@ class OwnedFolder:
             return {"sha256": sha256_of(path), "adopted": True}
         elif legacy is not None:
             problem = (
-                f"is not recorded in {MANIFEST_NAME} and is not a file an earlier version of "
-                "waterwave-hpo wrote, as it wrote it (edited since?): it was not written by "
-                "waterwave-hpo as it is now; nothing was changed"
+                f"was not written by waterwave-hpo: it is not recorded in {MANIFEST_NAME}, and "
+                "it is not a file an earlier version of waterwave-hpo wrote, as it wrote it "
+                "(edited since?); nothing was changed"
             )
         else:
             problem = (
