@@ -59,6 +59,11 @@ def _drive(db: str, timeout_s: float | None, ready_fd: int | None = None) -> opt
     if ready_fd is not None:  # the study is open: the killer's random delay starts now
         os.write(ready_fd, b"1")
     executor = ww.WaterwaveExecutor(devices="cpu", trials_per_device=2, isolation=ISOLATION)
+    if timeout_s is not None and ISOLATION == "process":
+        # The timeout counts from the call, as Study.optimize's, and a new executor's workers
+        # take seconds to start on a loaded machine: start them first, so that a resume runs
+        # trials for its whole timeout.
+        executor.optimize(optuna.create_study(), lambda trial: 0.0, n_trials=2)
     n_trials = None if timeout_s is not None else 10_000  # a driver runs until killed
     executor.optimize(study, _objective, n_trials=n_trials, timeout=timeout_s)
     return study
