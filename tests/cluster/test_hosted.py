@@ -120,6 +120,34 @@ def test_stop_ends_a_running_trial_and_a_waiting_one_never_starts(host: TrialHos
     assert sorted(started) == ["a", "b"]
 
 
+def test_a_stop_that_lands_as_the_trial_takes_the_hosts_lock_leaves_the_lock_free(
+    host: TrialHost,
+) -> None:
+    # The stop is raised in the trial's thread asynchronously (its next bytecode). A thread
+    # blocked on the host's lock in tune.report when it arrives gets it right after taking the
+    # lock: raised inside a Python-level __enter__ (threading.Condition's), the lock was never
+    # released and every later call of the host waited forever (a Ray Tune test hung on it).
+    reporting = threading.Event()
+
+    def reports(config: dict[str, Any]) -> None:
+        while True:
+            reporting.set()
+            tune.report({"score": 1.0})
+
+    host.start("t", reports, {})
+    assert reporting.wait(20.0)
+    with host._cond:  # the trial thread now blocks in tune.report, on the host's lock
+        time.sleep(0.2)
+        host.stop("t")  # raised in it while it waits
+    ended = threading.Event()
+    threading.Thread(target=lambda: (host.stats(), ended.set()), daemon=True).start()
+    assert ended.wait(20.0), "the host's lock was left held by the stopped trial's thread"
+    deadline = time.monotonic() + 20.0
+    while host.stats().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert host.stats().running == 0
+
+
 def test_a_trial_whose_tune_process_stops_polling_is_stopped() -> None:
     host = TrialHost(torch.device("cpu"), 1, heartbeat_ttl_s=0.3)
     try:

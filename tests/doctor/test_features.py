@@ -62,6 +62,20 @@ def test_a_recompute_that_draws_new_dropout_masks_fails_the_plan_check(
         return func(*args, **(kwargs or {}))  # no replay: the recompute's masks are new
 
     monkeypatch.setattr(_rng.RandomReplayer, "__torch_dispatch__", draw_again)
+    # Every unit recomputed, dropout's among them (HOME's search may recompute only units
+    # without random draws: then no mask is drawn again and the numbers rightly agree).
+    import dataclasses
+
+    from waterwave_hpo.planning import PLANNERS
+    from waterwave_hpo.planning._plan import Placement
+
+    pso = PLANNERS["pso"]
+
+    def recompute_all(profile: Any, budget: int, **kwargs: Any) -> Any:
+        found = pso(profile, budget, **kwargs)
+        return dataclasses.replace(found, choices=(Placement.RECOMPUTE,) * len(found.choices))
+
+    monkeypatch.setitem(PLANNERS, "pso", recompute_all)
     result = _features.check_home_plans(CPU)
     assert result.status is CheckStatus.FAIL, result.detail
     assert "states ['COMPLETE', 'COMPLETE']" in result.detail  # it ran; its numbers differ

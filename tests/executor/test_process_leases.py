@@ -5,6 +5,7 @@ driver, and a trial over its lease fails at once, never re-run with fewer neighb
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +35,15 @@ class _Account:
 
     def stats(self) -> Any:
         return SimpleNamespace(peak_allocated_bytes=321)
+
+
+@pytest.fixture(autouse=True)
+def _no_trial_account() -> Iterator[None]:
+    """Each test starts as a worker's trial thread without the pool: no account in its context
+    (an earlier test of this process may have left one in the context variable)."""
+    token = _TRIAL_ACCOUNT.set(None)
+    yield
+    _TRIAL_ACCOUNT.reset(token)
 
 
 def _no_real_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any]]:

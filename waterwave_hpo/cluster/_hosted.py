@@ -186,7 +186,12 @@ class TrialHost:
             plans=memory_plan != "off",
         )
         self.plan_settings = plan_settings(memory_plan, memory_planner)
-        self._cond = threading.Condition()
+        # Taken with `with self._lock` (a C-level lock: acquired and entered in one step), never
+        # `with self._cond`: a stop is raised in a trial's thread asynchronously, and raised in
+        # Condition.__enter__ (Python) right after the lock was taken, it would leave the lock
+        # held for good. The condition, over the same lock, is only waited on and notified.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._trials: dict[str, _Hosted] = {}
         self._numbers = itertools.count()
         self._queue: deque[_Hosted] = deque()
@@ -227,7 +232,7 @@ class TrialHost:
             RuntimeError: If the host is shut down.
             ValueError: If ``key`` is already running or waiting here.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(f"The trial host on {self.device} is shut down.")
             old = self._trials.get(key)
@@ -251,7 +256,7 @@ class TrialHost:
             KeyError: If ``key`` is not known here (never started, or already collected).
         """
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             hosted = self._trials.get(key)
             if hosted is None:
                 raise KeyError(f"No trial {key!r} on the host of {self.device}.")
@@ -274,7 +279,7 @@ class TrialHost:
         its :attr:`TuneBatchTrial.stopped` turns true and its reports are dropped; the batch
         is stopped as above once all its trials are. Unknown keys are ignored.
         """
-        with self._cond:
+        with self._lock:
             hosted = self._trials.pop(key, None)
             if hosted is None:
                 return
@@ -282,7 +287,7 @@ class TrialHost:
 
     def stats(self) -> HostStats:
         """The host's trials now."""
-        with self._cond:
+        with self._lock:
             return HostStats(
                 device=str(self.device),
                 running=self._running,
@@ -293,12 +298,12 @@ class TrialHost:
 
     def load(self) -> int:
         """Trials running or waiting here: the Tune side sends a new trial to the least loaded."""
-        with self._cond:
+        with self._lock:
             return self._running + len(self._queue)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every trial and wait up to ``timeout_s`` for their threads; idempotent."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             for hosted in list(self._trials.values()):
                 self._stop_locked(hosted)
@@ -343,7 +348,7 @@ class TrialHost:
         return mates
 
     def _admit_loop(self) -> None:
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 now = time.monotonic()
                 for hosted in list(self._trials.values()):
@@ -445,7 +450,7 @@ class TrialHost:
                     release_stream(stream)
             for directory in checkpoint_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
-        with self._cond:
+        with self._lock:
             for hosted in members:
                 hosted.events.append(events[hosted.key])
                 hosted.running = False
@@ -475,7 +480,7 @@ class _HostedSeat:
     def enter(self) -> None:
         # A stop is raised in this thread only while in_fn, set and cleared under the lock, so
         # it arrives inside run_attempt's try (at the latest while taking the lock in leave).
-        with self.host._cond:
+        with self.host._lock:
             if all(hosted.stopped for hosted in self.members):
                 raise HostedTrialStopped
             for hosted in self.members:
@@ -488,7 +493,7 @@ class _HostedSeat:
             return self._leave()
 
     def _leave(self) -> int:
-        with self.host._cond:
+        with self.host._lock:
             for hosted in self.members:
                 hosted.in_fn = False
             return max(0, self.host._running - 1)
@@ -604,7 +609,7 @@ class _SessionTrial:
                 return  # dropped out of its fused batch; the batch-mates go on
             raise HostedTrialStopped
         packed = None if checkpoint is None else _ray_compat.pack_checkpoint(checkpoint)
-        with self.host._cond:
+        with self.host._lock:
             self.hosted.events.append(HostedEvent("result", dict(metrics), packed))
             self.host._cond.notify_all()
 

@@ -139,7 +139,11 @@ class PipelineScheduler:
     ) -> None:
         self._ledger = MemoryLedger(budget_bytes)
         self._policy = make_policy(policy)
-        self._cond = threading.Condition(threading.Lock())
+        # `with self._lock` (C-level: taken and entered in one step), never `with self._cond`:
+        # a trial's thread may be interrupted asynchronously (Ctrl+C's clean-up), and raised in
+        # Condition.__enter__ (Python) right after the lock was taken, the lock stays held.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._clock = clock
         self._t0 = clock()
         self._seq = itertools.count()
@@ -171,13 +175,13 @@ class PipelineScheduler:
 
     def held_bytes(self, trial_number: int) -> int:
         """Bytes ``trial_number`` holds in the ledger now (0 if none or unknown)."""
-        with self._cond:
+        with self._lock:
             return self._ledger.held_bytes(trial_number)
 
     @property
     def used_bytes(self) -> int:
         """Bytes reserved in the ledger now, all trials."""
-        with self._cond:
+        with self._lock:
             return self._ledger.used_bytes
 
     def room_bytes(self, trial_number: int) -> int:
@@ -188,7 +192,7 @@ class PipelineScheduler:
         plan for ``trial_number`` may use (``WaterwaveExecutor(memory_plan="home")``). May be
         negative when the others claim more than the budget.
         """
-        with self._cond:
+        with self._lock:
             others = 0
             for n, t in self._trials.items():
                 if n == trial_number or t.evicted:
@@ -203,7 +207,7 @@ class PipelineScheduler:
         What :meth:`admits` assumes for a newcomer, and what ``trials_per_device="auto"``
         simulates (:func:`waterwave_hpo.sim.predict_auto_packing`).
         """
-        with self._cond:
+        with self._lock:
             return max(self._profiles_seen, key=lambda p: p.peak_bytes, default=None)
 
     # ---------------------------------------------------------------- executor side
@@ -215,7 +219,7 @@ class PipelineScheduler:
             trial: The ``optuna.trial.Trial`` (read for its intermediate values, to favour
                 promising trials), or ``None``.
         """
-        with self._cond:
+        with self._lock:
             if trial_number in self._trials:
                 self._finish_locked(trial_number)
             self._finished.pop(trial_number, None)
@@ -227,7 +231,7 @@ class PipelineScheduler:
         Call it after the objective ends for any reason. A request of that trial still
         waiting (another thread of it) raises :class:`BudgetExceededError`.
         """
-        with self._cond:
+        with self._lock:
             if trial_number not in self._trials:
                 return
             self._finish_locked(trial_number)
@@ -246,7 +250,7 @@ class PipelineScheduler:
             and no profile seen yet: ``True`` only if no trial is running (the first trial
             profiles the model; ask again once its gates have declared the profile).
         """
-        with self._cond:
+        with self._lock:
             running = [t for t in self._trials.values() if not t.evicted]
             if profile is None:
                 largest = max(self._profiles_seen, key=lambda p: p.peak_bytes, default=None)
@@ -262,7 +266,7 @@ class PipelineScheduler:
 
     def stats(self) -> SchedulerStats:
         """A snapshot: ledger use and peak, waits per trial, deadlocks resolved."""
-        with self._cond:
+        with self._lock:
             per_trial = dict(self._finished)
             for n, t in self._trials.items():
                 per_trial[n] = t.snapshot(finished=False)
@@ -291,7 +295,7 @@ class PipelineScheduler:
         Raises:
             ValueError: If the trial was not started.
         """
-        with self._cond:
+        with self._lock:
             self._state_locked(trial_number).declare(key, profile)
             self._profiles_seen.append(profile)
             del self._profiles_seen[:-64]
@@ -302,7 +306,7 @@ class PipelineScheduler:
 
         ``False`` for a trial that is not running.
         """
-        with self._cond:
+        with self._lock:
             state = self._trials.get(trial_number)
             return state is not None and key in state.profiles
 
@@ -333,7 +337,7 @@ class PipelineScheduler:
         """
         _checks.check_int("nbytes", nbytes, minimum=0, fix="pass a size in bytes")
         self._maybe_refresh_promise()
-        with self._cond:
+        with self._lock:
             state = self._state_locked(trial_number)
             held = self._ledger.held_bytes(trial_number)
             if state.evicted:
@@ -378,7 +382,7 @@ class PipelineScheduler:
 
         Backward hooks call it from the autograd engine's threads.
         """
-        with self._cond:
+        with self._lock:
             self._drain_deferred_locked()
             if self._ledger.release(reservation.id) is None:
                 return
@@ -568,10 +572,10 @@ class PipelineScheduler:
         if now - self._promise_at < self._promise_refresh_s:
             return
         self._promise_at = now
-        with self._cond:
+        with self._lock:
             trials = {n: t.trial for n, t in self._trials.items() if t.trial is not None}
         promise = _promise_from_studies(trials)
-        with self._cond:
+        with self._lock:
             self._promise = {n: p for n, p in promise.items() if n in self._trials}
 
 

@@ -130,7 +130,11 @@ class PipeLink:
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._posted: list[bytes] = []  # pickled ("post", target, method, args), not sent yet
-        self._messages = threading.Condition()  # guards what follows
+        # Guards what follows; taken as `with self._messages_lock` (C-level: taken and entered in
+        # one step), so that a trial interrupted asynchronously while it takes it cannot leave it
+        # held (raised in Condition.__enter__, Python, right after the lock was taken).
+        self._messages_lock = threading.RLock()
+        self._messages = threading.Condition(self._messages_lock)
         self._reading = False  # a thread is reading the pipe now
         self._answers: dict[int, tuple[bool, Any]] = {}  # read, not yet taken by their caller
         self._requests: deque[tuple[Any, ...]] = deque()  # the driver's, read by a caller
@@ -187,7 +191,7 @@ class PipeLink:
     def _take(self, mine: Callable[[], Any]) -> Any:
         """Wait for what ``mine`` returns (not ``None``), reading the pipe while no one else is."""
         while True:
-            with self._messages:
+            with self._messages_lock:
                 while True:
                     found = mine()
                     if found is not None:
@@ -215,7 +219,7 @@ class PipeLink:
             kind = message[0]
             if kind == "stop":
                 os._exit(0)
-            with self._messages:
+            with self._messages_lock:
                 self._reading = False
                 if kind == "answer":
                     _, call_id, ok, payload = message
