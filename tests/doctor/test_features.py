@@ -6,6 +6,7 @@ not that code ran.
 
 from __future__ import annotations
 
+from pathlib import Path
 import re
 from typing import Any
 
@@ -92,6 +93,22 @@ def test_the_late_path_study_runs_in_a_process_of_its_own() -> None:
     result = _features.late_path_result("cpu")
     assert result.status is CheckStatus.PASS, result.detail
     assert result.figure == float(_features.LATE_TRIALS)
+
+
+def test_the_late_path_process_imports_this_package_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Run from a source checkout with the package installed (not editable), the working
+    # directory's unbuilt tree came first on the child's sys.path (`python -c`). Here the
+    # working directory shadows both the package and torch (an editable install's finder
+    # would still find the package; nothing finds torch before sys.path).
+    for name in ("waterwave_hpo", "torch"):
+        shadow = tmp_path / name
+        shadow.mkdir()
+        (shadow / "__init__.py").write_text(f"raise ImportError('{name} of the checkout')\n")
+    monkeypatch.chdir(tmp_path)
+    result = _features.late_path_result("cpu")
+    assert result.status is CheckStatus.PASS, result.detail
 
 
 def test_a_late_path_process_that_aborts_fails_the_check_with_the_signal(

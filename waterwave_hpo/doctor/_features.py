@@ -660,19 +660,33 @@ def late_path_result(device: str, k: int = LATE_K, n_trials: int = LATE_TRIALS) 
     ``std::terminate``) is a FAIL naming the signal, never the doctor's own end.
     """
     import json
+    import os
+    from pathlib import Path
     import signal
     import subprocess
     import sys
+    import tempfile
 
+    import waterwave_hpo
+
+    # The child imports the package this process runs, wherever it is started from: `-c` puts
+    # the working directory first on sys.path, and in a source checkout that is the unbuilt
+    # tree (no pool library), not the installed package.
+    package_root = str(Path(waterwave_hpo.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     why = ""
     outcome: dict[str, Any] = {}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _LATE_CHILD, device, str(k), str(n_trials)],
-            capture_output=True,
-            text=True,
-            timeout=LATE_TIMEOUT_S,
-        )
+        with tempfile.TemporaryDirectory(prefix="waterwave-doctor-") as cwd:
+            done = subprocess.run(
+                [sys.executable, "-c", _LATE_CHILD, device, str(k), str(n_trials)],
+                capture_output=True,
+                text=True,
+                timeout=LATE_TIMEOUT_S,
+                cwd=cwd,
+                env=env,
+            )
     except subprocess.TimeoutExpired:
         why = f"the study's process did not end within {LATE_TIMEOUT_S:.0f} s"
     else:
