@@ -3,8 +3,9 @@
 ``torch.cuda.get_device_properties`` and every other ``torch.cuda`` query past the device count
 run ``torch.cuda._lazy_init``, which also initialises PyTorch's caching allocator: from then on
 :func:`waterwave_hpo.memory.use_pool` is refused in this process and a threads study run later
-in it gets PyTorch's allocator (the late path, ``docs/memory.md``). The driver API answers the
-same questions without a context (``cuInit`` creates none) and leaves torch untouched.
+in it gets PyTorch's allocator (the late path, ``docs/guide/memory.md``). The driver API
+answers the same questions without a context (``cuInit`` creates none) and leaves torch
+untouched.
 """
 
 from __future__ import annotations
