@@ -468,6 +468,18 @@ class WorkerPool:
             f"(isolation='process'): {first.exit_reason()}"
         ) from error
 
+    def _fail_unstarted(
+        self, index: int, host: ProcessHostHandle, job: TrialJob, worker: Any
+    ) -> None:
+        """Fail ``job`` in slot ``index``'s lane: its worker process could not start."""
+        self.lanes[index].put(
+            lambda: host.lost(
+                list(job.members()),
+                worker.fatal_setup_error,
+                f"its worker process could not start: {worker.exit_reason()}",
+            )
+        )
+
     def submit(self, index: int, host: ProcessHostHandle, job: TrialJob, frozen: bytes) -> None:
         """Hand ``job`` (its trials pickled: ``frozen``) to slot ``index``'s worker; never waits.
 
@@ -477,14 +489,7 @@ class WorkerPool:
         with self._lock:
             worker = self.workers[index]
             if index in self._broken:
-                broken = self._broken[index]
-                self.lanes[index].put(
-                    lambda: host.lost(
-                        list(job.members()),
-                        broken.fatal_setup_error,
-                        f"its worker process could not start: {broken.exit_reason()}",
-                    )
-                )
+                self._fail_unstarted(index, host, job, self._broken[index])
                 return
             if worker is None or worker.dead or worker.retiring or worker.host is not host:
                 self._pending[index] = (host, job, frozen)
@@ -868,13 +873,7 @@ class WorkerPool:
                     self._changed.notify_all()
                     if pending is not None:
                         host, job, _ = pending
-                        self.lanes[index].put(
-                            lambda: host.lost(
-                                list(job.members()),
-                                dead.fatal_setup_error,
-                                f"its worker process could not start: {dead.exit_reason()}",
-                            )
-                        )
+                        self._fail_unstarted(index, host, job, dead)
                     return
         worker = self._start(index)
         bound = self.bound

@@ -41,6 +41,7 @@ Their lives, and the workers':
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import ctypes
 import gc
@@ -178,23 +179,9 @@ class _Zygote:
 
     def serve(self) -> None:
         """Fork, kill and reap on request until the driver ends or stops it. Never returns."""
-        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-        signal.set_wakeup_fd(self.wake_write)
-        watched: list[Any] = [self.sock, self.wake_read]
-        if self.driver_fd is not None:
-            watched.append(self.driver_fd)
-        while True:
-            try:
-                ready, _, _ = select.select(watched, [], [], _POLL_S)
-            except InterruptedError:
-                ready = []
-            if self.driver_fd is not None and self.driver_fd in ready:
+        for ready, driver_gone in _turns(self):
+            if driver_gone:
                 self.end()
-            if self.driver_fd is None and not _alive(self.driver_pid):
-                self.end()
-            if self.wake_read in ready:
-                with contextlib.suppress(OSError):
-                    os.read(self.wake_read, 4096)
             self.reap()
             if self.sock in ready:
                 self.receive()
@@ -402,23 +389,9 @@ class _Template:
 
     def serve(self) -> None:
         """Fork a zygote per request until the driver ends. Never returns."""
-        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-        signal.set_wakeup_fd(self.wake_write)
-        watched: list[Any] = [self.sock, self.wake_read]
-        if self.driver_fd is not None:
-            watched.append(self.driver_fd)
-        while True:
-            try:
-                ready, _, _ = select.select(watched, [], [], _POLL_S)
-            except InterruptedError:
-                ready = []
-            if (self.driver_fd is not None and self.driver_fd in ready) or (
-                self.driver_fd is None and not _alive(self.driver_pid)
-            ):
+        for ready, driver_gone in _turns(self):
+            if driver_gone:
                 os._exit(0)  # each zygote ends its own workers when it sees the driver gone
-            if self.wake_read in ready:
-                with contextlib.suppress(OSError):
-                    os.read(self.wake_read, 4096)
             with contextlib.suppress(ChildProcessError):
                 while os.waitpid(-1, os.WNOHANG)[0] != 0:  # zygotes that ended
                     pass
@@ -472,6 +445,33 @@ class _Template:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _turns(server: Any) -> Iterator[tuple[list[Any], bool]]:
+    """The select loop of a zygote and of the template: per turn, what is ready, driver gone.
+
+    The driver is gone when its pid file descriptor is readable, else when its pid is not alive.
+    ``server`` has ``sock``, ``wake_read``/``wake_write`` (a child's exit wakes the loop through
+    SIGCHLD's wakeup fd, drained here), ``driver_fd`` (or ``None``) and ``driver_pid``.
+    """
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(server.wake_write)
+    watched: list[Any] = [server.sock, server.wake_read]
+    if server.driver_fd is not None:
+        watched.append(server.driver_fd)
+    while True:
+        try:
+            ready, _, _ = select.select(watched, [], [], _POLL_S)
+        except InterruptedError:
+            ready = []
+        if server.driver_fd is not None:
+            driver_gone = server.driver_fd in ready
+        else:
+            driver_gone = not _alive(server.driver_pid)
+        if server.wake_read in ready:
+            with contextlib.suppress(OSError):
+                os.read(server.wake_read, 4096)
+        yield ready, driver_gone
 
 
 def _alive(pid: int) -> bool:
