@@ -7,8 +7,9 @@ becomes its own unit and a group's tests spread over all workers. Here each work
 it has collected, which unit every test belongs to (its ``xdist_group``; else its module's path
 when it uses a class-, module- or package-scoped fixture, which each worker would otherwise
 build again; else the test alone) to a file the controller named, and the controller's
-scheduler (xdist's ``LoadScopeScheduling``: a unit's tests go to one worker, in order, the
-largest units first) reads it.
+scheduler (xdist's ``LoadScopeScheduling``: a unit's tests go to one worker, in order) reads it
+and hands the units out in the collection's order, which ``sort_by_cost`` made the costliest
+first from the durations of the last ``pytest --store-durations`` run (``durations.json``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from typing import Any
 import pytest
 
 _KEY = "waterwave_xdist_scopes"  # workerinput: the file the workers write the units to
+
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Each test's duration in seconds (node id -> setup + call + teardown) from the last
+``pytest --store-durations``: only the order in which units start depends on it."""
+_TYPICAL_S = {"slow": 10.0, "quick": 0.3}  # a test not in DURATIONS (new, renamed)
+_measured: dict[str, float] = {}  # this run's, by node id (the controller's reports)
 
 
 def scope_of(item: pytest.Item) -> str:
@@ -46,6 +53,41 @@ def _shares_a_fixture(item: pytest.Item) -> bool:
         for definitions in info.name2fixturedefs.values()
         if definitions
     )
+
+
+def _durations() -> dict[str, float]:
+    try:
+        data = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def sort_by_cost(items: list[pytest.Item]) -> None:
+    """Order ``items`` by their unit's cost, the costliest unit first, a unit's tests together
+    in their collected order (every worker sorts its collection alike: xdist checks)."""
+    durations = _durations()
+    unit_of = {item.nodeid: scope_of(item) for item in items}
+    cost: dict[str, float] = {}
+    for item in items:
+        typical = _TYPICAL_S["slow" if item.get_closest_marker("slow") else "quick"]
+        unit = unit_of[item.nodeid]
+        cost[unit] = cost.get(unit, 0.0) + durations.get(item.nodeid, typical)
+    index = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(
+        key=lambda item: (-cost[unit_of[item.nodeid]], unit_of[item.nodeid], index[item.nodeid])
+    )
+
+
+def record_duration(report: pytest.TestReport) -> None:
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def store_durations() -> None:
+    """Write this run's durations over the stored ones (tests that did not run keep theirs)."""
+    durations = _durations()
+    durations.update({nodeid: round(s, 2) for nodeid, s in _measured.items()})
+    DURATIONS.write_text(json.dumps(durations, indent=0, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def configure_node(node: Any) -> None:
@@ -75,6 +117,9 @@ def write_scopes(session: pytest.Session) -> None:
 def make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Controller: xdist's scope scheduler over the units the workers wrote."""
     from xdist.scheduler import LoadScopeScheduling
+
+    # Hand units out in the collection's order (sort_by_cost's), not xdist's by test count.
+    config.option.loadscopereorder = False
 
     class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
         _scopes: dict[str, str] | None = None

@@ -19,6 +19,24 @@ import torch
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="write each test's duration (setup + call + teardown, seconds) to "
+        "tests/durations.json, which orders the next runs' units of work (longest first)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts background commands (`pytest &`, `nohup pytest &`)
+    # with SIGINT ignored, and every process they start inherits that: the Ctrl+C tests' children
+    # would never see their SIGINT. Give this process, its xdist workers and every child
+    # Python's own handler, as in a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` (pyproject's addopts): two xdist workers a core, at least 2, at most 8.
 
@@ -39,21 +57,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    # The longest first: xdist hands out the units of several tests first (an xdist_group, a
-    # module with module-scoped fixtures; the largest first), then the single tests in this
-    # order, slow ones first, so that they start while short ones fill the other workers, not
-    # at the end of the run. A unit's tests stay together (its fixtures are built once); Ray's
-    # modules that want the same instance follow each other.
-    first: dict[str, int] = {}
-    for index, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], index)
+    # The longest first (longest-processing-time scheduling): each unit of work (an
+    # xdist_group, a module with module-scoped fixtures, else one test) is costed at its tests'
+    # durations from the last `--store-durations` run (tests/durations.json; a test not there
+    # counts as the typical slow or quick one), and xdist hands units out in that order, so
+    # that the long ones start first and short ones fill the other workers at the end. A
+    # unit's tests stay together, in file order.
+    _xdist_scopes.sort_by_cost(items)
 
-    def order(item: pytest.Item) -> tuple[int, int, int]:
-        if _xdist_scopes.scope_of(item) != item.nodeid:
-            return (0, _ray_gpus(item), first[item.nodeid.split("::")[0]])
-        return (1, item.get_closest_marker("slow") is None, 0)
 
-    items.sort(key=order)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _xdist_scopes.record_duration(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--store-durations") and not hasattr(
+        session.config, "workerinput"
+    ):  # the controller (or a run without xdist), which sees every test's reports
+        _xdist_scopes.store_durations()
 
 
 def pytest_configure_node(node: Any) -> None:  # xdist's controller, per worker
@@ -71,10 +92,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return _xdist_scopes.make_scheduler(config, log)
 
 
-def _ray_gpus(item: pytest.Item) -> int:
-    module = getattr(item, "module", None)
-    return int(getattr(module, "RAY_GPUS", 1)) if "ray_cluster" in item.fixturenames else -1
-
+_OBJECT_STORE_BYTES = 256 * 2**20
 
 # The local Ray instance this pytest process started for ray_cluster, kept for the next module
 # that wants the same one: (num_cpus, num_gpus) and the GCS address it runs at.
@@ -96,6 +114,9 @@ def _start_ray(ray: Any, config: tuple[int, int], workdir: str) -> None:
             address="local",
             num_cpus=config[0],
             num_gpus=config[1],
+            # The tests put little in the object store; Ray's default (30% of the memory)
+            # would be claimed by each of the instances xdist's workers run at once.
+            object_store_memory=_OBJECT_STORE_BYTES,
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
@@ -148,7 +169,8 @@ def ray_cluster(
     already done ``pytest.importorskip("ray")``. Starting Ray takes seconds (tens on a loaded
     2-core machine), so the instance the previous module used is kept when it has the same
     resources and is left as new (no named actor, every CPU and GPU free); otherwise a new one
-    starts. The conftest orders Ray's modules by ``RAY_GPUS``.
+    starts (each module is a unit of xdist's work of its own, so several instances may run at
+    once, each in its own xdist worker).
     """
     import ray
 

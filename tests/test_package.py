@@ -124,6 +124,9 @@ def test_ci_runs_the_readmes_test_command_and_both_commands_pin_a_supported_torc
     [demo_command] = [c for c in commands if c.endswith("waterwave-hpo demo")]
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert test_command in ci.splitlines()  # exactly, as its own line
+    # The README's command leaves the slow tests out (pyproject's addopts); CI runs them too.
+    assert "-m 'not slow'" in (REPO_ROOT / "pyproject.toml").read_text()
+    assert ".venv/bin/pytest -m slow" in ci.splitlines()
     pins = set(re.findall(r'"torch==([0-9.]+)"', test_command + demo_command))
     assert len(pins) == 1, pins  # the demo and the tests install the same torch
     spec = re.search(r'"torch>=([0-9.]+),<([0-9.]+)"', (REPO_ROOT / "pyproject.toml").read_text())

@@ -9,7 +9,7 @@ import waterwave_hpo as ww
 
 pytest.importorskip("ray")
 RAY_GPUS = 0  # tests/conftest.py: the module's local Ray has no GPU
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-b")]
+pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
 
 def test_ray_executor_n_hosts_without_gpus_advises_cpu_hosts_not_a_refused_value() -> None:

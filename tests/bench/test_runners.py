@@ -20,7 +20,13 @@ PARAMS = draw_params(Workload.DIGITS, 3, seed=0)
 
 @pytest.mark.parametrize(
     "method",
-    [m for m in Method if m is not Method.CUDA_MALLOC_ASYNC],
+    [
+        # SPATIAL starts K processes, each importing torch: over 15 s in the suite
+        # (tests/durations.json)
+        pytest.param(m, marks=pytest.mark.slow) if m is Method.SPATIAL else m
+        for m in Method
+        if m is not Method.CUDA_MALLOC_ASYNC
+    ],
 )
 def test_method_runs_every_trial(method: Method) -> None:
     run = run_method(method, SPEC, PARAMS, CPU, k=2, seed=0, capacity_bytes=64 << 20)

@@ -28,7 +28,7 @@ from waterwave_hpo.host._attrs import ATTR_RETRY_OF  # noqa: E402
 from waterwave_hpo.report import max_concurrent_trials  # noqa: E402
 
 RAY_GPUS = 1  # one logical GPU: K host actors share it (tests/conftest.py)
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
+pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
 CRASHING = {2, 5}
 
@@ -47,6 +47,7 @@ def _segfaults_on_some(trial: optuna.trial.Trial) -> float:
     return x * x
 
 
+@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> None:
     study = optuna.create_study()
     executor = RayExecutor(
@@ -79,6 +80,7 @@ def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> No
     assert len({t.user_attrs["pid"] for t in done}) >= 2
 
 
+@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_cpu_hosts_replace_a_crashed_process_too() -> None:
     study = optuna.create_study()
     executor = RayExecutor(n_hosts=1, num_gpus_per_host=0, trials_per_device=2, isolation="process")

@@ -27,7 +27,6 @@ from waterwave_hpo.cluster._storage import StorageServer  # noqa: E402
 RAY_GPUS = 0  # CPU hosts (tests/conftest.py)
 pytestmark = [
     pytest.mark.usefixtures("ray_cluster"),
-    pytest.mark.xdist_group("ray-b"),
 ]  # tests/conftest.py
 
 

@@ -18,7 +18,6 @@ RAY_GPUS = 0  # tests/conftest.py's ray_cluster: 2 CPUs, no GPU
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.usefixtures("ray_cluster"),
-    pytest.mark.xdist_group("ray-b"),
 ]
 
 

@@ -26,7 +26,7 @@ from waterwave_hpo.integrations.transformers import SharedGPULease  # noqa: E402
 import waterwave_hpo as ww  # noqa: E402
 
 # tests/conftest.py: 1 logical GPU
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-a")]
+pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
 
 def test_shared_gpu_reads_as_a_resources_per_trial_mapping() -> None:
@@ -53,6 +53,7 @@ def _train(config: dict[str, Any]) -> None:
     tune.report({"held": stats.n_held, "x": config["x"]})
 
 
+@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_tuner_with_shared_gpu_takes_leases() -> None:
     tuner = tune.Tuner(
         ww_tune.with_shared_gpu(_train, trials_per_gpu=2, cpus_per_trial=0.5),

@@ -12,7 +12,7 @@ tune = pytest.importorskip("ray.tune")
 import waterwave_hpo as ww  # noqa: E402
 
 RAY_GPUS = 0  # tests/conftest.py's ray_cluster: 2 CPUs, no GPU
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray-b")]
+pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
 
 def _train(config: dict[str, Any]) -> None:
