@@ -21,7 +21,7 @@ PARAMS = draw_params(Workload.DIGITS, 3, seed=0)
 @pytest.mark.parametrize(
     "method",
     [
-        # SPATIAL starts K processes, each importing torch: over 15 s in the suite
+        # SPATIAL starts K processes, each importing torch: over 20 s in the suite
         # (tests/durations.json)
         pytest.param(m, marks=pytest.mark.slow) if m is Method.SPATIAL else m
         for m in Method

@@ -66,7 +66,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> Any:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_every_method_and_seed_has_its_fields(bench: Any) -> None:
     data = json.loads((bench.out / "search.json").read_text())
     assert data["command"] == ["test"] and data["cpu_only"] is True

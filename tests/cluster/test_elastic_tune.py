@@ -40,6 +40,20 @@ def results() -> Iterator[dict[str, Any]]:
 N_STEPS = 4
 
 
+def _meet_the_doomed_node(config: dict[str, Any], node: str) -> None:
+    """Each trial marks its node in ``config["meet_in"]``; one elsewhere waits (a backstop
+    long at most) until a trial has started on the node a test removes (``config["hold_on"]``):
+    on a loaded machine that node's host can start after the other's has run every trial, and
+    then no trial would be there to lose."""
+    doomed = config.get("hold_on")
+    if doomed is None:
+        return
+    Path(config["meet_in"], node).touch()
+    deadline = time.monotonic() + BACKSTOP_S
+    while not Path(config["meet_in"], doomed).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _hold_if_doomed(config: dict[str, Any], node: str, step: int) -> None:
     """On the node a test removes (``config["hold_on"]``), a trial that reported its second
     checkpoint goes no further: the removal ends it mid-run however late it comes, so a loaded
@@ -62,6 +76,7 @@ def _train_with_checkpoints(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             start = int(Path(directory, "step.txt").read_text())
     node = ray.get_runtime_context().get_node_id()
+    _meet_the_doomed_node(config, node)
     for step in range(start + 1, N_STEPS + 1):
         _hold_if_doomed(config, node, step)
         time.sleep(config["sleep_s"])
@@ -106,15 +121,19 @@ def _run_tune(
     hold_on: str | None = None,
     **kwargs: Any,
 ) -> Any:
-    """``tune.run`` of ``n_trials``; trials on node ``hold_on`` stop after their second
-    checkpoint until that node is removed (``_hold_if_doomed``)."""
+    """``tune.run`` of ``n_trials``; with ``hold_on``, a trial runs on that node before any
+    goes on elsewhere (``_meet_the_doomed_node``), and trials there stop after their second
+    checkpoint until the node is removed (``_hold_if_doomed``)."""
     from ray import tune
 
+    meet_in = tmp_path / "nodes-with-a-trial"
+    meet_in.mkdir()
     return tune.run(
         trainable,
         config={
             "sleep_s": 0.3,
             "hold_on": hold_on,
+            "meet_in": str(meet_in),
             "i": tune.grid_search(list(range(n_trials))),
         },
         resources_per_trial=resources,
@@ -269,6 +288,8 @@ def _fused_train_with_checkpoints(trials: list[Any]) -> None:
                 start = int(Path(directory, "step.txt").read_text())
         starts.append(start)
     node = ray.get_runtime_context().get_node_id()
+    if len(trials) == 2:
+        _meet_the_doomed_node(trials[0].config, node)
     for step in range(min(starts) + 1, N_STEPS + 1):
         if len(trials) == 2:
             _hold_if_doomed(trials[0].config, node, step)

@@ -47,7 +47,7 @@ def _segfaults_on_some(trial: optuna.trial.Trial) -> float:
     return x * x
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> None:
     study = optuna.create_study()
     executor = RayExecutor(
@@ -80,7 +80,7 @@ def test_a_segfaulting_trial_fails_alone_and_its_slot_gets_a_new_process() -> No
     assert len({t.user_attrs["pid"] for t in done}) >= 2
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_cpu_hosts_replace_a_crashed_process_too() -> None:
     study = optuna.create_study()
     executor = RayExecutor(n_hosts=1, num_gpus_per_host=0, trials_per_device=2, isolation="process")

@@ -53,7 +53,7 @@ def _objective(trial: optuna.trial.Trial) -> float:
     return x * x
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_finishes_a_study_with_the_right_counts_and_states() -> None:
     study = ww.create_study()  # in-memory, on the driver
     executor = RayExecutor(trials_per_device=3)
@@ -196,7 +196,7 @@ def _always_dies(trial: optuna.trial.Trial) -> float:
     os._exit(1)
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_all_hosts_lost_raises_and_leaves_nothing_running() -> None:
     study = optuna.create_study()
     with pytest.raises(AllHostsLostError, match="were lost"):
@@ -211,7 +211,6 @@ def _sleeps(trial: optuna.trial.Trial) -> float:
     return 0.0
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_ctrl_c_tells_every_running_trial_fail_and_stops_the_hosts() -> None:
     import _thread
     import threading
@@ -315,7 +314,7 @@ def test_cpu_hosts_that_cannot_be_placed_time_out_with_the_reason() -> None:
     assert study.trials == []
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_max_devices_asks_the_autoscaler_for_host_bundles_while_hosts_are_full(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -398,7 +397,7 @@ def _fused_planned(trials: list[optuna.trial.Trial]) -> list[float]:
     return [x * x for x in xs]
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_fused_batches_with_memory_plans_run_on_ray_hosts() -> None:
     # fuse=2 and memory_plan="home" on RayExecutor: each host runs whole batches
     # in one call, plans the batch's model as one when it does not fit, and the driver tells
@@ -441,7 +440,7 @@ def _fused_gated_planned(trials: list[optuna.trial.Trial]) -> list[float]:
     return [x * x for x in xs]
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_fused_gated_batches_short_of_memory_run_with_plans_on_ray_hosts() -> None:
     # fuse=2 + ww.pipeline gates + memory_plan="home" on RayExecutor: the batch's
     # gated model does not fit under its gates' claim, so each host plans it as one instead.
@@ -496,7 +495,6 @@ def test_fused_batches_run_under_their_gates_on_ray_hosts() -> None:
     assert first.user_attrs["scheduler_trials"] == [0]  # not the batch-mate
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_trials_start_on_the_first_host_without_waiting_for_hosts_that_cannot_be_placed() -> None:
     # Two logical GPUs but CPUs for one host of 2 CPUs: the study must run on
     # the host that is up, not wait startup_timeout_s (here 600 s) for the other. The bound
@@ -556,7 +554,7 @@ def test_the_driver_tells_each_hosted_trial_so_its_sampler_sees_every_end() -> N
             assert t.values is None or t.value == t.intermediate_values[max(t.intermediate_values)]
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_the_driver_reseeds_its_sampler_once_per_run_as_the_hosts_sample() -> None:
     # The trials sample in the host actors (each reseeds its copy as it opens the run); the
     # driver's sampler only sees before_trial and after_trial: one reseed per optimize call.
@@ -582,7 +580,7 @@ class _RefusesOnHosts(optuna.samplers.RandomSampler):
             raise RuntimeError("this sampler cannot open a trial on a host")
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_a_host_that_cannot_take_a_trial_is_lost_and_nothing_stays_running() -> None:
     # The driver does not wait for a host to take a trial; the host's poller finds the failure.
     study = optuna.create_study(sampler=_RefusesOnHosts(os.getpid()))
@@ -632,7 +630,7 @@ def _first_host_gone(marker: str) -> Any:
     return objective
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_a_live_host_that_is_lost_is_ended_before_its_replacement_runs(tmp_path: Path) -> None:
     # A host lost while its actor lives (it refused a trial) must not keep its process (its GPU
     # share, its memory) beside the host that replaces it.

@@ -640,7 +640,6 @@ threading.Thread(target=run).start()  # a service's or a notebook helper's
 """
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_an_optimize_in_a_thread_the_main_thread_left_runs_every_trial(tmp_path: Path) -> None:
     # The main thread returns at once: the interpreter's exit waits for the thread (it is not
     # a daemon), and the workers must serve it until it ends.

@@ -57,7 +57,6 @@ def _train(config: dict[str, Any]) -> None:
         )
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_shared_gpu_is_a_placement_group_factory_that_pickles() -> None:
     resources = ww.shared_gpu(trials_per_gpu=4, cpus_per_trial=0.5)
     assert isinstance(resources, tune.PlacementGroupFactory)
@@ -69,7 +68,7 @@ def test_shared_gpu_is_a_placement_group_factory_that_pickles() -> None:
     assert ww.shared_gpu(3).bundles[0]["GPU"] * 3 <= 1.0
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_tune_run_packs_two_trials_on_one_logical_gpu(tmp_path: Path) -> None:
     (tmp_path / "rendezvous").mkdir()
     analysis = tune.run(
@@ -91,7 +90,7 @@ def test_tune_run_packs_two_trials_on_one_logical_gpu(tmp_path: Path) -> None:
     assert _intervals_overlap([(r["start"], r["now"]) for r in results])  # 2 at once on it
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_tuner_with_resources_and_asha_stops_trials(tmp_path: Path) -> None:
     from ray.tune.schedulers import ASHAScheduler
 
@@ -129,7 +128,7 @@ def _long_train(config: dict[str, Any]) -> None:
         tune.report({"score": config["x"] * step})
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path) -> None:
     from ray.tune.schedulers import ASHAScheduler
 
@@ -163,7 +162,6 @@ def _checkpointing(config: dict[str, Any]) -> None:
             tune.report({"score": step}, checkpoint=tune.Checkpoint.from_directory(directory))
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_results_and_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> None:
     tuner = tune.Tuner(
         ww_tune.with_shared_gpu(_checkpointing, trials_per_gpu=2, memory_budget_bytes=BUDGET),
@@ -215,7 +213,7 @@ def _leased_train(config: dict[str, Any]) -> None:
     )
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 @pytest.mark.parametrize(("nbytes", "overlap"), [(60, False), (50, True)])
 def test_memory_leases_keep_co_placed_trials_peaks_apart(
     tmp_path: Path, nbytes: int, overlap: bool
@@ -252,7 +250,7 @@ def _fails_for_half(config: dict[str, Any]) -> None:
         tune.report({"score": config["x"] * step})
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_a_failing_trial_fails_alone_and_releases_its_lease(tmp_path: Path) -> None:
     trainable = ww_tune.with_shared_gpu(
         _fails_for_half, trials_per_gpu=2, memory_budget_bytes=BUDGET, memory_per_trial_bytes=50

@@ -53,7 +53,6 @@ def _train(config: dict[str, Any]) -> None:
     tune.report({"held": stats.n_held, "x": config["x"]})
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_tuner_with_shared_gpu_takes_leases() -> None:
     tuner = tune.Tuner(
         ww_tune.with_shared_gpu(_train, trials_per_gpu=2, cpus_per_trial=0.5),

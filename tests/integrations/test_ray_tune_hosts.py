@@ -48,7 +48,7 @@ def _train(config: dict[str, Any]) -> None:
         tune.report({"score": config["x"] * step, "host_pid": pid})
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
     (tmp_path / "rendezvous").mkdir()
     with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5) as hosts:
@@ -75,7 +75,7 @@ def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
     assert stats.peak_running == 2 and stats.finished == 4 and stats.running == 0
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path: Path) -> None:
     from ray.tune.schedulers import ASHAScheduler
 
@@ -125,7 +125,7 @@ def _checkpointing(config: dict[str, Any]) -> None:
             tune.report({"score": step}, checkpoint=tune.Checkpoint.from_directory(directory))
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_checkpoints_land_where_tune_puts_them(tmp_path: Path) -> None:
     with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5) as hosts:
         tuner = tune.Tuner(
@@ -162,7 +162,7 @@ def _fused_train(trials: list[Any]) -> None:
             )
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
+@pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_fused_trials_run_as_one_call_in_the_host_and_each_reports_to_tune(
     tmp_path: Path,
 ) -> None:
@@ -189,7 +189,6 @@ def test_fused_trials_run_as_one_call_in_the_host_and_each_reports_to_tune(
     assert stats.peak_running == 2 and stats.finished == 4 and stats.running == 0
 
 
-@pytest.mark.slow  # over 15 s in the suite (tests/durations.json)
 def test_asha_stops_one_trial_of_a_fused_batch_and_its_batch_mate_reports_on(
     tmp_path: Path,
 ) -> None:
