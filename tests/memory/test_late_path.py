@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import waterwave_hpo as ww
+from waterwave_hpo import _experimental
 from waterwave_hpo.host._memory import MemoryPoolMode
 from waterwave_hpo.host._memory import make_device_memory
 
@@ -137,17 +138,26 @@ def test_memory_pool_on_refuses_the_late_path_with_the_cause_and_the_fix(late: A
         make_device_memory(torch.device("cuda", 0), MemoryPoolMode.ON, None, "fifo", max_trials=2)
 
 
-def test_memory_pool_off_runs_the_late_path_without_a_word(late: Any) -> None:
+def test_memory_pool_off_runs_the_late_path_without_a_word(
+    late: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, pools = late
     torch.cuda._lazy_init()
+    # The CUDA path's ExperimentalWarning comes once per process: forget whether an earlier test
+    # in this worker had it, so the test sees the same warnings whatever ran before it.
+    monkeypatch.setattr(_experimental, "_warned", set())
     study = optuna.create_study()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # any warning fails the test
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ww.WaterwaveExecutor("cuda:0", 2, memory_pool="off").optimize(
             study, _overlapping_objective(study), n_trials=2
         )
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert pools.terminations == []
+    # Nothing about the late path or the pool: only the CUDA path's one experimental notice.
+    assert [(w.category, str(w.message).split(" is experimental")[0]) for w in caught] == [
+        (_experimental.ExperimentalWarning, _experimental.ExperimentalPath.EXECUTOR_CUDA.value)
+    ]
 
 
 def test_before_cuda_starts_the_pool_still_replaces_pytorchs_allocator(late: Any) -> None:
