@@ -18,6 +18,14 @@ import torch
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+# Ray starts its worker processes (every actor: Tune's trials, RayExecutor's hosts, the storage
+# relay) at nice 15 (its `worker_niceness` setting). Beside the suite's other processes, at
+# nice 0, they then get a few percent of a busy core: with two busy loops beside the suite, a
+# host actor took over 120 s to import its modules and the tests waiting on it failed. At nice 0
+# they share the cores as evenly as everything else. Ray reads the setting from the environment
+# of the process that starts its node (ray.init, ray.cluster_utils.Cluster).
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -351,18 +351,26 @@ def test_an_out_of_memory_re_run_keeps_fewer_neighbours_while_it_runs(
     rerun: list[int] = []  # the re-run's trial number (it has trial 0's parameters)
     beside_rerun: list[int] = []  # neighbours seen while the re-run ran
     fresh_done_during_rerun = threading.Semaphore(0)
+    rerun_started = threading.Event()
     pair = threading.Barrier(2, timeout=1.0)
 
     def objective(trial: optuna.trial.Trial) -> float:
         x = trial.suggest_float("x", 0, 1)
+        is_rerun = trial.number > 0 and bool(first_x) and x == first_x[0]
+        if trial.number >= 3 and not is_rerun:
+            # A fresh trial starts only after the re-run (they wait behind it), but the re-run's
+            # thread may reach this objective after it (a loaded machine): wait for it to say so.
+            assert rerun_started.wait(timeout=60)
         with lock:
             if trial.number == 0:
                 first_x.append(x)
-            elif first_x and x == first_x[0]:
+            elif is_rerun:
                 rerun.append(trial.number)
             running.add(trial.number)
             if rerun and rerun[0] in running:
                 beside_rerun.append(len(running) - 1)
+        if is_rerun:
+            rerun_started.set()
         try:
             if trial.number < 3:
                 inside.wait()
@@ -375,7 +383,7 @@ def test_an_out_of_memory_re_run_keeps_fewer_neighbours_while_it_runs(
                     time.sleep(0.01)
             if rerun and trial.number == rerun[0]:  # runs until two fresh trials ended beside it
                 for _ in range(2):
-                    assert fresh_done_during_rerun.acquire(timeout=30)
+                    assert fresh_done_during_rerun.acquire(timeout=60)
             elif rerun and trial.number > rerun[0] and rerun[0] in running:
                 try:  # two fresh trials beside the re-run meet here; one alone goes on after 1 s
                     pair.wait()
