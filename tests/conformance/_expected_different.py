@@ -108,7 +108,9 @@ _CONCURRENT.update(
             "patches optuna.pruners._filter_study (process-wide) inside the objective and asserts "
             "it is not called; with concurrent trials a neighbour's ask (relative sampling) or "
             "tell calls it under HyperbandPruner and hits this trial's mock, as with Optuna's "
-            "n_jobs > 1 (seen at K=4, threads)"
+            "n_jobs > 1 (seen at K=4, threads); two trials' patches that interleave can leave "
+            "the mock installed (mock.patch is not thread-safe), which the plugin undoes after "
+            "the test"
         ),
         _STUDY + "test_optimize_parallel_timeout": (
             "asserts at most timeout / sleep objective calls for Optuna's n_jobs; K trials run "

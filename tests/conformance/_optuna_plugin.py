@@ -35,6 +35,18 @@ _original_optimize = optuna.Study.optimize
 # the previous test left behind (an objective that raised, a stop, an interrupt, a timeout,
 # another storage), as a user's notebook reuses one executor. With threads, an executor per call.
 _executor: ww.WaterwaveExecutor | None = None
+# Process-wide functions that an Optuna test patches from inside its objective
+# (test_hyperband_no_call_of_filter_study_in_should_prune: ``mock.patch`` around each trial's
+# body). ``mock.patch`` is not thread-safe: with K trials at once, one trial's patch can save a
+# neighbour's mock as "the original" and put it back on exit, leaving the mock installed for
+# the rest of the process; every later ``study.tell`` then told the mock, not the storage, and
+# 18 pruner tests failed after it (CI, threads at K=4, on a loaded machine). That test is
+# expected to differ at K > 1 (_expected_different.py); the original is restored after each
+# test so that what it leaves cannot fail the tests that follow, and the test is named.
+_PATCHED_FROM_OBJECTIVES: list[tuple[Any, str, Any]] = [
+    (optuna.pruners, "_filter_study", optuna.pruners._filter_study),
+]
+_restored_after: list[str] = []
 
 
 def _executor_for_this_call() -> ww.WaterwaveExecutor:
@@ -113,6 +125,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         _current_nodeid = None
+        for owner, name, original in _PATCHED_FROM_OBJECTIVES:
+            if getattr(owner, name) is not original:
+                setattr(owner, name, original)
+                _restored_after.append(f"{item.nodeid}: {owner.__name__}.{name}")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -140,6 +156,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 "isolation": _ISOLATION,
                 "outcomes": _outcomes,
                 "reached_optimize": sorted(_reached),
+                "restored_after": _restored_after,
             },
             file,
             indent=1,
