@@ -112,12 +112,16 @@ def test_a_row_past_its_share_is_cut_and_says_so(gb: ModuleType, tmp_path: Path)
     row = gb.Row("small-cnn/light/optuna-nj K=2", "torch", "small-cnn", "light", "optuna-nj", 2)
     plan = {**_plan(gb, [row], time.time() + 60), "steps": 1_000_000}
     # The same row run to its end first (2 trials of 2 steps): the imports and torch's first
-    # steps, which alone took the whole 2 s when this test ran first in its process (or beside
-    # two busy loops), are then behind it, and the cut row's trials make steps within its share.
+    # steps, which alone took a fixed 2 s share when this test ran first in its process, are
+    # then behind it. The share is 3 times what that took (at least 2 s), so that its trials
+    # start and make steps before it ends on a machine as busy as it is now (beside two busy
+    # loops, no trial had started within 2 s).
     warm = gb.Row("small-cnn/light/optuna-nj K=2", "torch", "small-cnn", "light", "optuna-nj", 2)
+    started = time.monotonic()
     gb.run_row(warm, _plan(gb, [warm], time.time() + 600), deadline=time.time() + 600)
     assert warm.completed == 2, warm.note
-    gb.run_row(row, plan, deadline=time.time() + 2.0)  # trials start, then the share ends
+    share_s = max(2.0, 3 * (time.monotonic() - started))
+    gb.run_row(row, plan, deadline=time.time() + share_s)  # trials start, then the share ends
     assert row.status == "cut"
     assert "cut at its share" in row.note
     assert row.completed == 0 and row.failed >= 1
