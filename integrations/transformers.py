@@ -20,6 +20,15 @@ process-wide is handled here (see the user guide, docs/guide/frameworks.md, "Hug
   torch's global generators, which the neighbours draw from: with more than one trial at a
   time it is skipped in the trials (each such search warns); ``full_determinism=True``
   (process-wide deterministic algorithms) is refused.
+- accelerate's ``KwargsHandler.to_kwargs()`` (``Trainer.__init__``, through
+  ``GradientState(gradient_accumulation_plugin)``) builds the handler's defaults inside
+  ``clear_environment()``: it empties ``os.environ`` for the whole process, then puts back the
+  copy it took. Under a neighbour's ``clear_environment`` that copy is empty, and the process
+  lost its environment (``PATH`` included) for good. Each handler class's defaults are built
+  once per process, under a lock, and reused: no trial empties the environment. Its
+  ``is_cuda_available()`` (``Accelerator.free_memory()``, at each ``train()``) sets and pops
+  ``PYTORCH_NVML_BASED_CUDA_CHECK`` around torch's check (``patch_environment``): the trials
+  take turns there, so no interleaving leaves it set or drops the user's own value.
 - ``model_init`` runs one trial at a time (a lock): ``from_pretrained`` patches
   ``torch.nn.init`` and sets torch's default dtype process-wide while it loads.
 - accelerate keeps one device per process (``PartialState().device``): trials run on that one
@@ -31,7 +40,9 @@ Needs the ``frameworks`` extra (``pip install "waterwave-hpo[frameworks]"``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
+import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -49,6 +60,9 @@ from waterwave_hpo.executor import current
 
 try:
     import accelerate.state as _accelerate_state
+    import accelerate.utils.dataclasses as _accelerate_dataclasses
+    import accelerate.utils.environment as _accelerate_environment
+    import accelerate.utils.imports as _accelerate_imports
     import transformers
     import transformers.trainer as _hf_trainer
     from transformers.trainer_callback import TrainerCallback
@@ -73,6 +87,10 @@ _CO_HOSTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 _GUARDS_LOCK = threading.Lock()
 _MODEL_INIT_LOCK = threading.Lock()
+_HANDLER_DEFAULTS_LOCK = threading.Lock()
+_PATCH_ENVIRONMENT_LOCK = threading.RLock()
+_HANDLER_DEFAULTS: dict[type, dict[str, Any]] = {}
+"""Each accelerate ``KwargsHandler`` class's ``to_dict()`` of ``cls()`` in an empty environment."""
 
 
 def hyperparameter_search(
@@ -350,8 +368,69 @@ def _install_guards() -> None:
             _hf_trainer.enable_full_determinism = _guard_full_determinism(
                 _hf_trainer.enable_full_determinism
             )
+        handler = _accelerate_dataclasses.KwargsHandler
+        if not getattr(handler.to_kwargs, "_waterwave_guard", False):
+            handler.to_kwargs = _guard_to_kwargs(handler.to_kwargs)
+        if not getattr(_accelerate_imports.patch_environment, "_waterwave_guard", False):
+            _accelerate_imports.patch_environment = _guard_patch_environment(
+                _accelerate_imports.patch_environment
+            )
+        # The one every Trainer builds, here before the trials start: none empties the
+        # environment then (another handler class's defaults are built once, under the lock).
+        _handler_defaults(_accelerate_dataclasses.GradientAccumulationPlugin)
         if not _accelerate_state.PartialState().initialized:
             _accelerate_state.PartialState()
+
+
+def _handler_defaults(cls: type) -> dict[str, Any]:
+    """``cls().to_dict()`` as accelerate builds it, in an empty environment.
+
+    Built once per process and class, under a lock (accelerate's ``clear_environment``); the
+    same dict after (read, never changed).
+    """
+    with _HANDLER_DEFAULTS_LOCK:
+        defaults = _HANDLER_DEFAULTS.get(cls)
+        if defaults is None:
+            with _accelerate_environment.clear_environment():
+                defaults = cls().to_dict()
+            _HANDLER_DEFAULTS[cls] = defaults
+        return defaults
+
+
+def _guard_to_kwargs(original: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+    """``KwargsHandler.to_kwargs`` of accelerate 1.x (``utils/dataclasses.py``), made safe.
+
+    The fields that differ from the class's defaults, with the defaults from
+    :func:`_handler_defaults` instead of a ``cls()`` built inside ``clear_environment()`` at
+    every call. ``original`` stays reachable as ``__wrapped__``.
+    """
+
+    def to_kwargs(self: Any) -> dict[str, Any]:
+        defaults = _handler_defaults(type(self))
+        return {k: v for k, v in self.to_dict().items() if defaults[k] != v}
+
+    to_kwargs._waterwave_guard = True  # type: ignore[attr-defined]
+    to_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
+    return to_kwargs
+
+
+def _guard_patch_environment(
+    original: Callable[..., contextlib.AbstractContextManager[None]],
+) -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """Accelerate's ``patch_environment``, one thread at a time.
+
+    It sets its keys, then restores or pops them: two interleaved calls leave the first one's
+    value behind (or drop the user's own).
+    """
+
+    @contextlib.contextmanager
+    def patch_environment(**kwargs: Any) -> Iterator[None]:
+        with _PATCH_ENVIRONMENT_LOCK, original(**kwargs):
+            yield
+
+    patch_environment._waterwave_guard = True  # type: ignore[attr-defined]
+    patch_environment.__wrapped__ = original  # type: ignore[attr-defined]
+    return patch_environment
 
 
 def _guard_set_seed(original: Callable[..., None]) -> Callable[..., None]:

@@ -100,6 +100,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return _xdist_scopes.make_scheduler(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """Fails the test that leaves the process without a variable it had, and puts it back.
+
+    A test that drops one (``PATH``, say) breaks the next tests of its xdist worker instead:
+    in CI, accelerate's ``clear_environment`` raced in two co-hosted trials and a later test's
+    g++ could not find ``ld``. ``monkeypatch`` has restored its own changes before this runs.
+    """
+    before = dict(os.environ)
+    yield
+    lost = sorted(set(before) - set(os.environ))
+    if lost:
+        os.environ.update({key: before[key] for key in lost})
+        pytest.fail(
+            f"the test removed {', '.join(lost)} from the process environment (os.environ) "
+            "and left it so; put back here for the tests after it"
+        )
+
+
 _OBJECT_STORE_BYTES = 256 * 2**20
 
 # The local Ray instance this pytest process started for ray_cluster, kept for the next module

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import os
 import threading
 from typing import Any
 
@@ -14,6 +15,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState
+from accelerate.utils.dataclasses import GradientAccumulationPlugin
+from accelerate.utils.dataclasses import KwargsHandler
+from accelerate.utils.dataclasses import TorchDynamoPlugin
 import torch
 from transformers import BertConfig
 from transformers import BertForSequenceClassification
@@ -200,6 +204,71 @@ def test_trials_neither_reset_accelerate_nor_reseed_nor_share_gradient_state(
     # The two trials that met at the barrier trained at once, each with its own GradientState.
     first_two = meet.seen[:2]
     assert first_two[0]["gradient_state"] != first_two[1]["gradient_state"]
+
+
+def test_no_trial_empties_the_process_environment_under_its_neighbours(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Every ``Trainer`` ran accelerate's ``clear_environment()`` (``GradientState``'s
+    ``to_kwargs``): two trials building theirs at once left the process without ``PATH``
+    (CI: a later test's g++ could not find ``ld``). No trial may delete a key the user set,
+    even for a moment, and the search leaves the environment as it found it."""
+    deleted: list[tuple[str, str]] = []
+    environ_type = type(os.environ)
+    original = environ_type.__delitem__
+    main = threading.get_ident()
+
+    def spy(self: Any, key: str) -> None:
+        if threading.get_ident() != main:
+            deleted.append((threading.current_thread().name, key))
+        original(self, key)
+
+    monkeypatch.setattr(environ_type, "__delitem__", spy)
+    before = dict(os.environ)
+    study = optuna.create_study()
+    hyperparameter_search(
+        make_trainer(tmp_path, num_train_epochs=1),
+        hp_space,
+        n_trials=4,
+        executor=executor(),
+        study=study,
+    )
+    assert [t.state for t in study.trials].count(TrialState.FAIL) == 0
+    assert [(name, key) for name, key in deleted if key in before] == []
+    assert dict(os.environ) == before
+
+
+def test_the_guarded_to_kwargs_answers_as_accelerates(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """After a search, each accelerate handler's kwargs are still what accelerate's own
+    ``to_kwargs`` says (its defaults built once in an empty environment), under the user's
+    environment too."""
+    hyperparameter_search(
+        make_trainer(tmp_path, num_train_epochs=1, max_steps=1),
+        hp_space,
+        n_trials=1,
+        executor=executor(1),
+    )
+    guarded = KwargsHandler.to_kwargs
+    accelerates = getattr(guarded, "__wrapped__", None)
+    assert accelerates is not None, "the search installs the guard"
+    cases: list[tuple[Callable[[], Any], dict[str, str], dict[str, Any]]] = [
+        (lambda: GradientAccumulationPlugin(num_steps=4), {}, {"num_steps": 4}),
+        (lambda: GradientAccumulationPlugin(), {}, {}),
+        (lambda: TorchDynamoPlugin(mode="max-autotune"), {}, {"mode": "max-autotune"}),
+        (
+            TorchDynamoPlugin,
+            {"ACCELERATE_DYNAMO_MODE": "reduce-overhead"},
+            {"mode": "reduce-overhead"},
+        ),
+    ]
+    for make, env, expected in cases:
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            handler = make()
+            assert handler.to_kwargs() == accelerates(handler) == expected, (make, env)
 
 
 def test_one_trial_at_a_time_keeps_transformers_seeding(
