@@ -87,7 +87,7 @@ _CO_HOSTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 _GUARDS_LOCK = threading.Lock()
 _MODEL_INIT_LOCK = threading.Lock()
-_HANDLER_DEFAULTS_LOCK = threading.Lock()
+_HANDLER_DEFAULTS_LOCK = threading.RLock()  # a handler built inside may build another
 _PATCH_ENVIRONMENT_LOCK = threading.RLock()
 _HANDLER_DEFAULTS: dict[type, dict[str, Any]] = {}
 """Each accelerate ``KwargsHandler`` class's ``to_dict()`` of ``cls()`` in an empty environment."""

@@ -59,11 +59,12 @@ def test_a_lazy_facade_offers_what_type_checkers_see(name: str) -> None:
 
 
 def test_importing_the_package_or_a_ray_actors_module_imports_no_torch() -> None:
-    """The storage relay's and the memory broker's actors (and the command line) import the
+    """The storage relay's and the memory broker's actors and the command line import the
     package first: before the facade was lazy, that alone imported torch, 3.4 of the 4.3 CPU
     seconds of ``import waterwave_hpo`` on the 2-core VM."""
     probe = (
-        "import sys, waterwave_hpo, waterwave_hpo.cluster._storage, waterwave_hpo.cluster._broker;"
+        "import sys, waterwave_hpo, waterwave_hpo.cluster._storage, waterwave_hpo.cluster._broker,"
+        " waterwave_hpo.cli._main;"
         "print(sorted(m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules))"
     )
     result = subprocess.run(
