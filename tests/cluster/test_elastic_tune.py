@@ -201,7 +201,10 @@ def test_tune_hosts_a_gpu_node_that_joins_gets_trials(
         while len(hosts.stats()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
 
-    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.25) as hosts:
+    # The callback above holds Tune's driver loop (up to 120 s), and with it the trials'
+    # reports: a hosted trial not polled for heartbeat_ttl_s (30 s by default) is
+    # stopped as if its Tune process had died (it did in CI, after a 32 s hold).
+    with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.25, heartbeat_ttl_s=BACKSTOP_S) as hosts:
         analysis = _run_tune(
             tmp_path,
             hosts.wrap(_train_with_checkpoints),

@@ -30,6 +30,12 @@ import optuna
 
 import waterwave_hpo as ww
 
+# The executor (and torch) imported here, before the drivers are forked: a driver's kill delay
+# counts from when it opened the study and must land in its trials, not in its imports
+# (`import waterwave_hpo` imports each name on first use; a chain of ten kills then failed no
+# trial).
+import waterwave_hpo.executor
+
 HEARTBEAT_INTERVAL_S = 1  # as in the crash report this reproduces
 GRACE_PERIOD_S = 2
 # A resume lasts longer than the grace period plus SQLite's one-second heartbeat resolution,
