@@ -16,16 +16,16 @@ from waterwave_hpo.cluster._imports import import_ray
 import_ray()  # fail here, with the install command, when Ray is missing
 
 from waterwave_hpo.cluster._hosted import HostedTrialStopped  # noqa: E402
-from waterwave_hpo.cluster._hosted import HostStats  # noqa: E402
 from waterwave_hpo.cluster._hosted import TuneBatchTrial  # noqa: E402
+from waterwave_hpo.cluster._hosted_events import HostStats  # noqa: E402
 from waterwave_hpo.cluster._shared_gpu import shared_gpu  # noqa: E402
 from waterwave_hpo.cluster._shared_gpu import with_shared_gpu  # noqa: E402
 from waterwave_hpo.cluster._tune import LeaseTimeoutError  # noqa: E402
 from waterwave_hpo.cluster._tune import SharedGPU  # noqa: E402
 from waterwave_hpo.cluster._tune import lease_stats  # noqa: E402
-from waterwave_hpo.cluster._tune_hosts import HostedTrialError  # noqa: E402
 from waterwave_hpo.cluster._tune_hosts import TuneHosts  # noqa: E402
 from waterwave_hpo.cluster._tune_hosts_api import tune_hosts  # noqa: E402
+from waterwave_hpo.cluster._tune_trial import HostedTrialError  # noqa: E402
 from waterwave_hpo.memory._internal import LeaseStats  # noqa: E402
 from waterwave_hpo.memory._internal import MemoryLease  # noqa: E402
 

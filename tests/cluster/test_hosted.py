@@ -18,9 +18,9 @@ from ray.train._internal import session as ray_session
 import torch
 
 import waterwave_hpo as ww
-from waterwave_hpo.cluster._hosted import HostedEvent
 from waterwave_hpo.cluster._hosted import TrialHost
-from waterwave_hpo.cluster._hosted import unpack_directory
+from waterwave_hpo.cluster._hosted_events import HostedEvent
+from waterwave_hpo.cluster._hosted_events import unpack_directory
 
 
 @pytest.fixture
@@ -431,7 +431,7 @@ def test_a_fused_batch_ends_each_trial_alone_or_together() -> None:
 def test_only_trials_of_one_group_share_a_batch_and_checkpoints_stay_each_trials(
     tmp_path: Path,
 ) -> None:
-    from waterwave_hpo.cluster._hosted import pack_directory
+    from waterwave_hpo.cluster._hosted_events import pack_directory
 
     calls: list[list[str]] = []
 

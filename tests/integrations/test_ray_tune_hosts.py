@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import subprocess
+import sys
 import time
 from typing import Any
 import uuid
@@ -13,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 tune = pytest.importorskip("ray.tune")
-
+import torch  # noqa: E402  (only trainables that use it take it to Ray's workers)
 from waterwave_hpo.integrations import ray_tune as ww_tune  # noqa: E402
 
 import waterwave_hpo as ww  # noqa: E402
@@ -48,9 +50,23 @@ def _train(config: dict[str, Any]) -> None:
         tune.report({"score": config["x"] * step, "host_pid": pid})
 
 
+class _TrialProcessLibraries(tune.Callback):
+    """Whether each Tune trial's own process (the ``pid`` of its results) has torch loaded,
+    read from its memory map while it runs."""
+
+    def __init__(self) -> None:
+        self.torch_loaded: dict[int, bool] = {}
+
+    def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        pid = result["pid"]
+        if pid not in self.torch_loaded:
+            self.torch_loaded[pid] = "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
 def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
     (tmp_path / "rendezvous").mkdir()
+    libraries = _TrialProcessLibraries()
     with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5) as hosts:
         assert hosts.n_hosts == 1 and hosts.max_concurrent_trials == 2
         analysis = tune.run(
@@ -63,10 +79,13 @@ def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
             max_concurrent_trials=hosts.max_concurrent_trials,
             storage_path=str(tmp_path),
             verbose=0,
+            callbacks=[libraries],
         )
         stats = hosts.stats()[0]
     trials = analysis.trials
     assert [t.status for t in trials] == ["TERMINATED"] * 4
+    # The trials' own processes relay results: torch is loaded only where the functions run.
+    assert len(libraries.torch_loaded) >= 2 and not any(libraries.torch_loaded.values())
     results = [t.last_result for t in trials]
     assert all(r["training_iteration"] == 4 for r in results)
     assert [r["score"] for r in results] == pytest.approx([4 * t.config["x"] for t in trials])
@@ -249,6 +268,37 @@ def test_the_hosts_go_with_the_with_block() -> None:
     while ray.available_resources().get("GPU", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("GPU", 0) == 1  # the host's GPU is given back
+
+
+def _train_with_torch(config: dict[str, Any]) -> None:
+    tune.report({"norm": float(torch.ones(2).norm())})
+
+
+def test_a_wrapped_trainable_unpickles_without_torch_or_its_module(tmp_path: Path) -> None:
+    # What Tune sends each trial's process: the driver pickled the user's trainable to bytes
+    # only its host unpickles, so the trial's process imports neither torch nor the trainable's
+    # module (this test module, which Ray pickles by value: tests/conftest.py).
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5) as hosts:
+        wrapped = hosts.wrap(_train_with_torch)
+    assert wrapped.__name__ == "_train_with_torch"
+    pickled = tmp_path / "trainable.pkl"
+    pickled.write_bytes(ray.cloudpickle.dumps(wrapped))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys; fn = pickle.loads(open(sys.argv[1], 'rb').read());"
+            "print(fn.__name__, sorted(m for m in ('torch', 'waterwave_hpo.host') if m in "
+            "sys.modules))",
+            str(pickled),
+        ],
+        cwd=tmp_path,  # not the checkout
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_train_with_torch", "[]"]
 
 
 def test_wrap_needs_started_hosts_and_a_function() -> None:

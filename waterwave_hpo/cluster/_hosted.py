@@ -26,12 +26,8 @@ import contextlib
 import ctypes
 from dataclasses import dataclass
 from dataclasses import field
-import io
 import itertools
-from pathlib import Path
 import shutil
-import tarfile
-import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +37,9 @@ from typing import Any
 import torch
 
 from waterwave_hpo.cluster import _ray_compat
+from waterwave_hpo.cluster._hosted_events import HostedEvent
+from waterwave_hpo.cluster._hosted_events import HostStats
+from waterwave_hpo.cluster._hosted_events import unpack_directory
 from waterwave_hpo.host import MemoryPlanMode
 from waterwave_hpo.host import MemoryPoolMode
 from waterwave_hpo.host import TrialPlanning
@@ -67,46 +66,6 @@ class HostedTrialStopped(BaseException):
     A ``BaseException``, like ``KeyboardInterrupt``, so that a training loop's ``except
     Exception`` does not swallow it.
     """
-
-
-@dataclass(frozen=True)
-class HostedEvent:
-    """One thing a hosted trial did, for its Tune trial to replay.
-
-    Attributes:
-        kind: ``"result"`` (a ``tune.report``), ``"done"`` (the function returned) or
-            ``"error"`` (it raised).
-        metrics: The reported metrics (``"result"``).
-        checkpoint: The reported checkpoint directory as a gzipped tar (``"result"``), or
-            ``None``.
-        error: The traceback, as text (``"error"``).
-        out_of_memory: Whether the error was the device running out of memory.
-    """
-
-    kind: str
-    metrics: dict[str, Any] | None = None
-    checkpoint: bytes | None = None
-    error: str | None = None
-    out_of_memory: bool = False
-
-
-@dataclass(frozen=True)
-class HostStats:
-    """One host's trials at one moment.
-
-    Attributes:
-        device: The host's device.
-        running: Trials whose function runs now.
-        waiting: Trials started by Tune that wait for room on the device.
-        peak_running: The most trials that ran at once so far.
-        finished: Trials whose function returned, raised or was stopped.
-    """
-
-    device: str
-    running: int
-    waiting: int
-    peak_running: int
-    finished: int
 
 
 @dataclass
@@ -616,26 +575,3 @@ class _SessionTrial:
     @property
     def loaded_checkpoint(self) -> Any:
         return self.hosted.loaded_checkpoint
-
-
-def pack_directory(path: str | Path) -> bytes:
-    """A directory's files as a gzipped tar (for a checkpoint crossing processes or nodes)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        tar.add(str(path), arcname=".")
-    return buffer.getvalue()
-
-
-def unpack_directory(data: bytes) -> str:
-    """Unpack a checkpoint directory into a new temporary directory.
-
-    Unpack :func:`pack_directory`'s bytes into a new temporary directory; returns its path
-    (the caller removes it).
-    """
-    directory = tempfile.mkdtemp(prefix="waterwave-checkpoint-")
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
-            tar.extractall(directory, filter="data")
-        else:  # pragma: no cover - older patch releases; the tar is our own
-            tar.extractall(directory)
-    return directory

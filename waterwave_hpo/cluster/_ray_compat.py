@@ -12,6 +12,7 @@ from collections.abc import Callable
 import threading
 from typing import Any
 
+from waterwave_hpo.cluster._hosted_events import pack_directory
 from waterwave_hpo.cluster._imports import import_ray
 
 _lock = threading.Lock()
@@ -97,9 +98,7 @@ def uninstall_session(provider: Callable[[], Any]) -> None:
 
 
 def pack_checkpoint(checkpoint: Any) -> bytes:
-    """A ``ray.tune.Checkpoint``'s directory as a gzipped tar (see ``_hosted.pack_directory``)."""
-    from waterwave_hpo.cluster._hosted import pack_directory
-
+    """A ``ray.tune.Checkpoint``'s directory as a gzipped tar (see :func:`pack_directory`)."""
     with checkpoint.as_directory() as directory:
         return pack_directory(directory)
 

@@ -1,7 +1,8 @@
 """``TuneHosts``: Ray Tune trials whose training functions run co-hosted in one actor per GPU.
 
-Imports Ray Tune; see :func:`waterwave_hpo.tune_hosts` for the user-facing entry point and
-:mod:`waterwave_hpo.cluster._hosted` for the host itself.
+Imports Ray Tune; see :func:`waterwave_hpo.tune_hosts` for the user-facing entry point,
+:mod:`waterwave_hpo.cluster._hosted` for the host itself and
+:mod:`waterwave_hpo.cluster._tune_trial` for what runs in each Tune trial's process.
 """
 
 from __future__ import annotations
@@ -10,91 +11,29 @@ from collections import Counter
 from collections.abc import Callable
 from collections.abc import Hashable
 import contextlib
-import functools
 import logging
-import shutil
 import threading
-import time
 from typing import Any
 import uuid
 
-from ray import tune
 from ray.tune import PlacementGroupFactory
 
 from waterwave_hpo import _checks
 from waterwave_hpo.cluster._broker import NAMESPACE
-from waterwave_hpo.cluster._hosted import HostedEvent
-from waterwave_hpo.cluster._hosted import HostStats
-from waterwave_hpo.cluster._hosted import pack_directory
-from waterwave_hpo.cluster._hosted import unpack_directory
+from waterwave_hpo.cluster._hosted_events import HostStats
 from waterwave_hpo.cluster._imports import import_ray
 from waterwave_hpo.cluster._imports import start_ray
 from waterwave_hpo.cluster._nodes import NodeView
 from waterwave_hpo.cluster._nodes import alive_nodes
 from waterwave_hpo.cluster._nodes import describe_error
 from waterwave_hpo.cluster._nodes import interleave
+from waterwave_hpo.cluster._tune_host_actor import TuneHostActor
+from waterwave_hpo.cluster._tune_trial import hosted_trainable
 from waterwave_hpo.host import check_fuse_matches
 from waterwave_hpo.host import is_batched
 
-_POLL_S = 1.0
 _WATCH_S = 1.0
-_LOAD_WAIT_S = 1.0
-_LOAD_TIMEOUT_S = 30.0
 _logger = logging.getLogger("waterwave_hpo")
-
-
-class HostedTrialError(RuntimeError):
-    """Raised in a Tune trial whose function failed inside its trial host.
-
-    Raised in a Tune trial whose function failed inside its trial host; the message carries
-    the function's own traceback. ``out_of_memory`` says whether the device ran out of memory
-    (set ``tune.FailureConfig(max_failures=...)`` to run such a trial again).
-    """
-
-    def __init__(self, message: str, out_of_memory: bool = False) -> None:
-        super().__init__(message)
-        self.out_of_memory = out_of_memory
-
-
-class _TuneHostActor:
-    """The Ray actor: a :class:`~waterwave_hpo.cluster._hosted.TrialHost` on its GPU."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        import ray
-        import torch
-
-        from waterwave_hpo.cluster._hosted import TrialHost
-
-        gpu_ids = ray.get_gpu_ids()
-        device = torch.device("cpu")
-        if gpu_ids and torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            device = torch.device("cuda", 0)  # Ray made this actor's GPU the only one visible
-        self._host = TrialHost(device, **settings)
-
-    def start(
-        self,
-        key: str,
-        fn: Any,
-        config: dict[str, Any],
-        checkpoint: bytes | None,
-        group: str | None = None,
-    ) -> None:
-        self._host.start(key, fn, config, checkpoint, group)
-
-    def poll(self, key: str, timeout_s: float) -> list[HostedEvent]:
-        return self._host.poll(key, timeout_s)
-
-    def stop(self, key: str) -> None:
-        self._host.stop(key)
-
-    def load(self) -> int:
-        return self._host.load()
-
-    def stats(self) -> HostStats:
-        return self._host.stats()
-
-    def shutdown(self) -> None:
-        self._host.shutdown()
 
 
 class TuneHosts:
@@ -123,14 +62,15 @@ class TuneHosts:
     unchanged (checkpoint directories are copied to the Tune trial as gzipped tars, so keep
     them small). A trial Tune stops is stopped in its host at its next ``tune.report``; one
     whose Tune process dies is stopped after ``heartbeat_ttl_s``. A failing function fails its
-    own Tune trial (:class:`HostedTrialError`), never its neighbours.
+    own Tune trial (:class:`~waterwave_hpo.cluster._tune_trial.HostedTrialError`), never its
+    neighbours.
 
     The hosts follow the cluster: each is placed on its node (one per GPU), a host that does
     not start is a warning naming its node (an error only when none starts), a GPU node that
     joins while the ``with`` block runs gets hosts (all its GPUs with ``n_hosts=None``, else
     while fewer than ``n_hosts`` are alive), and a trial picks the least loaded host that
     answers when it starts, so it never waits on a node that is gone. A trial whose host is
-    lost fails with :class:`HostedTrialError` saying so; with
+    lost fails with :class:`~waterwave_hpo.cluster._tune_trial.HostedTrialError` saying so; with
     ``tune.FailureConfig(max_failures=...)`` Tune runs it again in another host, from its last
     checkpoint. Hosts that join add room, but ``max_concurrent_trials`` stays what was passed
     to Tune: pass a larger value to let Tune start more trials when nodes join.
@@ -291,7 +231,7 @@ class TuneHosts:
         with self._lock:
             name = f"{self._prefix}{len(self._actors)}"
             self._actors[name] = (
-                ray.remote(_TuneHostActor)
+                ray.remote(TuneHostActor)
                 .options(
                     name=name,
                     namespace=NAMESPACE,
@@ -370,7 +310,8 @@ class TuneHosts:
 
         Raises:
             TypeError: If ``trainable`` is a class (only function trainables are hosted), is
-                not batched while ``fuse`` is set, or ``batch_key`` is not callable.
+                not batched while ``fuse`` is set, cannot be pickled (it is sent to the hosts
+                as ``ray.cloudpickle`` bytes), or ``batch_key`` is not callable.
             ValueError: If ``trainable`` is batched while ``fuse`` is not set.
             RuntimeError: Before ``__enter__`` (no hosts yet).
         """
@@ -395,117 +336,22 @@ class TuneHosts:
             raise RuntimeError(
                 "wrap() needs started hosts: call it inside `with ww.tune_hosts(...) as hosts:`."
             )
-        prefix = self._prefix
-        token = uuid.uuid4().hex[:12]  # this wrap's trials share batches only with each other
-
-        @functools.wraps(trainable)
-        def hosted(config: dict[str, Any]) -> None:
-            group = None
-            if is_batched(trainable):
-                group = f"{token}/{'' if batch_key is None else repr(batch_key(config))}"
-            _run_in_host(prefix, trainable, config, group)
-
-        return hosted
-
-
-def _run_in_host(
-    prefix: str, fn: Callable[[Any], Any], config: dict[str, Any], group: str | None = None
-) -> None:
-    """The Tune trial's side: start ``fn`` in the least loaded alive host and replay its events.
-
-    Hosts are found by name (``prefix`` + index) when the trial starts, so that hosts started
-    on nodes that joined are used and hosts lost with their node are skipped.
-
-    Raises:
-        HostedTrialError: If ``fn`` failed in its host, its host was lost (Tune runs the trial
-            again, from its last checkpoint, under ``tune.FailureConfig(max_failures=...)``), or
-            no host is alive.
-    """
-    import ray
-
-    host, where = _least_loaded_host(prefix)
-    # Unique per run of the function: Tune may reuse a trial's process, or run a trial again.
-    key = f"{tune.get_context().get_trial_id()}/{uuid.uuid4().hex[:12]}"
-    checkpoint = tune.get_checkpoint()
-    packed = None
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            packed = pack_directory(directory)
-    finished = False
-    try:
-        ray.get(host.start.remote(key, fn, config, packed, group))
-        while not finished:
-            for event in ray.get(host.poll.remote(key, _POLL_S)):
-                if event.kind == "result":
-                    _report(event)
-                    continue
-                finished = True
-                if event.kind == "error":
-                    raise HostedTrialError(
-                        f"The trial's function failed in its waterwave-hpo host:\n{event.error}",
-                        out_of_memory=event.out_of_memory,
-                    )
-    except ray.exceptions.RayActorError as error:
-        finished = True  # nothing to stop: the host is gone
-        raise HostedTrialError(
-            f"The trial's waterwave-hpo host {where} was lost ({describe_error(error)}). Set "
-            "tune.FailureConfig(max_failures=...) to run the trial again, from its last "
-            "checkpoint, in another host."
-        ) from None
-    finally:
-        if not finished:  # Tune stopped this trial (report raised SystemExit) or it failed here
-            with contextlib.suppress(Exception):
-                host.stop.remote(key)
-
-
-def _least_loaded_host(prefix: str) -> tuple[Any, str]:
-    """The alive host of this run with the fewest trials, and its name.
-
-    Raises:
-        HostedTrialError: If no host of this run answers.
-    """
-    import ray
-
-    names = sorted(
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
-    )
-    asked: dict[Any, tuple[str, Any]] = {}  # the load() ref -> (name, handle)
-    for name in names:
-        with contextlib.suppress(ValueError):  # its name is gone: the host died
-            host = ray.get_actor(name, namespace=NAMESPACE)
-            asked[host.load.remote()] = (name, host)
-    # The hosts that answer within _LOAD_WAIT_S; a host still starting, or on a node that is
-    # gone, is not waited on, unless none answers (then up to _LOAD_TIMEOUT_S for the first).
-    candidates: list[tuple[int, str, Any]] = []
-    deadline = time.monotonic() + _LOAD_TIMEOUT_S
-    waiting = list(asked)
-    while waiting and not candidates and time.monotonic() < deadline:
-        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=_LOAD_WAIT_S)
-        for ref in ready:
-            with contextlib.suppress(ray.exceptions.RayActorError):
-                candidates.append((ray.get(ref), *asked[ref]))
-    if not candidates:
-        raise HostedTrialError(
-            f"No waterwave-hpo trial host of this run is alive ({len(names)} named "
-            f"{prefix}*, none answering). Their GPU nodes may have left the cluster; run the "
-            "trials again when GPU nodes are back."
+        try:
+            payload = import_ray().cloudpickle.dumps(trainable)
+        except Exception as error:
+            raise TypeError(
+                f"trainable={trainable!r} cannot be pickled ({type(error).__name__}: {error}); "
+                "its host runs it in another process: capture no locks, files or sockets in "
+                "it (pass data with tune.with_parameters or through its config instead)."
+            ) from error
+        return hosted_trainable(
+            getattr(trainable, "__name__", type(trainable).__name__),
+            payload,
+            self._prefix,
+            # this wrap's trials share batches only with each other
+            uuid.uuid4().hex[:12] if is_batched(trainable) else None,
+            batch_key,
         )
-    _, name, host = min(candidates, key=lambda candidate: candidate[0])
-    return host, name
-
-
-def _report(event: HostedEvent) -> None:
-    assert event.metrics is not None
-    if event.checkpoint is None:
-        tune.report(event.metrics)
-        return
-    directory = unpack_directory(event.checkpoint)
-    try:
-        tune.report(event.metrics, checkpoint=tune.Checkpoint.from_directory(directory))
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _gpus(node: NodeView) -> int:
