@@ -25,6 +25,13 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 # they share the cores as evenly as everything else. Ray reads the setting from the environment
 # of the process that starts its node (ray.init, ray.cluster_utils.Cluster).
 os.environ.setdefault("RAY_worker_niceness", "0")
+# No worker processes started ahead of need: by default each node starts one per CPU when the
+# first driver connects, and keeps idle ones up to its CPU count. In the suite most never ran
+# anything (14 of 243 in the quick and slow runs on 2026-11-29), and an idle worker still takes
+# about 1% of a core (0.45 CPU-s in 40 s on the 2-core VM): with an instance per xdist worker,
+# booting and idling them cost more than the second a first actor now waits for its process.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
