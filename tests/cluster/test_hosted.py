@@ -169,6 +169,29 @@ def test_a_trial_whose_tune_process_stops_polling_is_stopped() -> None:
         host.shutdown()
 
 
+def test_a_touched_trial_outlives_its_heartbeat_and_its_events_wait_for_the_poll() -> None:
+    # What its Tune process does while Tune's driver is slow to take a result: it touches the
+    # trial instead of polling; the host keeps it, with its events, past heartbeat_ttl_s.
+    host = TrialHost(torch.device("cpu"), 1, heartbeat_ttl_s=0.3)
+    try:
+
+        def short(config: dict[str, Any]) -> None:
+            for step in range(3):
+                tune.report({"step": step})
+
+        host.start("slow-driver", short, {})
+        deadline = time.monotonic() + 1.5  # five heartbeats' worth, not one poll
+        while time.monotonic() < deadline:
+            assert host.touch("slow-driver")
+            time.sleep(0.05)
+        events = _collect(host, "slow-driver")
+        assert [e.kind for e in events] == ["result", "result", "result", "done"]
+        assert host.touch("slow-driver") is False  # collected: unknown from now on
+        assert host.touch("never-started") is False
+    finally:
+        host.shutdown()
+
+
 def test_checkpoints_travel_both_ways(host: TrialHost, tmp_path: Path) -> None:
     def saves(config: dict[str, Any]) -> None:
         loaded = tune.get_checkpoint()

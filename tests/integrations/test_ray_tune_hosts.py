@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 import uuid
@@ -248,6 +249,40 @@ def test_asha_stops_one_trial_of_a_fused_batch_and_its_batch_mate_reports_on(
     assert stats.running == 0 and stats.waiting == 0  # the batches ended in the host too
 
 
+class _SlowDriver(tune.Callback):
+    """Holds Tune's driver loop on a trial's first result, as a slow callback or a checkpoint
+    upload does: meanwhile the trial's process waits in ``tune.report``."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.held = False
+
+    def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        if not self.held:
+            self.held = True
+            time.sleep(self.hold_s)
+
+
+def test_a_trial_outlives_a_driver_slower_than_its_heartbeat(tmp_path: Path) -> None:
+    # The host stops a trial that nothing kept alive for heartbeat_ttl_s; the driver holds its
+    # loop four times that long, and the trial's process keeps it alive meanwhile.
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5, heartbeat_ttl_s=2.0) as hosts:
+        analysis = tune.run(
+            hosts.wrap(_train),
+            config={"x": 0.5, "steps": 3},
+            resources_per_trial=hosts.resources,
+            callbacks=[_SlowDriver(hold_s=8.0)],
+            storage_path=str(tmp_path),
+            verbose=0,
+            raise_on_failed_trial=False,
+        )
+    (trial,) = analysis.trials
+    error_file = getattr(trial, "error_file", None)
+    assert trial.status == "TERMINATED", error_file and Path(error_file).read_text()[-2000:]
+    assert trial.last_result["training_iteration"] == 3
+    assert trial.last_result["score"] == pytest.approx(1.5)
+
+
 def test_wrap_checks_fuse_against_the_trainable() -> None:
     with ww.tune_hosts(trials_per_gpu=1, fuse=2) as hosts:
         with pytest.raises(TypeError, match=r"trainable=.*a batched trainable, since fuse=2"):
@@ -274,12 +309,20 @@ def _train_with_torch(config: dict[str, Any]) -> None:
     tune.report({"norm": float(torch.ones(2).norm())})
 
 
-def test_a_wrapped_trainable_unpickles_without_torch_or_its_module(tmp_path: Path) -> None:
+def test_wrap_pickles_the_trainable_for_the_hosts_alone(tmp_path: Path) -> None:
     # What Tune sends each trial's process: the driver pickled the user's trainable to bytes
     # only its host unpickles, so the trial's process imports neither torch nor the trainable's
     # module (this test module, which Ray pickles by value: tests/conftest.py).
+    lock = threading.Lock()
+
+    def holds_a_lock(config: dict[str, Any]) -> None:
+        with lock:
+            tune.report({"x": config["x"]})
+
     with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5) as hosts:
         wrapped = hosts.wrap(_train_with_torch)
+        with pytest.raises(TypeError, match=r"trainable=.*holds_a_lock.* cannot be pickled"):
+            hosts.wrap(holds_a_lock)
     assert wrapped.__name__ == "_train_with_torch"
     pickled = tmp_path / "trainable.pkl"
     pickled.write_bytes(ray.cloudpickle.dumps(wrapped))

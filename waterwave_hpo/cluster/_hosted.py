@@ -105,7 +105,8 @@ class TrialHost:
         memory_budget_bytes: The scheduler's budget; ``None``: the pool's capacity on CUDA, no
             scheduler on the CPU.
         memory_pool: ``"auto"``, ``"on"`` or ``"off"``, as the executor's.
-        heartbeat_ttl_s: A trial whose Tune process has not polled for this long is stopped.
+        heartbeat_ttl_s: A trial whose Tune process has neither polled nor touched it (see
+            :meth:`touch`) for this long is stopped: that process is gone.
         memory_plan, memory_planner: As for ``WaterwaveExecutor``: each hosted trial's
             attempt gets its own memory planning, which ``fit_trial_memory`` reads.
         fuse: ``None``: one trial per call. ``K >= 1``: a batched trainable
@@ -228,6 +229,23 @@ class TrialHost:
             if any(e.kind != "result" for e in events):
                 del self._trials[key]
             return events
+
+    def touch(self, key: str) -> bool:
+        """Keep trial ``key`` alive (see ``heartbeat_ttl_s``) without collecting its events.
+
+        Sent by its Tune process while it waits in ``tune.report``: Tune's driver may take
+        longer than ``heartbeat_ttl_s`` to take a result (a slow callback, a checkpoint upload),
+        and the trial's process is alive meanwhile.
+
+        Returns:
+            Whether the trial is known here (``False``: collected, stopped or never started).
+        """
+        with self._lock:
+            hosted = self._trials.get(key)
+            if hosted is None:
+                return False
+            hosted.last_seen = time.monotonic()
+            return True
 
     def stop(self, key: str) -> None:
         """Stop trial ``key``.

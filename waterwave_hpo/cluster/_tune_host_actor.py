@@ -52,6 +52,9 @@ class TuneHostActor:
     def poll(self, key: str, timeout_s: float) -> list[HostedEvent]:
         return self._host.poll(key, timeout_s)
 
+    def touch(self, key: str) -> bool:
+        return self._host.touch(key)
+
     def stop(self, key: str) -> None:
         self._host.stop(key)
 

@@ -61,7 +61,8 @@ class TuneHosts:
     Tune's schedulers (ASHA, PBT), searchers, stoppers, result files and checkpoints work
     unchanged (checkpoint directories are copied to the Tune trial as gzipped tars, so keep
     them small). A trial Tune stops is stopped in its host at its next ``tune.report``; one
-    whose Tune process dies is stopped after ``heartbeat_ttl_s``. A failing function fails its
+    whose Tune process dies (or stops: nothing keeps its trial alive) is stopped after
+    ``heartbeat_ttl_s``. A failing function fails its
     own Tune trial (:class:`~waterwave_hpo.cluster._tune_trial.HostedTrialError`), never its
     neighbours.
 
@@ -351,6 +352,7 @@ class TuneHosts:
             # this wrap's trials share batches only with each other
             uuid.uuid4().hex[:12] if is_batched(trainable) else None,
             batch_key,
+            self._host_settings["heartbeat_ttl_s"],
         )
 
 

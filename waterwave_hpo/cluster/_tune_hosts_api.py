@@ -55,8 +55,9 @@ def tune_hosts(
         memory_budget_bytes: Each GPU's scheduler budget in bytes (> 0); ``None``: the pool's
             capacity on CUDA, no scheduler on the CPU.
         memory_pool: ``"auto"``, ``"on"`` or ``"off"`` (the stream-aware pool on CUDA).
-        heartbeat_ttl_s: Seconds after which a hosted trial whose Tune process stopped polling
-            is stopped (> 0).
+        heartbeat_ttl_s: Seconds after which a hosted trial whose Tune process is gone (or
+            stopped: it sends a heartbeat every quarter of this, also while Tune's driver is
+            slow to take its results) is stopped in its host (> 0).
         n_hosts: Host actors to start (>= 1); ``None``: one per GPU in the cluster.
         memory_plan: ``"off"`` or ``"home"``, as for :class:`~waterwave_hpo.WaterwaveExecutor`:
             with ``"home"``, a model a trial registers with

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from collections.abc import Hashable
 import contextlib
 import shutil
+import threading
 import time
 from typing import Any
 import uuid
@@ -52,6 +53,7 @@ def hosted_trainable(
     prefix: str,
     fusion_token: str | None,
     batch_key: Callable[[dict[str, Any]], Hashable] | None,
+    heartbeat_ttl_s: float,
 ) -> Callable[[dict[str, Any]], None]:
     """The function trainable Tune runs for ``TuneHosts.wrap``: it runs the trainable in a host.
 
@@ -64,6 +66,8 @@ def hosted_trainable(
             batches only with each other; ``None`` for a trainable run one trial per call.
         batch_key: With a batched trainable, trials whose configs give equal keys may share a
             batch; ``None``: any of this wrap's trials may.
+        heartbeat_ttl_s: The hosts' ``heartbeat_ttl_s`` (seconds): the trial's process keeps
+            its trial alive in the host at a quarter of it.
     """
 
     def hosted(config: dict[str, Any]) -> None:
@@ -71,24 +75,31 @@ def hosted_trainable(
         if fusion_token is not None:
             key = "" if batch_key is None else repr(batch_key(config))
             group = f"{fusion_token}/{key}"
-        run_in_host(prefix, payload, config, group)
+        run_in_host(prefix, payload, config, group, heartbeat_ttl_s)
 
     hosted.__name__ = hosted.__qualname__ = name
     return hosted
 
 
 def run_in_host(
-    prefix: str, payload: bytes, config: dict[str, Any], group: str | None = None
+    prefix: str,
+    payload: bytes,
+    config: dict[str, Any],
+    group: str | None = None,
+    heartbeat_ttl_s: float = 30.0,
 ) -> None:
     """Start the pickled trainable in the least loaded alive host and replay its events.
 
     Hosts are found by name (``prefix`` + index) when the trial starts, so that hosts started
-    on nodes that joined are used and hosts lost with their node are skipped.
+    on nodes that joined are used and hosts lost with their node are skipped. While this
+    process waits in ``tune.report`` (Tune's driver takes each result in its own time), a
+    thread keeps the trial alive in its host every ``heartbeat_ttl_s / 4`` seconds: the host
+    stops only the trials whose process is gone.
 
     Raises:
         HostedTrialError: If the function failed in its host, its host was lost (Tune runs the
             trial again, from its last checkpoint, under ``tune.FailureConfig(max_failures=...)``),
-            or no host is alive.
+            no host is alive, or the host stopped the trial for want of a heartbeat.
     """
     import ray
 
@@ -101,10 +112,28 @@ def run_in_host(
         with checkpoint.as_directory() as directory:
             packed = pack_directory(directory)
     finished = False
+    beating = threading.Event()
+    heart = threading.Thread(
+        target=_heartbeat,
+        args=(host, key, heartbeat_ttl_s / 4, beating),
+        name=f"waterwave-tune-heartbeat-{key}",
+        daemon=True,
+    )
     try:
         ray.get(host.start.remote(key, payload, config, packed, group))
+        heart.start()
         while not finished:
-            for event in ray.get(host.poll.remote(key, _POLL_S)):
+            try:
+                events = ray.get(host.poll.remote(key, _POLL_S))
+            except KeyError:  # Ray's error for the host's KeyError is one too
+                finished = True  # the host no longer has it: nothing to stop
+                raise HostedTrialError(
+                    f"The trial's waterwave-hpo host {where} stopped it: nothing kept it alive "
+                    f"for heartbeat_ttl_s={heartbeat_ttl_s:g} s, as when this trial's process "
+                    "is stopped (a debugger, SIGSTOP, a machine under extreme load). Raise "
+                    "ww.tune_hosts(heartbeat_ttl_s=...) if that is expected."
+                ) from None
+            for event in events:
                 if event.kind == "result":
                     _report(event)
                     continue
@@ -122,9 +151,17 @@ def run_in_host(
             "checkpoint, in another host."
         ) from None
     finally:
+        beating.set()
         if not finished:  # Tune stopped this trial (report raised SystemExit) or it failed here
             with contextlib.suppress(Exception):
                 host.stop.remote(key)
+
+
+def _heartbeat(host: Any, key: str, every_s: float, done: threading.Event) -> None:
+    """Touch trial ``key`` in its host every ``every_s`` seconds until ``done`` is set."""
+    while not done.wait(every_s):
+        with contextlib.suppress(Exception):  # the host is gone: the poll says so
+            host.touch.remote(key)
 
 
 def _least_loaded_host(prefix: str) -> tuple[Any, str]:
