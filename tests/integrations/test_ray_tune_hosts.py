@@ -265,13 +265,14 @@ class _SlowDriver(tune.Callback):
 
 def test_a_trial_outlives_a_driver_slower_than_its_heartbeat(tmp_path: Path) -> None:
     # The host stops a trial that nothing kept alive for heartbeat_ttl_s; the driver holds its
-    # loop four times that long, and the trial's process keeps it alive meanwhile.
-    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5, heartbeat_ttl_s=2.0) as hosts:
+    # loop three times that long, and the trial's process keeps it alive meanwhile (four
+    # heartbeats per TTL: one late on a loaded machine does not lose it).
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.5, heartbeat_ttl_s=5.0) as hosts:
         analysis = tune.run(
             hosts.wrap(_train),
             config={"x": 0.5, "steps": 3},
             resources_per_trial=hosts.resources,
-            callbacks=[_SlowDriver(hold_s=8.0)],
+            callbacks=[_SlowDriver(hold_s=15.0)],
             storage_path=str(tmp_path),
             verbose=0,
             raise_on_failed_trial=False,
