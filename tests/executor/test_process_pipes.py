@@ -345,6 +345,9 @@ os._exit(0)
 """
 
 
+_FAKE_WORKERS_BACKSTOP_S = 600.0  # past the sum of the script's own deadlines (390 s)
+
+
 def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_worker(
     tmp_path: Path,
 ) -> None:
@@ -353,14 +356,20 @@ def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_
     # it, as a message it cannot read, and serves the others. A send larger than the pipe's
     # buffer to a worker that does not read never blocks the sender nor the manager. A worker
     # killed before it warms up is started again a few times, then its slot is given up.
-    done = subprocess.run(
-        [sys.executable, "-c", _FAKE_WORKERS],
-        capture_output=True,
-        text=True,
-        timeout=_WAIT_S + 60,
-        check=False,
-        cwd=tmp_path,  # `-c` puts the working directory first: not the source checkout
-    )
+    # Each step of the script waits on its condition with a deadline of its own (390 s in
+    # all); this bound only turns a hang past all of them into a failure that shows how far
+    # the script got (beside two busy loops, the steps took over 180 s in all once).
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _FAKE_WORKERS],
+            capture_output=True,
+            text=True,
+            timeout=_FAKE_WORKERS_BACKSTOP_S,
+            check=False,
+            cwd=tmp_path,  # `-c` puts the working directory first: not the source checkout
+        )
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the fake workers' script hung; its output so far:\n{hung.stdout!r}")
     out = done.stdout
     assert "bad served: True" in out, out + done.stderr
     assert "could not read" in out, out + done.stderr
