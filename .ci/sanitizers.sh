@@ -45,10 +45,13 @@ ubsan_runtime="$("$cxx" -print-file-name=libubsan.so)"
   cd "$repo"
   # Python itself is not instrumented: leak checking would report the interpreter's own memory.
   # --capture=sys: C-level stderr (the sanitizer report) is not swallowed by pytest on abort.
+  # One xdist worker per core: a worker that a report aborts is a failed test ("worker crashed
+  # while running ...", exit 1), and its stderr, the report, reaches this log (checked with a
+  # test that writes a report and aborts).
   WATERWAVE_HPO_POOL_LIBRARY="$work/asan/libwaterwave_pool.so" \
   LD_PRELOAD="$asan_runtime $ubsan_runtime" \
   ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:verify_asan_link_order=0" \
-    pytest tests/memory -m "not gpu" -q -p no:cacheprovider --capture=sys -n 0  # reports reach stderr; no xdist workers
+    pytest tests/memory -m "not gpu" -q -p no:cacheprovider --capture=sys -n "$(nproc)"
 )
 
 echo "== sanitizers: building with -fsanitize=thread in $work/tsan"
