@@ -317,24 +317,34 @@ def test_tune_hosts_a_node_lost_mid_fused_batch_loses_no_trial(
     nodes.reset(2)
     doomed = nodes.gpu_nodes[1]
     doomed_id = nodes.node_id(doomed)
-    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.25, fuse=2, fuse_wait_s=10.0) as hosts:
+    seen: list[tuple[str, str, int, int]] = []  # (trial, node, batch size, step): for a failure
+
+    def batch_mid_run_on_the_doomed_node(result: dict[str, Any]) -> bool:
+        node = "doomed" if result["node"] == doomed_id else "other"
+        seen.append((result["trial_id"], node, result["batch"], result["step"]))
+        return node == "doomed" and result["step"] >= 2 and result["batch"] == 2
+
+    # A batch starts once it is full; fuse_wait_s only bounds the wait for a late batch-mate.
+    # On a loaded machine Tune starts the trials' processes over tens of seconds, and a mate
+    # later than fuse_wait_s would leave the doomed node's trials in batches of one.
+    with ww.tune_hosts(trials_per_gpu=1, cpus_per_trial=0.25, fuse=2, fuse_wait_s=60.0) as hosts:
         assert hosts.n_hosts == 2 and hosts.max_concurrent_trials == 4
         analysis = _run_tune(
             tmp_path,
             hosts.wrap(_fused_train_with_checkpoints),
             hosts.resources,
             4,
-            _on_result(
-                lambda r: r["node"] == doomed_id and r["step"] >= 2 and r["batch"] == 2,
-                partial(nodes.remove, doomed),
-            ),
+            _on_result(batch_mid_run_on_the_doomed_node, partial(nodes.remove, doomed)),
             hold_on=doomed_id,
             max_concurrent_trials=hosts.max_concurrent_trials,
         )
         stats = hosts.stats()
     _assert_all_finished(analysis, 4)
     resumed = [t for t in analysis.trials if t.last_result["resumed_from"] > 0]
-    assert len(resumed) >= 2, "the lost batch's trials were not run again from checkpoints"
+    assert len(resumed) >= 2, (
+        "the lost batch's trials were not run again from checkpoints; the results, as "
+        f"(trial, node, batch size, step): {seen}"
+    )
     assert all(t.last_result["node"] != doomed_id for t in resumed)
     assert len(stats) == 1 and stats[0].running == 0
     results["tune_hosts_node_lost_mid_fused_batch"] = {

@@ -285,14 +285,17 @@ def test_a_trial_outlives_a_driver_slower_than_its_heartbeat(tmp_path: Path) -> 
 
 
 def test_wrap_checks_fuse_against_the_trainable() -> None:
-    with ww.tune_hosts(trials_per_gpu=1, fuse=2) as hosts:
-        with pytest.raises(TypeError, match=r"trainable=.*a batched trainable, since fuse=2"):
-            hosts.wrap(_train)
-        with pytest.raises(TypeError, match="batch_key=3"):
-            hosts.wrap(_fused_train, batch_key=3)  # type: ignore[arg-type]
-    with ww.tune_hosts(trials_per_gpu=1) as hosts:
-        with pytest.raises(ValueError, match="fuse=None: must be set"):
-            hosts.wrap(_fused_train)
+    # The trainable is checked before anything needs the hosts: the same errors inside the
+    # `with` block, without starting a host here.
+    hosts = ww.tune_hosts(trials_per_gpu=1, fuse=2)
+    with pytest.raises(TypeError, match=r"trainable=.*a batched trainable, since fuse=2"):
+        hosts.wrap(_train)
+    with pytest.raises(TypeError, match="batch_key=3"):
+        hosts.wrap(_fused_train, batch_key=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fuse=None: must be set"):
+        ww.tune_hosts(trials_per_gpu=1).wrap(_fused_train)
+    with pytest.raises(RuntimeError, match="wrap\\(\\) needs started hosts"):
+        hosts.wrap(_fused_train)  # a right trainable, outside the `with` block
 
 
 def test_the_hosts_go_with_the_with_block() -> None:
