@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> Any:
             "hidden": tune.choice([16, 32, 64]),
             "epochs": args.epochs,
         },
-        tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=args.samples),
+        tune_config=tune.TuneConfig(
+            metric="accuracy", mode="max", num_samples=args.samples, reuse_actors=True
+        ),
     )
     results = tuner.fit()
     best = results.get_best_result()

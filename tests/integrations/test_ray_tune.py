@@ -78,6 +78,7 @@ def test_tune_run_packs_two_trials_on_one_logical_gpu(tmp_path: Path) -> None:
         resources_per_trial=ww.shared_gpu(trials_per_gpu=2),
         storage_path=str(tmp_path),
         verbose=0,
+        reuse_actors=True,  # what the guide advises; the packing is the same either way
     )
     trials = analysis.trials
     assert [t.status for t in trials] == ["TERMINATED"] * 4
@@ -106,6 +107,7 @@ def test_tuner_with_resources_and_asha_stops_trials(tmp_path: Path) -> None:
             scheduler=ASHAScheduler(
                 metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
             ),
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
     )
@@ -129,7 +131,10 @@ def _long_train(config: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
-def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuse_actors", [False, True])
+def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path, reuse_actors: bool) -> None:
+    # With reuse_actors=True a stopped trial's process lives on and runs the next trial: its
+    # lease must be given back, not kept alive by the process's renewals.
     from ray.tune.schedulers import ASHAScheduler
 
     tuner = tune.Tuner(
@@ -141,12 +146,15 @@ def test_trials_stopped_by_asha_give_their_leases_back(tmp_path: Path) -> None:
             scheduler=ASHAScheduler(
                 metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
             ),
+            reuse_actors=reuse_actors,
         ),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
     )
     grid = tuner.fit()
     assert grid.num_errors == 0
     assert min(r.metrics["training_iteration"] for r in grid) < 8
+    processes = {r.metrics["pid"] for r in grid}  # Tune's own field: the trial's process
+    assert len(processes) < len(grid) if reuse_actors else len(processes) == len(grid)
     deadline = time.monotonic() + 120.0  # the stopped trials' leases expire after 1 s
     while _broker_stats() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.1)

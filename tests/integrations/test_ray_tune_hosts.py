@@ -96,7 +96,12 @@ def test_trials_run_inside_one_host_and_report_to_tune(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # over 20 s in the suite (tests/durations.json)
-def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuse_actors", [False, True])
+def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(
+    tmp_path: Path, reuse_actors: bool
+) -> None:
+    # reuse_actors=True (docs/guide/ray.md): a stopped trial's process relays the next trial,
+    # and the stopped trial must still end in the host.
     from ray.tune.schedulers import ASHAScheduler
 
     with ww.tune_hosts(trials_per_gpu=2, cpus_per_trial=0.5, heartbeat_ttl_s=5.0) as hosts:
@@ -113,6 +118,7 @@ def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path:
                     metric="score", mode="max", max_t=8, grace_period=1, reduction_factor=2
                 ),
                 max_concurrent_trials=hosts.max_concurrent_trials,
+                reuse_actors=reuse_actors,
             ),
             run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
         )
@@ -129,6 +135,8 @@ def test_asha_stops_trials_in_the_host_and_a_failing_trial_fails_alone(tmp_path:
     assert iterations[1.0] == 8  # the best ran to max_t
     assert min(iterations.values()) < 8  # ASHA stopped the weak ones early
     assert stats.running == 0 and stats.waiting == 0  # stopped in the host too
+    relays = {r.metrics["pid"] for r in grid if r.error is None}  # Tune's: the trial's process
+    assert len(relays) < 4 if reuse_actors else len(relays) == 4
 
 
 def _checkpointing(config: dict[str, Any]) -> None:

@@ -51,6 +51,7 @@ class TuneHosts:
                 resources_per_trial=hosts.resources,
                 max_concurrent_trials=hosts.max_concurrent_trials,
                 num_samples=64,
+                reuse_actors=True,  # a trial's process relays the next trial (docs/guide/ray.md)
             )
 
     Each Tune trial is a small process that reserves ``cpus_per_trial`` CPUs and no GPU; its
