@@ -494,12 +494,15 @@ class OptimizeRun:
         # Tell every running trial FAIL first (nothing may be left RUNNING), then stop threads.
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
-        for trial in self.asked:
-            self._fail_aborted(trial, reason)
         running = [pair for host in self.hosts for pair in host.running_jobs()]
-        for _, job in running:
-            for member in job.members():
-                self._fail_aborted(member.trial, reason)
+        trials = [*self.asked, *(m.trial for _, job in running for m in job.members())]
+        # Every reason before the first FAIL: once a trial is told FAIL, a batch-mate still
+        # running raises at its next report() (the storage refuses the write) and its host
+        # tells the mate FAIL with that error unless a reason is already there.
+        for trial in trials:
+            _write_reason(self.settings, trial, reason)
+        for trial in trials:
+            self._fail_aborted(trial, reason)
         # Only then stop them: an objective that writes to its trial stops by itself now (the
         # storage refuses the write), and one interrupted inside a storage call can no longer
         # hold up the tells above (its cursor keeps SQLite's lock until its thread frees it).
@@ -534,6 +537,18 @@ class OptimizeRun:
         _optuna_compat.log_finished_trial(
             self.study, outcome.frozen_trial, outcome.error, outcome.fail_message
         )
+
+
+def _write_reason(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
+    """Record ``reason`` as ``trial``'s fail reason if it is running; never raises."""
+    if not settings.record_trial_attrs:
+        return
+    study = settings.study
+    with contextlib.suppress(Exception):
+        if not _optuna_compat.is_finished(study, trial):
+            _optuna_compat.set_system_attr(
+                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+            )
 
 
 def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> bool:
