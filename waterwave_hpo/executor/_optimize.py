@@ -495,13 +495,15 @@ class OptimizeRun:
         self.stopping = True
         reason = f"optimize() was interrupted: {type(interrupt).__name__}"
         running = [pair for host in self.hosts for pair in host.running_jobs()]
-        trials = [*self.asked, *(m.trial for _, job in running for m in job.members())]
-        # Every reason before the first FAIL: once a trial is told FAIL, a batch-mate still
-        # running raises at its next report() (the storage refuses the write) and its host
-        # tells the mate FAIL with that error unless a reason is already there.
-        for trial in trials:
-            _write_reason(self.settings, trial, reason)
-        for trial in trials:
+        batches = [job.members() for _, job in running]
+        # The fused batches' reasons before the first FAIL: once a trial is told FAIL, a
+        # batch-mate still running raises at its next report() (the storage refuses the write)
+        # and its host tells the mate FAIL with that error unless a reason is already there.
+        for members in batches:
+            if len(members) > 1:
+                for member in members:
+                    _write_reason(self.settings, member.trial, reason)
+        for trial in [*self.asked, *(member.trial for members in batches for member in members)]:
             self._fail_aborted(trial, reason)
         # Only then stop them: an objective that writes to its trial stops by itself now (the
         # storage refuses the write), and one interrupted inside a storage call can no longer
