@@ -502,7 +502,9 @@ class OptimizeRun:
         for members in batches:
             if len(members) > 1:
                 for member in members:
-                    _write_reason(self.settings, member.trial, reason)
+                    with contextlib.suppress(Exception):
+                        if not _optuna_compat.is_finished(self.settings.study, member.trial):
+                            _write_reason(self.settings, member.trial, reason)
         for trial in [*self.asked, *(member.trial for members in batches for member in members)]:
             self._fail_aborted(trial, reason)
         # Only then stop them: an objective that writes to its trial stops by itself now (the
@@ -542,14 +544,11 @@ class OptimizeRun:
 
 
 def _write_reason(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
-    """Record ``reason`` as ``trial``'s fail reason if it is running; never raises."""
-    if not settings.record_trial_attrs:
-        return
-    study = settings.study
-    with contextlib.suppress(Exception):
-        if not _optuna_compat.is_finished(study, trial):
+    """Record ``reason`` as ``trial``'s fail reason (if the run records attrs); never raises."""
+    if settings.record_trial_attrs:
+        with contextlib.suppress(Exception):
             _optuna_compat.set_system_attr(
-                study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
+                settings.study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
             )
 
 
@@ -563,11 +562,7 @@ def _fail_quietly(settings: RunSettings, trial: optuna.trial.Trial, reason: str)
     try:
         if _optuna_compat.is_finished(study, trial):
             return True  # ended meanwhile: no "Skipped telling" line of Optuna's
-        if settings.record_trial_attrs:
-            with contextlib.suppress(Exception):
-                _optuna_compat.set_system_attr(
-                    study, _optuna_compat.trial_id(trial), ATTR_FAIL_REASON, reason
-                )
+        _write_reason(settings, trial, reason)
         study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
     except Exception:
         return False
