@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+from collections.abc import Iterator
 import contextlib
 import logging
 import threading
@@ -24,6 +25,30 @@ def _states(study: optuna.Study) -> list[TrialState]:
 
 def _cpu(k: int = 4, **kwargs: object) -> ww.WaterwaveExecutor:
     return ww.WaterwaveExecutor(devices="cpu", trials_per_device=k, **kwargs)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _requeue_seen() -> Iterator[threading.Event]:
+    """An event set once the executor logs that it re-queued a trial's parameters.
+
+    The executor logs it as it records the re-run, so a neighbour of the trial that ran out
+    of memory that waits for it ends only after the re-run is known: on a loaded machine the
+    neighbours' outcomes can otherwise reach the executor first, and fresh trials take the slots.
+    """
+    seen = threading.Event()
+
+    class _Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "re-queued" in record.getMessage():
+                seen.set()
+
+    handler = _Handler(logging.WARNING)
+    logger = logging.getLogger("waterwave_hpo")
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize("isolation", ["threads", "process"])
@@ -376,11 +401,8 @@ def test_an_out_of_memory_re_run_keeps_fewer_neighbours_while_it_runs(
                 inside.wait()
             if trial.number == 0:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
-            if trial.number < 3:  # trial 0's neighbours until it was told FAIL
-                deadline = time.monotonic() + 30
-                while study.trials[0].state is TrialState.RUNNING:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
+            if trial.number < 3:  # trial 0's neighbours until its re-run was queued
+                assert requeued.wait(timeout=30)
             if rerun and trial.number == rerun[0]:  # runs until two fresh trials ended beside it
                 for _ in range(2):
                     assert fresh_done_during_rerun.acquire(timeout=60)
@@ -397,7 +419,8 @@ def test_an_out_of_memory_re_run_keeps_fewer_neighbours_while_it_runs(
                     fresh_done_during_rerun.release()
 
     study = optuna.create_study(storage=storage)
-    _cpu(3).optimize(study, objective, n_trials=8)
+    with _requeue_seen() as requeued:
+        _cpu(3).optimize(study, objective, n_trials=8)
     assert len(rerun) == 1
     assert study.trials[rerun[0]].system_attrs["waterwave:retry_of"] == 0
     assert _states(study).count(TrialState.COMPLETE) == 8
