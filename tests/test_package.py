@@ -84,6 +84,39 @@ def test_importing_the_package_or_a_ray_actors_module_imports_no_torch(tmp_path:
     )
 
 
+def test_a_shared_gpu_trials_imports_of_the_tune_integration_import_no_torch(
+    tmp_path: Path,
+) -> None:
+    """A ``shared_gpu()`` trial's process imports the integration for its trainable and its
+    resources: before the integration's names were imported on first use, that imported torch
+    and the co-hosting machinery of ``tune_hosts()`` in every trial (6.3 CPU seconds each on the
+    2-core VM)."""
+    pytest.importorskip("ray.tune")
+    code = (
+        "import sys\n"
+        "import waterwave_hpo.integrations.ray_tune as ww_tune\n"
+        "names = ['shared_gpu', 'with_shared_gpu', 'lease_stats', 'SharedGPU', 'LeaseStats',\n"
+        "         'MemoryLease', 'LeaseTimeoutError', 'HostStats', 'HostedTrialError']\n"
+        "print(all(callable(getattr(ww_tune, n)) for n in names), 'torch' in sys.modules)\n"
+        "print(ww_tune.tune_hosts.__module__, 'torch' in sys.modules)\n"
+        "print(sorted(set(ww_tune.__all__) - set(dir(ww_tune))))\n"
+        "try:\n"
+        "    ww_tune.tune_host\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "True False",
+        "waterwave_hpo.cluster._tune_hosts_api True",  # the first use imports what it needs
+        "[]",
+        "module 'waterwave_hpo.integrations.ray_tune' has no attribute 'tune_host'",
+    ]
+
+
 def _installed_editable() -> bool:
     # pip install -e: the imported sources are the checkout's own.
     # (REPO_ROOT itself may hold the venv, as the README's `.venv` does.)
