@@ -17,13 +17,17 @@ import waterwave_hpo
 
 
 def _modules_with_examples() -> list[str]:
-    names = []
+    # One name per file: an editable install's package path also holds the repository root,
+    # where the same file is found again as waterwave_hpo.waterwave_hpo.<module>.
+    by_file: dict[str, str] = {}
     for info in pkgutil.walk_packages(waterwave_hpo.__path__, "waterwave_hpo."):
         spec = importlib.util.find_spec(info.name)
         origin = spec.origin if spec is not None else None
         if origin and origin.endswith(".py") and ">>> " in Path(origin).read_text():
-            names.append(info.name)
-    return sorted(names)
+            key = str(Path(origin).resolve())
+            if key not in by_file or len(info.name) < len(by_file[key]):
+                by_file[key] = info.name
+    return sorted(by_file.values())
 
 
 MODULES = _modules_with_examples()
