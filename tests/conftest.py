@@ -4,8 +4,18 @@ for one, kept between modules that want the same one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import os
+
+# One intra-op thread per process: pytest-xdist runs two workers a core (below), and each
+# worker's torch would otherwise run one OpenMP thread per core, whose idle threads spin while
+# they wait and take the cores from the other workers. Measured on the 2-core VM, the fusion
+# tests on 4 workers (tests/fusion/test_zoo.py and test_fuse.py, 44 tests): 191 CPU-seconds
+# with torch's default, 100 with OMP_WAIT_POLICY=PASSIVE, 81 with one thread. Read by torch as
+# it is imported (this module imports it), and inherited by every process a test starts. A
+# value set outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from collections.abc import Iterator
 import signal
 import time
 from typing import Any
