@@ -58,18 +58,23 @@ def test_a_lazy_facade_offers_what_type_checkers_see(name: str) -> None:
     assert all(public in vars(module) for public in eager), eager
 
 
+def _python_output(code: str, cwd: Path) -> str:
+    """What ``python -c code`` prints (stripped), run from ``cwd``: an empty folder, since at the
+    repository root the checkout would be imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
 def test_importing_the_package_or_a_ray_actors_module_imports_no_torch(tmp_path: Path) -> None:
     """The storage relay's and the memory broker's actors and the command line import the
     package first: before the facade was lazy, that alone imported torch, 3.4 of the 4.3 CPU
     seconds of ``import waterwave_hpo`` on the 2-core VM."""
 
     def run(code: str) -> str:
-        # From an empty folder: at the repository root the checkout would be imported.
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.strip()
+        return _python_output(code, tmp_path)
 
     imported = run(
         "import sys, waterwave_hpo, waterwave_hpo.cluster._storage, waterwave_hpo.cluster._broker,"
@@ -105,11 +110,7 @@ def test_a_shared_gpu_trials_imports_of_the_tune_integration_import_no_torch(
         "except AttributeError as error:\n"
         "    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == [
+    assert _python_output(code, tmp_path).splitlines() == [
         "True False",
         "waterwave_hpo.cluster._tune_hosts_api True",  # the first use imports what it needs
         "[]",
