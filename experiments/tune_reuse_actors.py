@@ -9,7 +9,7 @@ same ``--trials`` small trials (a linear model, ``--steps`` SGD steps each) with
 through ``shared_gpu(trials_per_gpu=2)`` and ``tune_hosts(trials_per_gpu=2)``:
 
 * ``wall_s``: seconds of ``Tuner.fit()``;
-* ``cpu_s``: the machine's busy CPU-seconds during it (``/proc/stat``: every process, Ray's
+* ``cpu_s``: the machine's busy CPU-seconds during it (``psutil.cpu_times``: every process, Ray's
   included), which on a small machine is what the trials' start-up takes from the training;
 * ``processes``: distinct trial processes (pids the trials reported);
 * ``errors``: trials that did not end TERMINATED.
@@ -38,10 +38,10 @@ os.environ.setdefault("RAY_enable_worker_prestart", "0")
 
 
 def _busy_cpu_s() -> float:
-    with open("/proc/stat") as stat:
-        fields = [int(v) for v in stat.readline().split()[1:]]
-    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
-    return busy / os.sysconf("SC_CLK_TCK")
+    import psutil  # Ray's own dependency
+
+    times = psutil.cpu_times()  # the machine's, every process included
+    return float(times.user + times.nice + times.system + times.irq + times.softirq + times.steal)
 
 
 def _train(config: dict[str, Any]) -> None:
