@@ -8,11 +8,12 @@ import os
 
 # One intra-op thread per process: pytest-xdist runs two workers a core (below), and each
 # worker's torch would otherwise run one OpenMP thread per core, whose idle threads spin while
-# they wait and take the cores from the other workers. Measured on the 2-core VM, the fusion
-# tests on 4 workers (tests/fusion/test_zoo.py and test_fuse.py, 44 tests): 191 CPU-seconds
-# with torch's default, 100 with OMP_WAIT_POLICY=PASSIVE, 81 with one thread. Read by torch as
-# it is imported (this module imports it), and inherited by every process a test starts. A
-# value set outside is kept.
+# they wait and take the cores from the other workers. Measured on the 2-core VM with nothing
+# else running, the fusion tests on 4 workers (tests/fusion/test_zoo.py and test_fuse.py, 44
+# tests, two runs each): 137-148 user CPU-seconds and 92-101 s with torch's default (a thread
+# per core), 95-104 and 57-75 s with OMP_WAIT_POLICY=PASSIVE, 96-98 and 61 s with one thread.
+# Read by torch as it is imported (this module imports it), and inherited by every process a
+# test starts. A value set outside is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from collections.abc import Iterator
