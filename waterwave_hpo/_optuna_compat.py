@@ -189,6 +189,11 @@ def tell_as_optimize(
     ``suppress_warning=True`` (and ``skip_if_finished=True``: the objective, or the executor on
     Ctrl+C, may have told the trial already). The second item is the message of an invalid
     return value, else ``None``.
+
+    Optuna checks ``skip_if_finished`` before it writes: a tell from another thread (the
+    executor failing the trial on Ctrl+C) that lands between the two makes the write raise
+    ``UpdateFinishedTrialError``. That trial has ended as if it had ended a moment earlier: it
+    is skipped the same way, and its stored end is returned.
     """
     from optuna.study._tell import _tell_with_warning
 
@@ -211,6 +216,10 @@ def tell_as_optimize(
             f"check ({error}); return a float."
         )
         study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        if not is_finished(study, trial):
+            raise
+        warning_message = None  # told meanwhile: skipped, as skip_if_finished would have
     return study._storage.get_trial(trial_id(trial)), warning_message
 
 

@@ -210,6 +210,48 @@ def test_keyboard_interrupt_leaves_no_trial_running(
     assert all("interrupted" in reason for reason in reasons), reasons
 
 
+@pytest.mark.parametrize("ending", ["value", "raises", "pruned"])
+def test_a_trials_tell_that_loses_a_race_with_ctrl_c_keeps_the_interrupt(
+    storage: optuna.storages.BaseStorage, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    # Optuna's tell checks skip_if_finished, then writes: the executor's FAIL on Ctrl+C, told
+    # from the main thread, can land in between, and the trial thread's write then raises
+    # UpdateFinishedTrialError. Here it lands there on purpose, on the first trial's end: that
+    # trial stays FAIL with the interrupt as its reason, and the study goes on (seen on CI, on
+    # a loaded machine, as a fail reason "waterwave-hpo could not run or tell this trial").
+    study = optuna.create_study(storage=storage)
+    inner = study._storage
+    write = inner.set_trial_state_values
+    raced: list[int] = []
+
+    def racing_write(trial_id: int, state: TrialState, values: list[float] | None = None) -> bool:
+        if not raced:
+            raced.append(trial_id)
+            inner.set_trial_system_attr(
+                trial_id, "waterwave:fail_reason", "optimize() was interrupted: KeyboardInterrupt"
+            )
+            write(trial_id, TrialState.FAIL)
+        return write(trial_id, state, values)
+
+    monkeypatch.setattr(inner, "set_trial_state_values", racing_write)
+
+    @ww.batched
+    def objective(trials: list[optuna.trial.Trial]) -> list[object]:
+        trial = trials[0]
+        return [
+            {"value": 1.0, "raises": ValueError("diverged"), "pruned": optuna.TrialPruned()}.get(
+                ending if trial.number == 0 else "value", 1.0
+            )
+        ]
+
+    _cpu(1).optimize(study, objective, n_trials=3)
+    trials = study.get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[0].system_attrs["waterwave:fail_reason"] == (
+        "optimize() was interrupted: KeyboardInterrupt"
+    )
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match=r"fuse=0: must be >= 1"):
         ww.WaterwaveExecutor("cpu", fuse=0)

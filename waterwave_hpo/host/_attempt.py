@@ -479,13 +479,7 @@ def _end_failed(
     error: BaseException | None = None,
     neighbours: int = 0,
 ) -> TrialOutcome:
-    with contextlib.suppress(Exception):
-        # A reason already there was written by the executor on Ctrl+C, which tells the trials
-        # FAIL while they still run: a batch-mate's report() then raises
-        # UpdateFinishedTrialError here, and that must not replace "interrupted" as the reason.
-        study, trial_id = settings.study, _optuna_compat.trial_id(member.trial)
-        if ATTR_FAIL_REASON not in _optuna_compat.system_attrs(study, trial_id):
-            _set_attr(settings, member.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+    _record_first_reason(settings, member.trial, reason)
     frozen, _ = _optuna_compat.tell_as_optimize(settings.study, member.trial, state=TrialState.FAIL)
     fail_message = reason if error is None else None
     return TrialOutcome(member, kind, frozen, error, neighbours, fail_message)
@@ -497,8 +491,7 @@ def fail_without_running(
     """Tell FAIL for a trial the executor itself could not run or tell; never raises."""
     reason = f"waterwave-hpo could not run or tell this trial: {error!r}"
     frozen = None
-    with contextlib.suppress(Exception):
-        _set_attr(settings, job.trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
+    _record_first_reason(settings, job.trial, reason)
     with contextlib.suppress(Exception):
         frozen, _ = _optuna_compat.tell_as_optimize(
             settings.study, job.trial, state=TrialState.FAIL
@@ -569,6 +562,19 @@ def on_trial_stream(
 
 def _format(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def _record_first_reason(settings: RunSettings, trial: optuna.trial.Trial, reason: str) -> None:
+    """Record ``reason`` as ``trial``'s fail reason unless one is there; never raises.
+
+    A reason already there was written by the executor on Ctrl+C, which tells the trials FAIL
+    while they still run: a batch-mate's report() then raises UpdateFinishedTrialError in the
+    trial's thread, and what follows from it must not replace "interrupted" as the reason.
+    """
+    with contextlib.suppress(Exception):
+        study, trial_id = settings.study, _optuna_compat.trial_id(trial)
+        if ATTR_FAIL_REASON not in _optuna_compat.system_attrs(study, trial_id):
+            _set_attr(settings, trial, ATTR_FAIL_REASON, reason[:_REASON_MAX_CHARS])
 
 
 def _set_attr(settings: RunSettings, trial: optuna.trial.Trial, key: str, value: object) -> None:
