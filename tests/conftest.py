@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-# One intra-op thread per process: pytest-xdist runs two workers a core (below), and each
+# One intra-op thread per process: pytest-xdist runs a worker per core (below), and each
 # worker's torch would otherwise run one OpenMP thread per core, whose idle threads spin while
 # they wait and take the cores from the other workers. Measured on the 2-core VM with nothing
 # else running, the fusion tests on 4 workers (tests/fusion/test_zoo.py and test_fuse.py, 44
@@ -64,16 +64,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto`` (pyproject's addopts): two xdist workers a core, at least 2, at most 8.
+    """``-n auto`` (pyproject's addopts): an xdist worker per core, at least 2, at most 8.
 
-    Most of the suite's time is spent waiting (on worker processes starting, on Ray, on trials
-    that sleep), so more workers than cores keep the cores busy; each worker holds its own
-    torch, Ray and subprocesses, hence the cap. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides.
+    A test that waits (on worker processes, Ray actors, trials that sleep) leaves its core to
+    the processes it waits on, which are busy: two workers a core were no faster and spent more
+    CPU. On the 2-core VM with nothing else running (2026-11-29, docs/development.md), the quick
+    loop took 4.6 minutes and 545 CPU-seconds on four workers, 4.2 and 407 on two; the slow
+    tests 8.3 minutes and 989 CPU-seconds on four, 8.1 and 865 on two (12.0 and 791 on none).
+    Each worker holds its own torch, Ray and subprocesses, hence the cap.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides.
     """
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(8, 2 * (cores or 1)))
+    return max(2, min(8, cores or 1))
 
 
 @pytest.hookimpl(tryfirst=True)
