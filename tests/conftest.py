@@ -68,9 +68,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
     A test that waits (on worker processes, Ray actors, trials that sleep) leaves its core to
     the processes it waits on, which are busy: two workers a core were no faster and spent more
-    CPU. On the 2-core VM with nothing else running (2026-11-29, docs/development.md), the quick
-    loop took 4.6 minutes and 545 CPU-seconds on four workers, 4.2 and 407 on two; the slow
-    tests 8.3 minutes and 989 CPU-seconds on four, 8.1 and 865 on two (12.0 and 791 on none).
+    CPU. On the 2-core VM with nothing else running (2026-11-29, one run each; repeats in
+    docs/development.md), the quick loop took 4.6 minutes and 545 CPU-seconds on four workers,
+    4.2 and 407 on two; the slow tests 8.3 minutes and 989 CPU-seconds on four, 8.1 and 865 on
+    two (12.0 and 791 on none).
     Each worker holds its own torch, Ray and subprocesses, hence the cap.
     ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides.
     """
