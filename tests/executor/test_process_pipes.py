@@ -263,7 +263,7 @@ def test_a_slow_storage_call_of_one_worker_holds_up_no_other_worker(
 
 _FAKE_WORKERS = r"""
 import itertools, os, subprocess, sys, threading, time
-import torch
+import psutil, torch
 from waterwave_hpo.workers import _pool
 from waterwave_hpo.workers._lease_service import DeviceLeases
 from waterwave_hpo.workers._starters import SpawnStarter
@@ -286,6 +286,11 @@ DEAF = WARM + " time.sleep(600)"
 DIES = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
 launched = []
 
+# Every fake as started, in order (BAD may be served and replaced before make_pool returns:
+# the pool's slot then holds its successor); their pids also go to a file the test kills them
+# by, whatever happens here.
+started = []
+
 class FakeStarter(SpawnStarter):
     def __init__(self, peers, *args):
         super().__init__(*args)
@@ -294,19 +299,21 @@ class FakeStarter(SpawnStarter):
         launched.append(fd)
         peer = self.peers[min(len(launched) - 1, len(self.peers) - 1)]
         return [sys.executable, "-c", peer, str(fd)]
+    def start(self, worker, theirs, env):
+        super().start(worker, theirs, env)
+        started.append(worker)
+        if worker.pid is not None:
+            with open("fake_pids", "a") as pids:
+                print(worker.pid, file=pids, flush=True)
 
-def make_pool(peers, n):
-    supervisor = _pool._Supervisor()
-    supervisor._starter = FakeStarter(
-        peers, supervisor.manager, supervisor._started, supervisor._exited
-    )
-    cpu = torch.device("cpu")
-    pool = _pool.WorkerPool(supervisor, cpu, n, DeviceLeases(cpu, n, None), "off", {})
-    supervisor.pools["cpu"] = pool
-    deadline = time.monotonic() + 60
-    while any(w is None for w in pool.workers) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return supervisor, pool
+def left_running():
+    # The fakes alive after a close (none, if the close ended every worker it started).
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return [w.pid for w in started if w.pid is not None and alive(w.pid)]
 
 def wait_for(condition):
     deadline = time.monotonic() + 60
@@ -314,8 +321,20 @@ def wait_for(condition):
         time.sleep(0.01)
     return condition()
 
+def make_pool(peers, n):
+    supervisor = _pool._Supervisor()
+    supervisor._starter = FakeStarter(
+        peers, supervisor.manager, supervisor._started, supervisor._exited
+    )
+    cpu = torch.device("cpu")
+    before = len(started)
+    pool = _pool.WorkerPool(supervisor, cpu, n, DeviceLeases(cpu, n, None), "off", {})
+    supervisor.pools["cpu"] = pool
+    wait_for(lambda: len(started) >= before + n)
+    return supervisor, pool
+
 supervisor, pool = make_pool([BAD, GOOD, DEAF], 3)
-bad, good, deaf = pool.workers
+bad, good, deaf = started[:3]
 served = bad.served.wait(60)
 print("bad served:", served, flush=True)
 if not served:
@@ -331,17 +350,24 @@ print("big send returned:", not big.is_alive(), flush=True)
 good.send(("end",))
 print("others served:", wait_for(lambda: good.ended_run), flush=True)
 supervisor.close()
+print("left running after the first close:", left_running(), flush=True)
 
-# A worker killed before it warms up, every time: started a few times, not without end.
+# A worker killed before it warms up, every time: started a few times, not without end; a
+# run tries the given-up slot again, as many times (the run is bound once the slot is given up:
+# bound while a start is still pending, the run would take over that start's count).
 launched.clear()
 supervisor, pool = make_pool([DIES], 1)
+print("given up:", wait_for(lambda: 0 in pool._broken), flush=True)
+print("starts before the run:", len(launched), flush=True)
+launched.clear()
 host = type("Host", (), {"payload": b""})()
 try:
     pool.bind(host, 60)
 except RuntimeError as error:
     print("bind:", error, flush=True)
-print("starts:", len(launched), flush=True)
+print("starts in the run:", len(launched), flush=True)
 supervisor.close()
+print("left running after the second close:", left_running(), flush=True)
 os._exit(0)
 """
 
@@ -356,13 +382,16 @@ def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_
     # end, and then no worker of the pool was served): the driver ends the worker that sent
     # it, as a message it cannot read, and serves the others. A send larger than the pipe's
     # buffer to a worker that does not read never blocks the sender nor the manager. A worker
-    # killed before it warms up is started again a few times, then its slot is given up.
+    # killed before it warms up is started again a few times, then its slot is given up; the
+    # next run tries the slot again, as many times.
     # Each step of the script waits on its condition with a deadline of its own (390 s in
     # all); this bound only turns a hang past all of them into a failure that shows how far
     # the script got (beside two busy loops, the steps took over 180 s in all once).
+    # A pool's close ends every worker it started, the fakes that never read their pipe too.
     # The output goes to a file and the script's own exit ends the wait: a fake worker the
-    # script leaves behind (an orphan still holding a pipe) once kept a captured pipe open for
-    # the whole backstop after the script had exited. Its session is killed at the end.
+    # script left behind (an orphan still holding a pipe) once kept a captured pipe open for
+    # the whole backstop after the script had exited. Every fake (each in a session of its
+    # own, as workers are) is killed at the end by the pid the script wrote, whatever happened.
     out_path = tmp_path / "fake_workers.out"
     with out_path.open("w") as out_file:
         script = subprocess.Popen(
@@ -382,6 +411,10 @@ def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(script.pid, signal.SIGKILL)
+            pids_path = tmp_path / "fake_pids"
+            for pid in pids_path.read_text().split() if pids_path.exists() else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(int(pid), signal.SIGKILL)
     out = out_path.read_text()
     assert "bad served: True" in out, out
     assert "could not read" in out, out
@@ -389,4 +422,8 @@ def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_
     assert "big send returned: True" in out, out
     assert "others served: True" in out, out
     assert "bind: Every worker process of cpu died at start" in out, out
-    assert "starts: 3" in out, out
+    assert "given up: True" in out, out
+    assert "starts before the run: 3" in out, out
+    assert "starts in the run: 3" in out, out
+    assert "left running after the first close: []" in out, out
+    assert "left running after the second close: []" in out, out
