@@ -24,6 +24,7 @@ from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+import psutil
 import pytest
 
 import waterwave_hpo as ww
@@ -372,6 +373,14 @@ os._exit(0)
 """
 
 
+def _kill_sleeping_fake(pid: int) -> None:
+    """Kill the process group of fake worker ``pid`` if it still sleeps (BAD and DEAF sleep
+    600 s; a pid the system gave to another process since is left alone)."""
+    with contextlib.suppress(psutil.Error, ProcessLookupError):
+        if "time.sleep(600)" in " ".join(psutil.Process(pid).cmdline()):
+            os.killpg(pid, signal.SIGKILL)
+
+
 _FAKE_WORKERS_BACKSTOP_S = 600.0  # past the sum of the script's own deadlines (390 s)
 
 
@@ -413,8 +422,7 @@ def test_a_bad_frame_a_deaf_worker_and_a_worker_dying_at_start_hold_up_no_other_
                 os.killpg(script.pid, signal.SIGKILL)
             pids_path = tmp_path / "fake_pids"
             for pid in pids_path.read_text().split() if pids_path.exists() else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(int(pid), signal.SIGKILL)
+                _kill_sleeping_fake(int(pid))
     out = out_path.read_text()
     assert "bad served: True" in out, out
     assert "could not read" in out, out
